@@ -1,0 +1,90 @@
+"""mnb: drive Megatron-Core on a live pool of torchrun ranks from Jupyter.
+
+Notebook side::
+
+    %load_ext mnb
+    %mnb start -n 2 --device cpu
+    %%megatron --tp 2
+    model = mnb.gpt("tiny")
+    run = mnb.train(model, steps=20, data="stdlib")
+
+Everything here is imported lazily: ``import mnb`` in the notebook kernel
+pulls in neither torch nor Megatron.  ``mnb.gpt``, ``mnb.train``, ``mnb.save``
+and ``mnb.load`` are rank-side functions (they need torch and run inside
+``%%megatron`` cells); ``mnb.pool``, ``mnb.last_run``, ``mnb.estimate``,
+``mnb.explorer`` and ``mnb.sweep`` belong to the notebook side.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+    "pool",
+    "last_run",
+    "estimate",
+    "gpt",
+    "train",
+    "save",
+    "load",
+    "explorer",
+    "sweep",
+    "ParallelConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "RankError",
+    "CompositeRankError",
+]
+
+# name -> (module, attribute); attribute None means the module itself.
+_LAZY = {
+    "pool": ("mnb.controller", "pool"),
+    "estimate": ("mnb.estimate", None),
+    "gpt": ("mnb.megatron.model", "gpt"),
+    "train": ("mnb.megatron.train", "train"),
+    "save": ("mnb.megatron.checkpoint", "save"),
+    "load": ("mnb.megatron.checkpoint", "load"),
+    "explorer": ("mnb.widgets", "explorer"),
+    "sweep": ("mnb.widgets", "sweep"),
+    "ParallelConfig": ("mnb.config", "ParallelConfig"),
+    "ModelConfig": ("mnb.config", "ModelConfig"),
+    "TrainConfig": ("mnb.config", "TrainConfig"),
+    "RankError": ("mnb.errors", "RankError"),
+    "CompositeRankError": ("mnb.errors", "CompositeRankError"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "last_run":
+        # Kept by the controller; None until a training cell has finished.
+        from mnb.controller import last_run
+
+        return last_run()
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        return module if attr is None else getattr(module, attr)
+    raise AttributeError(f"module 'mnb' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext mnb``: register ``%mnb`` and ``%%megatron``."""
+    from mnb.magics import register
+
+    register(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from mnb.magics import unregister
+
+    unregister(ipython)

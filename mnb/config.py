@@ -1,0 +1,358 @@
+"""Configuration dataclasses shared by both sides of mnb.
+
+One source of defaults: the magics, the widgets, the estimators and the
+rank-side Megatron code all read the same three dataclasses.  Validation runs
+on the notebook side before any rank is touched, and every message carries
+the numbers that broke the rule, so the user knows what to change:
+
+    >>> ParallelConfig(tp=2, pp=2).resolve(6)
+    Traceback (most recent call last):
+    ...
+    ValueError: tp(2) * pp(2) * cp(1) = 4 does not divide world size 6; ...
+
+Field names of :class:`ModelConfig` are Megatron-Core's own
+(``TransformerConfig`` and ``GPTModel`` arguments), so overrides such as
+``mnb.gpt("tiny", num_layers=8)`` read like Megatron code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+PRESETS_DIR = TEMPLATES_DIR / "presets"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How ranks are arranged.  dp is derived: world / (tp * pp * cp)."""
+
+    tp: int = 1
+    """Tensor-parallel size (Megatron: tensor_model_parallel_size)."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None = plain 1F1B."""
+    cp: int = 1
+    """Context-parallel size (needs Transformer Engine attention)."""
+    ep: int = 1
+    """Expert-parallel size (MoE models); must divide dp * cp * tp... see resolve()."""
+    dp: int | None = None
+    """Data-parallel size; None means 'infer from the world size'."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1 to have any effect)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ValueError(f"vpp must be a positive integer or None, got {self.vpp!r}")
+            if self.vpp > 1 and self.pp < 2:
+                raise ValueError(
+                    f"vpp({self.vpp}) needs pipeline parallelism: pp is {self.pp}; "
+                    "set --pp 2 or more, or drop --vpp"
+                )
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"dp must be a positive integer or None, got {self.dp!r}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """tp * pp * cp: ranks that hold one replica of the model."""
+        return self.tp * self.pp * self.cp
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """Return a copy with dp filled in, or raise ValueError saying what to change."""
+        if world_size < 1:
+            raise ValueError(f"world size must be at least 1, got {world_size}")
+        mp = self.model_parallel_size
+        if world_size % mp:
+            raise ValueError(
+                f"tp({self.tp}) * pp({self.pp}) * cp({self.cp}) = {mp} does not divide "
+                f"world size {world_size}; choose sizes whose product divides {world_size}"
+            )
+        dp = world_size // mp
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(
+                f"dp({self.dp}) does not match world size {world_size} / "
+                f"(tp*pp*cp = {mp}) = {dp}; leave dp out to infer it"
+            )
+        # Megatron's expert grid: ep divides the data-parallel * context-parallel ranks.
+        if (dp * self.cp) % self.ep:
+            raise ValueError(
+                f"ep({self.ep}) does not divide dp({dp}) * cp({self.cp}) = {dp * self.cp}; "
+                f"expert parallelism splits the data-parallel ranks of world size {world_size}"
+            )
+        return replace(self, dp=dp)
+
+    @property
+    def coords_names(self) -> tuple[str, ...]:
+        return ("tp", "pp", "dp", "cp", "ep")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """Short text such as 'tp2 pp2 dp1 sp'."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}"]
+        if self.vpp and self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts.append(f"dp{self.dp if self.dp is not None else '?'}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A GPT-style model, with Megatron-Core's field names.
+
+    Presets are JSON files in templates/presets/ (see :func:`load_preset`).
+    """
+
+    name: str = "custom"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """Grouped-query attention groups (None = multi-head attention)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None = 4 * hidden_size."""
+    kv_channels: int | None = None
+    """Per-head dimension; None = hidden_size / num_attention_heads."""
+    vocab_size: int = 256
+    max_position_embeddings: int = 128
+    seq_length: int = 128
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    gated_linear_unit: bool = False
+    """True with activation 'silu' is SwiGLU (Llama)."""
+    activation: Literal["gelu", "silu"] = "gelu"
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    rotary_base: int = 10000
+    share_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further TransformerConfig fields passed through unchanged."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
+            raise ValueError(
+                f"hidden_size({self.hidden_size}) is not divisible by "
+                f"num_attention_heads({self.num_attention_heads}); set kv_channels explicitly"
+            )
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads({self.num_attention_heads}) is not divisible by "
+                f"num_query_groups({self.num_query_groups})"
+            )
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"seq_length({self.seq_length}) exceeds max_position_embeddings"
+                f"({self.max_position_embeddings})"
+            )
+        if self.num_moe_experts is not None and not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(
+                f"moe_router_topk({self.moe_router_topk}) must be between 1 and "
+                f"num_moe_experts({self.num_moe_experts})"
+            )
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn
+
+    def with_overrides(self, **overrides: Any) -> "ModelConfig":
+        """Copy with Megatron-named overrides; unknown names go to ``extra``."""
+        known = {f.name for f in fields(self)}
+        direct = {k: v for k, v in overrides.items() if k in known}
+        extra = {k: v for k, v in overrides.items() if k not in known}
+        if "seq_length" in direct and "max_position_embeddings" not in direct:
+            direct["max_position_embeddings"] = max(self.max_position_embeddings, direct["seq_length"])
+        merged_extra = {**self.extra, **extra}
+        return replace(self, **direct, extra=merged_extra)
+
+    def num_parameters(self) -> int:
+        """Total parameters of the whole (unsharded) model, counted like Megatron."""
+        h, layers = self.hidden_size, self.num_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = 2 * self.query_groups * self.head_dim
+        attn = h * (q + kv) + q * h
+        mlp_in = self.ffn * h * (2 if self.gated_linear_unit else 1)
+        dense_mlp = mlp_in + self.ffn * h
+        if self.is_moe:
+            moe_in = self.moe_ffn * h * (2 if self.gated_linear_unit else 1)
+            mlp = self.num_moe_experts * (moe_in + self.moe_ffn * h) + h * self.num_moe_experts
+        else:
+            mlp = dense_mlp
+        norms = 2 * h * (1 if self.normalization == "RMSNorm" else 2)
+        biases = 0
+        if self.add_bias_linear:
+            biases = (q + kv) + h + (self.ffn * (2 if self.gated_linear_unit else 1)) + h
+        per_layer = attn + mlp + norms + biases
+        embed = self.vocab_size * h
+        pos = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0
+        output = 0 if self.share_embeddings_and_output_weights else self.vocab_size * h
+        final_norm = h * (1 if self.normalization == "RMSNorm" else 2)
+        return layers * per_layer + embed + pos + output + final_norm
+
+    def check_parallel(self, parallel: ParallelConfig) -> None:
+        """Raise ValueError if this model cannot be split as ``parallel`` says."""
+        if self.num_attention_heads % parallel.tp:
+            raise ValueError(
+                f"num_attention_heads({self.num_attention_heads}) is not divisible by "
+                f"tp({parallel.tp}); choose tp from {divisors(self.num_attention_heads)}"
+            )
+        if self.query_groups % parallel.tp:
+            raise ValueError(
+                f"num_query_groups({self.query_groups}) is not divisible by tp({parallel.tp}); "
+                f"choose tp from {divisors(self.query_groups)}"
+            )
+        stages = parallel.pp * (parallel.vpp or 1)
+        if self.num_layers % stages:
+            raise ValueError(
+                f"num_layers({self.num_layers}) is not divisible by pp({parallel.pp}) * "
+                f"vpp({parallel.vpp or 1}) = {stages}"
+            )
+        if parallel.ep > 1 and not self.is_moe:
+            raise ValueError(f"ep({parallel.ep}) needs an MoE model; '{self.name}' has no experts")
+        if self.is_moe and self.num_moe_experts % parallel.ep:
+            raise ValueError(
+                f"num_moe_experts({self.num_moe_experts}) is not divisible by ep({parallel.ep})"
+            )
+        if parallel.sequence_parallel and self.seq_length % parallel.tp:
+            raise ValueError(
+                f"seq_length({self.seq_length}) is not divisible by tp({parallel.tp}) "
+                "under sequence parallel"
+            )
+        if parallel.cp > 1 and self.seq_length % (2 * parallel.cp):
+            raise ValueError(
+                f"seq_length({self.seq_length}) is not divisible by 2 * cp({parallel.cp}) = "
+                f"{2 * parallel.cp}"
+            )
+        if self.vocab_size < 1:
+            raise ValueError("vocab_size must be positive")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run: batch sizes, schedule, precision and memory savers."""
+
+    steps: int = 10
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """None = micro_batch_size * dp (one microbatch per step)."""
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    bf16: bool = False
+    fp8: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    use_distributed_optimizer: bool = False
+    seed: int = 1234
+    data: str = "mock"
+    """'mock', a corpus preset such as 'stdlib', a folder/glob of text files, or a .bin/.idx prefix."""
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.global_batch_size is not None and (
+            not isinstance(self.global_batch_size, int) or self.global_batch_size < 1
+        ):
+            raise ValueError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def num_microbatches(self, dp: int) -> int:
+        """Microbatches per step per data-parallel rank, checked for divisibility."""
+        gbs = self.global_batch_size or self.micro_batch_size * dp
+        per_step = self.micro_batch_size * dp
+        if gbs % per_step:
+            raise ValueError(
+                f"global_batch_size({gbs}) is not divisible by micro_batch_size"
+                f"({self.micro_batch_size}) * dp({dp}) = {per_step}"
+            )
+        return gbs // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def preset_names() -> list[str]:
+    """Names of the model presets shipped in templates/presets/."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> ModelConfig:
+    """Read a model preset (templates/presets/NAME.json) into a ModelConfig."""
+    path = PRESETS_DIR / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(preset_names())}")
+    data = json.loads(path.read_text())
+    data.pop("description", None)
+    return ModelConfig(name=name, **data)
+
+
+def model_config(preset_or_config: str | ModelConfig | dict, **overrides: Any) -> ModelConfig:
+    """A ModelConfig from a preset name, a dict of fields, or a ModelConfig, plus overrides."""
+    if isinstance(preset_or_config, ModelConfig):
+        base = preset_or_config
+    elif isinstance(preset_or_config, str):
+        base = load_preset(preset_or_config)
+    elif isinstance(preset_or_config, dict):
+        base = ModelConfig(**preset_or_config)
+    else:
+        raise TypeError(
+            f"expected a preset name, a dict or a ModelConfig, got {type(preset_or_config).__name__}"
+        )
+    return base.with_overrides(**overrides) if overrides else base
