@@ -1,0 +1,393 @@
+"""Training data for mnb ranks: text -> Megatron ``.bin/.idx`` -> ``GPTDataset``.
+
+The training loop calls one function::
+
+    ds = dataset_for("stdlib", model_config, seq_length=64, num_samples=1000, seed=1234)
+    ds[0]  # {"tokens", "labels", "loss_mask", "position_ids"}: LongTensor/FloatTensor [seq_length]
+
+``data`` is one of
+
+- ``"mock"``: Megatron's ``MockGPTDataset`` (ids ``1, 2, 3, ... eod``; nothing on disk);
+- a corpus preset, see :data:`CORPORA` (``"stdlib"``: Python's own standard library
+  sources, a sorted, size-capped subset; present offline on every machine);
+- a text file, a folder (every non-hidden, non-binary file below it, sorted), a glob
+  (``"notes/**/*.md"``) or a list of those;
+- an existing Megatron ``.bin/.idx`` prefix (``/data/my_text_document``).
+
+Text is tokenized with :class:`~mnb.megatron.tokenizer.ByteTokenizer` (one document
+per file, large files cut at blank lines; each document ends with the eod id 256)
+into ``$MNB_CACHE/corpora/<name>-<content hash>.{bin,idx}`` (default cache
+``~/.cache/mnb``). A second call with the same content finds the finished files and
+returns at once.
+
+Several ranks at once. ``.bin/.idx`` files are built under an exclusive file lock
+(``fcntl.flock`` on ``<prefix>.lock``) and renamed into place when complete, so any
+number of processes on one node (or on nodes sharing the cache directory) may call
+:func:`dataset_for` together: one builds, the others wait and then read.
+Megatron's sample indices are then built by ``BlendedMegatronDatasetBuilder``, whose
+own protocol is "global rank 0 builds, barrier, the other ranks load": with
+``torch.distributed`` initialised, :func:`dataset_for` is therefore a collective
+(call it on every rank), and on several nodes ``$MNB_CACHE`` must be shared storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob as globlib
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, Union
+
+import numpy as np
+
+from mnb.config import ModelConfig
+from mnb.megatron.tokenizer import ByteTokenizer, MockTokenizer
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""Bump to invalidate every cached corpus (part of the content hash)."""
+MAX_DOCUMENT_BYTES = 1 << 20
+"""Files larger than this are cut into documents at blank lines."""
+LOCK_TIMEOUT_S = 1800.0
+
+DataSpec = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+# -- cache and corpora ----------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """``$MNB_CACHE`` or ``~/.cache/mnb``."""
+    return Path(os.environ.get("MNB_CACHE") or Path.home() / ".cache" / "mnb").expanduser()
+
+
+def stdlib_files(max_bytes: int) -> list[Path]:
+    """The standard library's ``.py`` files, sorted by path, until ``max_bytes`` is reached.
+
+    Skips ``site-packages``, test suites (``test``/``tests``, which hold deliberately
+    broken files), generated tables (``encodings``, ``pydoc_data``), bundled tools
+    (``idlelib``, ``lib2to3``, ``ensurepip``) and ``__pycache__``. Deterministic for
+    a given Python build.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test",
+            "encodings", "pydoc_data", "idlelib", "lib2to3", "ensurepip", "turtledemo"}
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames
+                       if d not in skip and not d.startswith((".", "config-"))]
+        found.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    found.sort(key=lambda p: p.relative_to(root).as_posix())
+    chosen, total = [], 0
+    for path in found:
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            break
+        chosen.append(path)
+        total += size
+    return chosen
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A named corpus: a function listing its files, and what it is."""
+
+    name: str
+    description: str
+    files: Callable[[], list[Path]]
+
+
+CORPORA: dict[str, Corpus] = {
+    c.name: c
+    for c in (
+        Corpus("stdlib", "Python standard-library sources, first 4 MiB by sorted path",
+               lambda: stdlib_files(4 << 20)),
+        Corpus("stdlib-small", "Python standard-library sources, first 512 KiB by sorted path",
+               lambda: stdlib_files(512 << 10)),
+    )
+}
+"""Corpus presets accepted as ``data=`` by name."""
+
+
+def _is_text_file(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return b"\0" not in fh.read(8192)
+
+
+def resolve_text_files(spec: DataSpec) -> list[Path]:
+    """Files named by a corpus preset, a file, a folder, a glob, or a list of those."""
+    if isinstance(spec, (list, tuple)):
+        return [f for item in spec for f in resolve_text_files(item)]
+    text = os.fspath(spec)
+    if text in CORPORA:
+        return CORPORA[text].files()
+    path = Path(text).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+            files.extend(Path(dirpath, f) for f in filenames if not f.startswith("."))
+        files.sort(key=lambda p: p.relative_to(path).as_posix())
+        return [f for f in files if f.is_file() and _is_text_file(f)]
+    if globlib.has_magic(text):
+        matches = sorted(globlib.glob(os.path.expanduser(text), recursive=True))
+        files = [Path(m) for m in matches if Path(m).is_file()]
+        if files:
+            return files
+        raise FileNotFoundError(f"data glob {text!r} matches no files")
+    raise FileNotFoundError(
+        f"data {text!r} does not exist: expected 'mock', a corpus preset "
+        f"({', '.join(CORPORA)}), a text file, a folder, a glob, or a Megatron "
+        ".bin/.idx prefix"
+    )
+
+
+# -- building .bin/.idx ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Exclusive ``flock`` on ``path`` (created if missing), polling up to ``timeout_s``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"waited {timeout_s:.0f} s for {path}; another process is building "
+                        "this corpus (or died holding the lock: delete the file and retry)"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _content_hash(files: Sequence[Path], tokenizer) -> str:
+    """sha256 over format, tokenizer identity and each file's bytes (names excluded)."""
+    digest = hashlib.sha256()
+    head = {"format": FORMAT_VERSION, "max_doc": MAX_DOCUMENT_BYTES,
+            "tokenizer": dict(tokenizer.unique_identifiers)}
+    digest.update(json.dumps(head, sort_keys=True).encode())
+    for path in files:
+        data = Path(path).read_bytes()
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def _split_document(data: bytes, max_bytes: int = MAX_DOCUMENT_BYTES) -> list[bytes]:
+    """One document, or pieces of at most ``max_bytes`` cut after blank lines."""
+    if len(data) <= max_bytes:
+        return [data]
+    pieces, start = [], 0
+    while len(data) - start > max_bytes:
+        cut = data.rfind(b"\n\n", start, start + max_bytes)
+        end = cut + 2 if cut > start else start + max_bytes
+        pieces.append(data[start:end])
+        start = end
+    pieces.append(data[start:])
+    return pieces
+
+
+def _encode(tokenizer, data: bytes) -> np.ndarray:
+    if hasattr(tokenizer, "tokenize_bytes"):
+        return tokenizer.tokenize_bytes(data)
+    return np.asarray(tokenizer.tokenize(data.decode("utf-8", errors="replace")), dtype=np.int64)
+
+
+def _meta_path(prefix: str) -> Path:
+    return Path(prefix + ".mnb.json")
+
+
+def read_meta(prefix: str) -> dict | None:
+    """The sidecar written by :func:`build_indexed_dataset`, or None."""
+    try:
+        return json.loads(_meta_path(prefix).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def build_indexed_dataset(text_files: Sequence[str | os.PathLike], output_prefix: str,
+                          tokenizer=None) -> str:
+    """Tokenize ``text_files`` into Megatron's ``output_prefix.{bin,idx}``; return the prefix.
+
+    One document per file (files over :data:`MAX_DOCUMENT_BYTES` are cut at blank
+    lines), each followed by ``tokenizer.eod``. Written through
+    ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` into temporary
+    files renamed into place, under a file lock; the sidecar ``output_prefix.mnb.json``
+    (written last) records the content hash, so a second call with the same content
+    returns immediately. Read back with ``IndexedDataset(output_prefix)``.
+    """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    tokenizer = tokenizer or ByteTokenizer()
+    files = [Path(f) for f in text_files]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} text file(s) not found: {', '.join(missing[:5])}")
+    if not files:
+        raise ValueError(f"no text files given for {output_prefix}")
+    output_prefix = os.fspath(output_prefix)
+    digest = _content_hash(files, tokenizer)
+    meta = read_meta(output_prefix)
+    if meta and meta.get("sha256") == digest:
+        return output_prefix
+
+    with _file_lock(Path(output_prefix + ".lock")):
+        meta = read_meta(output_prefix)
+        if meta and meta.get("sha256") == digest:  # built by another process meanwhile
+            return output_prefix
+        t0 = time.perf_counter()
+        tmp = f"{output_prefix}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        dtype = DType.optimal_dtype(tokenizer.vocab_size)
+        num_docs = num_tokens = max_id = 0
+        try:
+            builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+            for path in files:
+                for piece in _split_document(path.read_bytes()):
+                    if not piece:
+                        continue
+                    ids = _encode(tokenizer, piece)
+                    doc = np.empty(len(ids) + 1, dtype=np.int64)
+                    doc[:-1] = ids
+                    doc[-1] = tokenizer.eod
+                    builder.add_document(doc, [len(doc)])
+                    num_docs += 1
+                    num_tokens += len(doc)
+                    max_id = max(max_id, int(doc.max()))
+            builder.finalize(tmp + ".idx")
+            if num_docs == 0:
+                raise ValueError(
+                    f"corpus for {output_prefix} is empty: {len(files)} file(s), 0 bytes of text"
+                )
+            _meta_path(output_prefix).unlink(missing_ok=True)
+            os.replace(tmp + ".bin", output_prefix + ".bin")
+            os.replace(tmp + ".idx", output_prefix + ".idx")
+            meta = {
+                "sha256": digest, "format": FORMAT_VERSION, "num_files": len(files),
+                "num_documents": num_docs, "num_tokens": num_tokens, "max_token_id": max_id,
+                "vocab_size": tokenizer.vocab_size, "tokenizer": dict(tokenizer.unique_identifiers),
+                "build_s": round(time.perf_counter() - t0, 3),
+            }
+            Path(tmp + ".mnb.json").write_text(json.dumps(meta, indent=1))
+            os.replace(tmp + ".mnb.json", _meta_path(output_prefix))
+        finally:
+            for suffix in (".bin", ".idx", ".mnb.json"):
+                Path(tmp + suffix).unlink(missing_ok=True)
+    logger.info("built %s: %d documents, %d tokens in %.2f s",
+                output_prefix, num_docs, num_tokens, meta["build_s"])
+    return output_prefix
+
+
+def _is_prefix(text: str) -> str | None:
+    stem = text[:-4] if text.endswith((".bin", ".idx")) else text
+    return stem if os.path.isfile(stem + ".bin") and os.path.isfile(stem + ".idx") else None
+
+
+def prepare(data: DataSpec, tokenizer=None) -> str:
+    """Resolve ``data`` (preset, files, folder, glob or prefix) to a ``.bin/.idx`` prefix."""
+    tokenizer = tokenizer or ByteTokenizer()
+    if not isinstance(data, (list, tuple)):
+        prefix = _is_prefix(os.fspath(data))
+        if prefix is not None and os.fspath(data) not in CORPORA:
+            return prefix
+    files = resolve_text_files(data)
+    if not files or sum(f.stat().st_size for f in files) == 0:
+        raise ValueError(f"data {data!r} has no text: {len(files)} file(s), 0 bytes")
+    label = "-".join(Path(os.fspath(d)).name or "data" for d in
+                     (data if isinstance(data, (list, tuple)) else [data]))[:40]
+    label = "".join(c if c.isalnum() or c in "-_." else "_" for c in label) or "data"
+    digest = _content_hash(files, tokenizer)
+    return build_indexed_dataset(files, str(cache_dir() / "corpora" / f"{label}-{digest[:16]}"),
+                                 tokenizer)
+
+
+def max_token_id(prefix: str) -> int:
+    """Largest id in ``prefix.bin`` (from the mnb sidecar when there is one)."""
+    meta = read_meta(prefix)
+    if meta and "max_token_id" in meta:
+        return int(meta["max_token_id"])
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dtype = IndexedDataset(prefix).index.dtype
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    if tokens.size == 0:
+        raise ValueError(f"Megatron dataset {prefix}.bin holds no tokens")
+    return int(tokens.max())
+
+
+# -- the entry point --------------------------------------------------------------
+
+
+def dataset_for(data: str, model_config: ModelConfig, seq_length: int, num_samples: int,
+                seed: int, *, tokenizer=None, attention_mask: bool = False):
+    """A Megatron ``GPTDataset`` of at least ``num_samples`` items of ``seq_length`` tokens.
+
+    Items are dicts of tensors like Megatron's GPTDataset: ``tokens``, ``labels``
+    (``tokens`` shifted by one), ``loss_mask``, ``position_ids``, plus
+    ``attention_mask`` when ``attention_mask=True`` (Megatron's causal attention
+    builds its own mask, so it is off by default). Sampling order is fixed by ``seed``.
+
+    Collective when ``torch.distributed`` is initialised (Megatron's builder barriers
+    on the world group): call it on every rank. Raises FileNotFoundError for a missing
+    path, ValueError for an empty corpus or ids that do not fit ``model_config.vocab_size``.
+
+    Example::
+
+        python -c "from mnb.config import model_config; from mnb.megatron.data import dataset_for; \\
+                   print(dataset_for('stdlib', model_config('tiny', vocab_size=257), 64, 10, 0)[0])"
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    for name, value in (("seq_length", seq_length), ("num_samples", num_samples)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    vocab = model_config.vocab_size
+    common = dict(random_seed=seed, sequence_length=seq_length, reset_position_ids=False,
+                  reset_attention_mask=False, eod_mask_loss=False,
+                  create_attention_mask=attention_mask)
+    if data == "mock":
+        config = GPTDatasetConfig(tokenizer=MockTokenizer(vocab), **common)
+        # Mock configs force split "1,1,1"; build the train split only.
+        config.split_matrix = convert_split_vector_to_split_matrix([1.0, 0.0, 0.0])
+        cls = MockGPTDataset
+    else:
+        tokenizer = tokenizer or ByteTokenizer()
+        prefix = prepare(data, tokenizer)
+        top = max_token_id(prefix)
+        if top >= vocab:
+            raise ValueError(
+                f"data {data!r} has token ids up to {top} but the model's vocab_size is "
+                f"{vocab}; build the model with vocab_size >= {top + 1} "
+                f"(the byte tokenizer needs {ByteTokenizer().vocab_size})"
+            )
+        config = GPTDatasetConfig(tokenizer=tokenizer, blend=([prefix], None), split="1,0,0",
+                                  path_to_cache=str(cache_dir() / "indices"), **common)
+        cls = GPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        cls, [num_samples, None, None], lambda: True, config
+    ).build()
+    return train
