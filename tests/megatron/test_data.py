@@ -1,0 +1,165 @@
+"""mnb.megatron.data / tokenizer: corpora to Megatron .bin/.idx to GPTDataset items.
+
+    python -m pytest tests/megatron/test_data.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mnb.config import model_config
+from mnb.megatron import data
+from mnb.megatron.tokenizer import EOD_ID, ByteTokenizer, MockTokenizer
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MNB_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    root = tmp_path / "texts"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("hello world\n")
+    (root / "sub" / "b.md").write_text("naïve café ✓\n\nsecond paragraph\n")
+    (root / ".hidden").write_text("never read")
+    (root / "blob.bin").write_bytes(b"\0\1\2binary")
+    return root
+
+
+def test_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return 'naïve ✓ 日本'\n"
+    ids = tok.tokenize(text)
+    assert ids == list(text.encode("utf-8"))
+    assert max(ids) < 256 and tok.vocab_size == 257 and tok.eod == EOD_ID == 256
+    assert tok.detokenize(ids + [tok.eod]) == text
+    assert tok.pad == -1  # Megatron's "no pad token": padded positions are loss-masked
+    offsets = tok.offsets(tok.tokenize("aé"), "aé")
+    assert offsets == [0, 1, 1]
+    json.dumps(dict(tok.unique_identifiers))  # Megatron hashes it as JSON
+    mock = MockTokenizer(256)
+    assert (mock.vocab_size, mock.eod) == (256, 255)
+
+
+def test_build_and_read_back_exact_ids(corpus, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    files = data.resolve_text_files(corpus)
+    assert [f.relative_to(corpus).as_posix() for f in files] == ["a.txt", "sub/b.md"]
+    prefix = data.build_indexed_dataset(files, str(tmp_path / "out" / "corpus"))
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 2
+    for i, f in enumerate(files):
+        expected = list(f.read_bytes()) + [EOD_ID]
+        assert ds[i].tolist() == expected
+    assert ds.index.dtype == np.uint16
+    meta = data.read_meta(prefix)
+    assert meta["num_documents"] == 2 and meta["max_token_id"] == EOD_ID
+    assert not list((tmp_path / "out").glob("*.tmp-*"))  # no temporary leftovers
+
+
+def test_cache_hit_is_instant(corpus, tmp_path):
+    files = data.resolve_text_files(corpus)
+    prefix = data.build_indexed_dataset(files, str(tmp_path / "c"))
+    stamp = os.stat(prefix + ".bin").st_mtime_ns
+    t0 = time.perf_counter()
+    assert data.build_indexed_dataset(files, str(tmp_path / "c")) == prefix
+    assert time.perf_counter() - t0 < 0.05
+    assert os.stat(prefix + ".bin").st_mtime_ns == stamp  # not rewritten
+    (corpus / "a.txt").write_text("changed\n")  # new content -> rebuilt
+    data.build_indexed_dataset(files, str(tmp_path / "c"))
+    assert os.stat(prefix + ".bin").st_mtime_ns != stamp
+
+
+def _build_in_child(files, prefix, queue):
+    queue.put(data.build_indexed_dataset(files, prefix))
+
+
+def test_concurrent_builders_agree(corpus, tmp_path):
+    files = data.resolve_text_files(corpus)
+    prefix = str(tmp_path / "shared" / "c")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(files, prefix, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results == [prefix] * 3
+    assert data.read_meta(prefix)["num_documents"] == 2
+
+
+def test_large_file_split_into_documents():
+    paragraph = b"x" * 100 + b"\n\n"
+    pieces = data._split_document(paragraph * 50, max_bytes=1000)
+    assert b"".join(pieces) == paragraph * 50
+    assert all(len(p) <= 1000 for p in pieces) and len(pieces) > 1
+    assert all(p.endswith(b"\n\n") for p in pieces[:-1])
+
+
+def test_stdlib_corpus_and_dataset_items():
+    t0 = time.perf_counter()
+    prefix = data.prepare("stdlib-small")
+    build_s = time.perf_counter() - t0
+    meta = data.read_meta(prefix)
+    assert 100_000 < meta["num_tokens"] <= (512 << 10) + meta["num_documents"]
+    assert build_s < 30
+    cfg = model_config("tiny", vocab_size=257)
+    ds = data.dataset_for("stdlib-small", cfg, seq_length=32, num_samples=50, seed=7)
+    assert len(ds) >= 50
+    item = ds[3]
+    assert set(item) == {"tokens", "labels", "loss_mask", "position_ids"}
+    for key in item:
+        assert item[key].shape == (32,)
+    assert item["tokens"].dtype == torch.int64 and item["loss_mask"].dtype == torch.float32
+    assert torch.equal(item["position_ids"], torch.arange(32))
+    assert int(item["tokens"].max()) < 257
+    # labels are tokens shifted by one: the next item of the same sample window
+    assert torch.equal(item["tokens"][1:], item["labels"][:-1])
+    again = data.dataset_for("stdlib-small", cfg, seq_length=32, num_samples=50, seed=7)
+    assert torch.equal(again[3]["tokens"], item["tokens"])  # deterministic by seed
+    with_mask = data.dataset_for("stdlib-small", cfg, 32, 50, 7, attention_mask=True)
+    assert with_mask[0]["attention_mask"].shape == (1, 32, 32)
+
+
+def test_mock_dataset_fits_model_vocab():
+    ds = data.dataset_for("mock", model_config("tiny"), seq_length=16, num_samples=20, seed=1)
+    assert len(ds) >= 20
+    assert int(max(ds[i]["tokens"].max() for i in range(20))) < 256
+
+
+def test_existing_prefix_and_glob(corpus, tmp_path):
+    prefix = data.build_indexed_dataset(data.resolve_text_files(corpus), str(tmp_path / "p"))
+    cfg = model_config("tiny", vocab_size=257)
+    for spec in (prefix, prefix + ".bin", str(corpus / "**" / "*.md"), str(corpus / "a.txt")):
+        ds = data.dataset_for(spec, cfg, seq_length=8, num_samples=4, seed=0)
+        assert ds[0]["tokens"].shape == (8,)
+
+
+def test_clear_errors(corpus, tmp_path):
+    cfg = model_config("tiny", vocab_size=257)
+    with pytest.raises(FileNotFoundError, match="does not exist.*corpus preset"):
+        data.dataset_for(str(tmp_path / "nope"), cfg, 8, 4, 0)
+    with pytest.raises(FileNotFoundError, match="matches no files"):
+        data.dataset_for(str(tmp_path / "*.nothing"), cfg, 8, 4, 0)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "zero.txt").write_text("")
+    with pytest.raises(ValueError, match="has no text"):
+        data.dataset_for(str(empty), cfg, 8, 4, 0)
+    with pytest.raises(ValueError, match=r"token ids up to 256 .* vocab_size is 256.*>= 257"):
+        data.dataset_for(str(corpus), model_config("tiny"), 8, 4, 0)
+    with pytest.raises(ValueError, match="num_samples must be a positive integer"):
+        data.dataset_for("mock", cfg, 8, 0, 0)
