@@ -1,0 +1,158 @@
+"""Showing what ranks print and display, labelled and folded.
+
+Each complete line is labelled by its rank and parallel coordinates,
+``[r3 tp1 pp0 dp1] loss 2.31``.  Lines that every rank of the cell prints
+alike are shown once, labelled by the rank set: ``[r0-3] built model``.  To
+fold while still streaming live, a line waits at most ``fold_window_s`` for
+the same line from the other ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from typing import Any, Callable
+
+from mnb.errors import format_rank_set
+
+Write = Callable[[str, str], None]  # (stream name, text)
+
+
+def write_to_sys(name: str, text: str) -> None:
+    stream = sys.stderr if name == "stderr" else sys.stdout
+    stream.write(text)
+    stream.flush()
+
+
+def coords_label(rank: int, coords: dict[str, int] | None, layout: dict[str, Any] | None = None) -> str:
+    """'r3 tp1 pp0 dp1' (cp/ep only when the layout uses them)."""
+    parts = [f"r{rank}"]
+    coords = coords or {}
+    layout = layout or {}
+    for name in ("tp", "pp", "dp", "cp", "ep"):
+        if name not in coords:
+            continue
+        if name in ("cp", "ep") and (layout.get(name) or 1) <= 1:
+            continue
+        parts.append(f"{name}{coords[name]}")
+    return " ".join(parts)
+
+
+class LineFolder:
+    """Assembles per-rank text into lines and writes them labelled, folding repeats."""
+
+    def __init__(self, ranks: list[int], labels: dict[int, str], write: Write = write_to_sys,
+                 fold_window_s: float = 0.3):
+        self.ranks = sorted(ranks)
+        self.labels = labels
+        self.write = write
+        self.fold_window_s = fold_window_s
+        self._partial: dict[tuple[str, int], str] = {}
+        self._pending: dict[str, dict[int, deque[tuple[float, str]]]] = {}
+
+    def feed(self, rank: int, name: str, text: str) -> None:
+        key = (name, rank)
+        buffered = self._partial.get(key, "") + text
+        *lines, rest = buffered.split("\n")
+        self._partial[key] = rest
+        now = time.monotonic()
+        queues = self._pending.setdefault(name, {r: deque() for r in self.ranks})
+        queues.setdefault(rank, deque()).extend((now, line) for line in lines)
+        self._drain(name, now)
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for name in list(self._pending):
+            self._drain(name, now)
+
+    def flush(self) -> None:
+        for (name, rank), rest in list(self._partial.items()):
+            if rest:
+                self._pending.setdefault(name, {r: deque() for r in self.ranks}).setdefault(
+                    rank, deque()
+                ).append((0.0, rest))
+        self._partial.clear()
+        for name in list(self._pending):
+            self._drain(name, float("inf"))
+
+    def _drain(self, name: str, now: float) -> None:
+        queues = self._pending[name]
+        out: list[str] = []
+        while True:
+            heads = {r: q[0] for r, q in queues.items() if q}
+            if not heads:
+                break
+            if len(self.ranks) > 1 and len(heads) == len(self.ranks):
+                texts = {line for _, line in heads.values()}
+                if len(texts) == 1:
+                    out.append(f"[{format_rank_set(self.ranks)}] {texts.pop()}\n")
+                else:
+                    out.extend(f"[{self._label(r)}] {line}\n" for r, (_, line) in sorted(heads.items()))
+                for q in queues.values():
+                    q.popleft()
+                continue
+            # Not every rank has spoken: release lines that waited long enough.
+            expired = [r for r, (t, _) in heads.items() if now - t >= self.fold_window_s or len(self.ranks) == 1]
+            if not expired:
+                break
+            for r in sorted(expired):
+                out.append(f"[{self._label(r)}] {queues[r].popleft()[1]}\n")
+        if out:
+            self.write(name, "".join(out))
+
+    def _label(self, rank: int) -> str:
+        return self.labels.get(rank, f"r{rank}")
+
+
+def show_bundle(bundle: dict[str, Any]) -> None:
+    """Display a MIME bundle in the notebook, or its text where there is none."""
+    ipython = _ipython()
+    if ipython is not None:
+        from IPython.display import display
+
+        display(bundle, raw=True)
+    else:
+        print(bundle.get("text/plain", ""))
+
+
+def _ipython() -> Any:
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return get_ipython() if get_ipython else None
+
+
+class ProgressLine:
+    """A training progress line updated in place (text where there is no notebook)."""
+
+    def __init__(self) -> None:
+        self._handle = None
+        self._last_text = ""
+        self._last_print = 0.0
+
+    def update(self, payload: dict[str, Any]) -> None:
+        step, steps = payload.get("step", 0), payload.get("steps") or 0
+        width = 30
+        done = int(width * step / steps) if steps else 0
+        bar = "#" * done + "." * (width - done)
+        parts = [f"step {step}/{steps} [{bar}]"]
+        if payload.get("loss") is not None:
+            parts.append(f"loss {payload['loss']:.4f}")
+        if payload.get("tokens_per_s"):
+            parts.append(f"{payload['tokens_per_s']:,.0f} tok/s")
+        if payload.get("step_time_s"):
+            parts.append(f"{payload['step_time_s'] * 1000:.0f} ms/step")
+        text = "  ".join(parts)
+        ipython = _ipython()
+        if ipython is not None and hasattr(ipython, "kernel"):
+            from IPython.display import display
+
+            bundle = {"text/plain": text}
+            if self._handle is None:
+                self._handle = display(bundle, raw=True, display_id=True)
+            else:
+                self._handle.update(bundle, raw=True)
+        elif time.monotonic() - self._last_print > 2.0 or step == steps:
+            # Terminals and nbclient: a plain line now and then, never a flood.
+            print(text)
+            self._last_print = time.monotonic()
+        self._last_text = text

@@ -1,0 +1,73 @@
+"""Refuse impossible Megatron configurations before a cell reaches the ranks.
+
+A cell such as ``model = mnb.gpt("llama-8b", num_layers=30)`` under
+``--pp 4`` cannot work, and on the ranks it would fail only after the layout
+was re-initialised and memory allocated.  The controller reads the cell's
+syntax tree, evaluates the *literal* arguments of ``mnb.gpt(...)`` and
+``mnb.train(...)`` calls, and checks them against the requested layout with
+the same rules the rank side uses (:mod:`mnb.config`).  Arguments that are not
+literals are left to the ranks, which check again.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from mnb.config import ParallelConfig, TrainConfig, model_config
+
+_MODEL_FUNCS = {"gpt"}
+_TRAIN_FUNCS = {"train"}
+
+
+def _call_name(node: ast.Call) -> str | None:
+    func = node.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "mnb":
+        return func.attr
+    return None
+
+
+def _literal_kwargs(node: ast.Call) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:
+            continue
+        try:
+            values[keyword.arg] = ast.literal_eval(keyword.value)
+        except ValueError:
+            continue
+    return values
+
+
+def check_cell(code: str, parallel: ParallelConfig) -> list[str]:
+    """Problems found in ``code`` for ``parallel`` (resolved); empty when none can be proven."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as exc:
+        return [f"the cell has a syntax error at line {exc.lineno}: {exc.msg}"]
+    problems: list[str] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _call_name(node)
+        if name in _MODEL_FUNCS and node.args:
+            try:
+                preset = ast.literal_eval(node.args[0])
+            except ValueError:
+                continue
+            kwargs = _literal_kwargs(node)
+            try:
+                config = model_config(preset, **kwargs)
+                sp = kwargs.get("sequence_parallel", parallel.sequence_parallel)
+                config.check_parallel(ParallelConfig(**{**parallel.as_dict(), "sequence_parallel": bool(sp)}))
+            except (ValueError, TypeError) as exc:
+                problems.append(f"mnb.gpt({preset!r}) under {parallel.describe()}: {exc}")
+        elif name in _TRAIN_FUNCS:
+            kwargs = _literal_kwargs(node)
+            fields = set(TrainConfig.__dataclass_fields__)
+            try:
+                train = TrainConfig(**{k: v for k, v in kwargs.items() if k in fields})
+                train.num_microbatches(parallel.dp or 1)
+            except (ValueError, TypeError) as exc:
+                problems.append(f"mnb.train(...) under {parallel.describe()}: {exc}")
+    return problems

@@ -1,0 +1,85 @@
+"""Run a cell's code in the rank's persistent namespace.
+
+The cell is parsed like IPython does it: if its last statement is an
+expression, that expression's value is the cell's result.  The source is
+registered with ``linecache`` under a per-cell file name so tracebacks and
+stack dumps show the cell's own lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+_cell_counter = 0
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    value: Any = None
+    ename: str = ""
+    evalue: str = ""
+    traceback: str = ""
+
+
+def run_cell(code: str, namespace: dict[str, Any]) -> Outcome:
+    """Execute ``code``; never raises (errors come back as an Outcome)."""
+    global _cell_counter
+    _cell_counter += 1
+    filename = f"<cell-{_cell_counter}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    try:
+        tree = ast.parse(code, filename=filename)
+        last_expr = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last_expr = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, filename, "exec"), namespace)
+        value = eval(compile(last_expr, filename, "eval"), namespace) if last_expr else None
+        return Outcome(ok=True, value=value)
+    except BaseException as exc:  # the rank reports every failure, KeyboardInterrupt included
+        return describe_exception(exc)
+
+
+def describe_exception(exc: BaseException) -> Outcome:
+    """Plain-data description of an exception, mnb's own frames removed."""
+    tb = exc.__traceback__
+    # Drop the frames of this module so the traceback starts in the cell.
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return Outcome(ok=False, ename=type(exc).__name__, evalue=str(exc), traceback=text)
+
+
+def portable(value: Any, _depth: int = 0) -> Any:
+    """A copy of ``value`` the notebook kernel can unpickle without torch.
+
+    Tensors become numpy arrays (bf16/fp8 via float32); containers are
+    converted recursively; anything else that cannot be pickled becomes its
+    repr, so pulling a value never breaks the kernel.
+    """
+    import pickle
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        if tensor.dtype in (torch.bfloat16, torch.float16) or "float8" in str(tensor.dtype):
+            tensor = tensor.float()
+        return tensor.numpy()
+    if _depth < 8:
+        if isinstance(value, dict):
+            return {k: portable(v, _depth + 1) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            converted = [portable(v, _depth + 1) for v in value]
+            return converted if isinstance(value, list) else tuple(converted)
+    if type(value).__module__.split(".")[0] in ("torch", "megatron", "mnb"):
+        return repr(value)
+    try:
+        pickle.dumps(value, protocol=5)
+    except Exception:
+        return repr(value)
+    return value

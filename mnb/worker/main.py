@@ -1,0 +1,301 @@
+"""``python -m mnb.worker``: one rank of an mnb pool, started by torchrun.
+
+Started by the controller as::
+
+    torchrun --nproc-per-node 2 ... -m mnb.worker --connect /path/pool.json --device cpu
+
+or by hand on another host to join a running pool (the connection file must be
+copied there; it holds the pool's secret)::
+
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m mnb.worker --connect pool.json --device cuda
+
+The rank initialises torch.distributed (NCCL on GPUs, gloo on CPU, where the
+CPU redirection of Megatron's CUDA calls is installed), sets Megatron's
+default layout, says hello, and then runs cells until told to shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from mnb.protocol import ConnectionInfo, Message
+from mnb.worker.capture import RankStream, close_figures, mime_bundle, open_figures
+from mnb.worker.channel import Channel
+from mnb.worker.executor import describe_exception, portable, run_cell
+
+log = logging.getLogger("mnb.worker")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this rank when its torchrun agent dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+class Rank:
+    """State of this rank: its channel, namespace and current layout."""
+
+    def __init__(self, info: ConnectionInfo, device_kind: str):
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.node_rank = int(os.environ.get("GROUP_RANK", "0"))
+        self.device_kind = device_kind
+        self.channel = Channel(info, self.rank, status_fn=self.status)
+        self.layout: dict[str, Any] | None = None
+        self.namespace: dict[str, Any] = {"__name__": "__mnb__"}
+        self.stdout = RankStream("stdout", self.channel.send, self.rank, sys.__stdout__)
+        self.stderr = RankStream("stderr", self.channel.send, self.rank, sys.__stderr__)
+        self.display_here = False
+
+    # -------------------------------------------------------------- start
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        import torch
+        import torch.distributed as dist
+
+        if self.device_kind == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--device cuda but torch sees no CUDA device on this host")
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+            backend = "nccl"
+        else:
+            from mnb.megatron import cpu
+
+            cpu.install()
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        kwargs: dict[str, Any] = {"backend": backend}
+        if backend == "nccl":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(**kwargs)
+        self.backend = backend
+
+        from megatron.core import parallel_state
+
+        from mnb.config import ParallelConfig
+        from mnb.megatron import events, layout
+
+        layout.apply_layout(ParallelConfig())
+        self.layout = layout.current_layout().as_dict()
+        events.set_sink(self._send_event)
+        self.cell_id: str | None = None
+
+        import mnb
+
+        self.namespace.update(
+            rank=self.rank,
+            world_size=self.world_size,
+            local_rank=self.local_rank,
+            device=self.device,
+            torch=torch,
+            dist=dist,
+            ps=parallel_state,
+            mnb=mnb,
+            display=self.display,
+        )
+        self.channel.send(
+            Message(
+                "hello",
+                header={
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "local_rank": self.local_rank,
+                    "node_rank": self.node_rank,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "device": str(self.device),
+                    "device_name": self._device_name(),
+                    "backend": backend,
+                    "coords": layout.coordinates(),
+                    "layout": self.layout,
+                    "torch": torch.__version__,
+                    "megatron": _megatron_version(),
+                    "startup_s": round(time.perf_counter() - t0, 3),
+                },
+            )
+        )
+
+    def _device_name(self) -> str:
+        import torch
+
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return "cpu"
+
+    # ------------------------------------------------------------- helpers
+    def status(self) -> dict[str, Any]:
+        """Answered from the I/O thread, also while a cell runs."""
+        import psutil
+        import torch
+
+        info: dict[str, Any] = {"pid": os.getpid(), "device": str(getattr(self, "device", "?"))}
+        info["rss_bytes"] = psutil.Process().memory_info().rss
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+            info["memory_bytes"] = torch.cuda.memory_allocated(self.device)
+            info["memory_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+        else:
+            info["memory_bytes"] = info["rss_bytes"]
+        info["layout"] = self.layout
+        return info
+
+    def display(self, *objs: Any, force: bool = False) -> None:
+        """Show objects in the notebook (from the display rank, or any rank with force=True)."""
+        if not (self.display_here or force):
+            return
+        for obj in objs:
+            self.channel.send(
+                Message("display", header={"rank": self.rank, "cell": self.cell_id}, payload=mime_bundle(obj))
+            )
+
+    def _send_event(self, kind: str, payload: dict[str, Any]) -> None:
+        if kind == "run_record":  # records travel with the cell's reply
+            return
+        self.channel.send(
+            Message("event", header={"rank": self.rank, "kind": kind, "cell": self.cell_id}, payload=payload)
+        )
+
+    # ---------------------------------------------------------------- loop
+    def serve(self) -> None:
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        while True:
+            try:
+                message = self.channel.inbox.get()
+            except KeyboardInterrupt:  # an interrupt that arrived between cells
+                continue
+            if message.type == "shutdown":
+                self.channel.reply(message, ok=True)
+                return
+            try:
+                handler = getattr(self, f"_on_{message.type}")
+                handler(message)
+            except KeyboardInterrupt:
+                outcome = describe_exception(KeyboardInterrupt())
+                self.channel.reply(message, ok=False, ename=outcome.ename, evalue="", traceback="")
+            finally:
+                self.channel.busy.clear()
+
+    def _on_execute(self, message: Message) -> None:
+        from mnb.megatron import events, layout
+
+        self.cell_id = message.id
+        self.stdout.cell_id = self.stderr.cell_id = message.id
+        self.display_here = self.rank in (message.get("display_ranks") or [])
+        self.channel.busy.set()
+        outcome = None
+        requested = message.get("layout")
+        if requested:
+            try:
+                from mnb.config import ParallelConfig
+
+                changed = layout.apply_layout(ParallelConfig(**requested))
+                self.layout = layout.current_layout().as_dict()
+            except BaseException as exc:
+                outcome = describe_exception(exc)
+                changed = False
+        else:
+            changed = False
+        if outcome is None:
+            outcome = run_cell(message["code"], self.namespace)
+        self.channel.busy.clear()
+        if self.display_here:
+            for figure in open_figures():
+                self.display(figure)
+            if outcome.ok and outcome.value is not None and message.get("show_result"):
+                self.channel.send(
+                    Message(
+                        "display",
+                        header={"rank": self.rank, "cell": message.id, "result": True},
+                        payload=mime_bundle(outcome.value),
+                    )
+                )
+        close_figures()
+        records = events.take_records()
+        value = portable(outcome.value) if message.get("want_value") and outcome.ok else None
+        self.channel.reply(
+            message,
+            payload={"value": value, "records": records},
+            ok=outcome.ok,
+            ename=outcome.ename,
+            evalue=outcome.evalue,
+            traceback=outcome.traceback,
+            coords=layout.coordinates(),
+            layout=self.layout,
+            relayout=changed,
+        )
+
+    def _on_push(self, message: Message) -> None:
+        self.namespace.update(message.payload or {})
+        self.channel.reply(message, ok=True)
+
+    def _on_pull(self, message: Message) -> None:
+        missing = [name for name in message["names"] if name not in self.namespace]
+        if missing:
+            self.channel.reply(
+                message, ok=False, ename="NameError", evalue=f"name(s) not defined on rank {self.rank}: {', '.join(missing)}"
+            )
+            return
+        values = {name: portable(self.namespace[name]) for name in message["names"]}
+        self.channel.reply(message, payload=values, ok=True)
+
+
+def _megatron_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mnb.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--connect", required=True, help="connection file written by the controller")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=os.environ.get("MNB_DEVICE", "cpu"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("MNB_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s mnb rank {os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
+    )
+    _die_with_parent()
+    rank = Rank(ConnectionInfo.read(args.connect), args.device)
+    try:
+        rank.start()
+    except BaseException as exc:
+        outcome = describe_exception(exc)
+        rank.channel.send(
+            Message("hello", header={"rank": rank.rank, "pid": os.getpid(), "failed": True,
+                                     "ename": outcome.ename, "evalue": outcome.evalue,
+                                     "traceback": outcome.traceback, "host": socket.gethostname()})
+        )
+        time.sleep(0.5)
+        raise
+    rank.serve()
+    _shutdown(rank)
+
+
+def _shutdown(rank: Rank) -> None:
+    import torch.distributed as dist
+
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    rank.channel.close()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # exiting anyway; say why teardown was incomplete
+        log.warning("destroy_process_group failed: %s", exc)
+    os._exit(0)
