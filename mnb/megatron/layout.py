@@ -1,0 +1,162 @@
+"""(Re)initialise Megatron's parallel layout inside live ranks.
+
+The worker initialises ``torch.distributed`` once; every ``%%megatron --tp 2``
+cell then calls :func:`apply_layout`, which rebuilds Megatron's process groups
+only when the requested layout differs from the current one::
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron.layout import apply_layout, coordinates
+    apply_layout(ParallelConfig(tp=2))   # True: groups rebuilt
+    apply_layout(ParallelConfig(tp=2))   # False: nothing to do
+    coordinates()                        # {'tp': 1, 'pp': 0, 'dp': 0, 'cp': 0, 'ep': 0}
+
+Models built under one layout are not valid under another: build them again
+after a layout change (``mnb.gpt`` checks this).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+
+import torch
+
+from mnb.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+_current: ParallelConfig | None = None
+_generation = 0
+"""Increments on every re-initialisation; models remember the one they were built under."""
+
+
+def _parallel_state():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def _initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def current_layout() -> ParallelConfig | None:
+    """The layout Megatron's groups were last built for (dp filled in), or None."""
+    if _current is None or not _parallel_state().model_parallel_is_initialized():
+        return None
+    return _current
+
+
+def generation() -> int:
+    """A counter that changes whenever the process groups are rebuilt."""
+    return _generation
+
+
+def _same_groups(a: ParallelConfig, b: ParallelConfig) -> bool:
+    """True when a and b need the same process groups (sequence_parallel is a model flag)."""
+    return dataclasses.replace(a, sequence_parallel=False) == dataclasses.replace(
+        b, sequence_parallel=False
+    )
+
+
+def _call_filtered(fn, **kwargs):
+    """Call fn with the keyword arguments its signature accepts (0.16 vs 0.19 differences)."""
+    params = inspect.signature(fn).parameters
+    accepted = {k: v for k, v in kwargs.items() if k in params}
+    dropped = sorted(set(kwargs) - set(accepted))
+    if dropped:
+        logger.debug("%s does not take %s in this megatron-core", fn.__name__, dropped)
+    return fn(**accepted)
+
+
+def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
+    """Make Megatron's process groups match ``parallel``; True if they were rebuilt.
+
+    Needs ``torch.distributed`` initialised (the worker does it).  dp is
+    resolved from the world size; a mismatch raises ValueError naming the sizes.
+    """
+    global _current, _generation
+    if not _initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: apply_layout runs inside pool ranks "
+            "(start a pool with %mnb start), or call torch.distributed.init_process_group first"
+        )
+    resolved = parallel.resolve(torch.distributed.get_world_size())
+    if resolved.cp > 1:
+        from mnb.megatron.spec import have_te
+
+        if not have_te():
+            raise ValueError(
+                f"cp({resolved.cp}) needs Transformer Engine attention, which is not installed "
+                "on these ranks; use cp=1"
+            )
+    now = current_layout()
+    if now is not None and _same_groups(now, resolved):
+        _current = resolved
+        return False
+    ps = _parallel_state()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    _call_filtered(
+        ps.initialize_model_parallel,
+        tensor_model_parallel_size=resolved.tp,
+        pipeline_model_parallel_size=resolved.pp,
+        virtual_pipeline_model_parallel_size=(
+            resolved.vpp if resolved.vpp and resolved.vpp > 1 else None
+        ),
+        context_parallel_size=resolved.cp,
+        expert_model_parallel_size=resolved.ep,
+    )
+    seed_ranks(seed)
+    _current = resolved
+    _generation += 1
+    logger.info(
+        "layout %s (rank %d of %d)",
+        resolved.describe(),
+        torch.distributed.get_rank(),
+        torch.distributed.get_world_size(),
+    )
+    return True
+
+
+def seed_ranks(seed: int) -> None:
+    """Seed torch and Megatron's RNG tracker for the current layout (CPU-safe)."""
+    from megatron.core import tensor_parallel
+
+    from mnb.megatron import cpu
+
+    torch.manual_seed(seed)
+    _call_filtered(
+        tensor_parallel.model_parallel_cuda_manual_seed,
+        seed=seed,
+        # On CPU the tracker cannot swap CUDA generator states; the inference
+        # tracker's fork() is a no-op and everything draws from the CPU generator.
+        inference_rng_tracker=cpu.installed() or not torch.cuda.is_available(),
+        force_reset_rng=True,
+    )
+
+
+def coordinates() -> dict[str, int]:
+    """This rank's index in each parallel group; zeros before any layout."""
+    if current_layout() is None:
+        return {"tp": 0, "pp": 0, "dp": 0, "cp": 0, "ep": 0}
+    ps = _parallel_state()
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+    }
+
+
+def require_layout() -> ParallelConfig:
+    """The current layout, or a RuntimeError saying how to set one."""
+    layout = current_layout()
+    if layout is None:
+        raise RuntimeError(
+            "no parallel layout is initialised on this rank: run the cell under "
+            "%%megatron --tp/--pp/... or call mnb.megatron.layout.apply_layout(ParallelConfig(...))"
+        )
+    return layout
