@@ -1,0 +1,108 @@
+"""Activation memory of one transformer layer for one microbatch, itemised.
+
+The items are those of Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", arXiv 2205.05198, sec. 4 and
+Table 2), kept per tensor so that they follow the model instead of GPT-3's
+shape.  For a GPT-3-style layer (MHA, GeLU MLP with ffn = 4h, dropout,
+unfused attention, 2-byte activations) the sum is exactly the paper's
+
+    no parallelism           s*b*h*(34 + 5*a*s/h)
+    tp, no sp                s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    tp + sp                  s*b*h*(34 + 5*a*s/h) / t
+    tp + sp + selective      s*b*h*34 / t
+    full recompute           2*s*b*h (/t with sp)   (only the layer input is kept)
+
+and with selective recompute it matches Megatron-LM's own estimator
+(theoretical_memory_usage.py: s*b*h*(18 + 4*ffn/h)/t) when ffn = 4h.  Beyond
+that estimator it counts GQA (K, V are kv-sized), SwiGLU (fc1 output is
+2*ffn wide, the fused SwiGLU keeps only its input), RoPE (rotated Q and K are
+new tensors), flash/SDPA attention (no s*s matrices, a fp32 log-sum-exp
+instead), dropout only when enabled, and MoE layers (top-k routed copies of
+each token).  Context parallelism divides the sequence: s -> s/cp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mnb.config import ModelConfig
+
+from ._inputs import dropout
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerShape:
+    """Everything the per-layer activation formula depends on."""
+
+    seq: int
+    """Sequence length on this rank (already divided by cp)."""
+    micro_batch: int
+    tp: int
+    sequence_parallel: bool
+    element_bytes: int
+    """2 for bf16/fp16 activations, 4 for fp32."""
+    recompute: str
+    """'none', 'selective' (Megatron's default recompute_modules=['core_attn']) or 'full'."""
+    fused_attention: bool
+    """True for flash/SDPA/TE fused attention (no s*s score matrices stored)."""
+
+
+def layer_activation_bytes(model: ModelConfig, shape: LayerShape) -> float:
+    """Bytes one layer keeps for backward, for one microbatch, on one rank.
+
+    With ``recompute='full'`` this is only the checkpointed layer input; the
+    rematerialised layer of the backward pass is :func:`full_layer_bytes`.
+    """
+    s, b, h, t, e = shape.seq, shape.micro_batch, model.hidden_size, shape.tp, shape.element_bytes
+    sp_div = t if shape.sequence_parallel else 1
+    if shape.recompute == "full":
+        return s * b * h * e / sp_div
+    return full_layer_bytes(model, shape)
+
+
+def full_layer_bytes(model: ModelConfig, shape: LayerShape) -> float:
+    """Bytes of all saved tensors of one layer (no full recompute), one microbatch."""
+    s, b, h, t, e = shape.seq, shape.micro_batch, model.hidden_size, shape.tp, shape.element_bytes
+    a = model.num_attention_heads
+    q = a * model.head_dim
+    kv = model.query_groups * model.head_dim
+    sp_div = t if shape.sequence_parallel else 1
+    sbh_rep = s * b * h * e / sp_div  # replicated over tp unless sequence parallel
+    mask = s * b * h / sp_div  # 1-byte dropout mask
+    hidden_drop = dropout(model, "hidden_dropout") > 0
+    attn_drop = dropout(model, "attention_dropout") > 0
+    selective = shape.recompute == "selective"
+
+    # Attention block: norm input, QKV input, Q/K/V, core attention, proj input, dropout.
+    attn = 2 * sbh_rep
+    attn += s * b * (q + 2 * kv) * e / t
+    if model.position_embedding_type == "rope":
+        attn += s * b * (q + kv) * e / t
+    if not selective:
+        if shape.fused_attention:
+            attn += (a / t) * s * b * 4  # fp32 log-sum-exp per row
+        else:
+            scores = (a / t) * s * s * b
+            attn += scores * e  # softmax output
+            if attn_drop:
+                attn += scores * (1 + e)  # dropout mask + dropout output
+    attn += s * b * q * e / t
+    if hidden_drop:
+        attn += mask
+
+    # MLP block.
+    gate = 2 if model.gated_linear_unit else 1
+    mlp = 2 * sbh_rep  # norm input, fc1/router input
+    if model.is_moe:
+        k, ffn, n_exp = model.moe_router_topk, model.moe_ffn, model.num_moe_experts
+        mlp += 2 * s * b * n_exp * 4 / sp_div  # fp32 router logits and probabilities
+        mlp += s * b * k * h * e  # permuted tokens: expert fc1 inputs (gathered over expert tp)
+        mlp += s * b * k * ffn * gate * e / t  # expert fc1 outputs
+        mlp += s * b * k * ffn * e / t  # expert activation outputs (fc2 inputs)
+        mlp += s * b * k * h * e / sp_div  # expert outputs kept for the probability-weighted combine
+    else:
+        mlp += s * b * model.ffn * gate * e / t
+        mlp += s * b * model.ffn * e / t
+    if hidden_drop:
+        mlp += mask
+    return attn + mlp

@@ -1,0 +1,306 @@
+"""Per-rank, per-pipeline-stage memory: weights, gradients, optimizer, activations.
+
+Sources:
+
+- Weights + gradients + optimizer: mixed-precision Adam keeps bf16 weights
+  (2 B), fp32 gradients (4 B, Megatron-LM's default for bf16) and fp32 master
+  weights + Adam m + v (12 B): 18 B/param; the distributed optimizer shards the
+  12 B over the data-parallel ranks: 6 + 12/dp (Megatron-LM
+  theoretical_memory_usage.py; Rajbhandari et al. 2020, ZeRO stage 1).  fp32
+  training: 4 + 4 + 8 = 16 B/param (8 + 8/dp sharded).
+- Activations: :mod:`mnb.estimate.activations` (Korthikanti et al. 2022) times
+  the microbatches a stage holds in flight (:func:`mnb.estimate.pipeline.in_flight`:
+  1F1B stage r holds min(pp - r, m); interleaving's factor 1 + (pp-1)/(pp*vpp)).
+
+Beyond Megatron-LM's estimator (first stage only): every stage, embedding on
+the first / output layer on the last, logits (fp32 softmax kept by the
+vocab-parallel cross entropy, s*b*V/tp on the last stage), MoE experts split by
+ep, full recompute, context parallelism, and a small allocator/workspace
+overhead ("other").
+
+    >>> import mnb.estimate as est
+    >>> from mnb.config import ParallelConfig, TrainConfig
+    >>> m = est.memory("llama-7b", ParallelConfig(), TrainConfig(bf16=True,
+    ...                use_distributed_optimizer=True, global_batch_size=128), gpus=8)
+    >>> round(m.peak_bytes / 2**30)   # GiB on the fullest rank
+    68
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig
+
+from . import hardware
+from ._inputs import as_model, as_parallel, as_train, dropout, padded_vocab_size
+from ._inputs import num_microbatches as resolve_microbatches
+from .activations import LayerShape, full_layer_bytes, layer_activation_bytes
+from .params import stage_params
+from .pipeline import in_flight
+
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "other")
+"""Component names, in stacking order (``other`` includes the logits)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """Predicted memory of any one rank in pipeline stage ``stage``, in bytes."""
+
+    stage: int
+    num_layers: int
+    params: int
+    """Parameters on one rank of this stage."""
+    in_flight_microbatches: int
+    """(chunk, microbatch) activation sets held at the peak."""
+    weights_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    logits_bytes: float
+    other_bytes: float
+    """Allocator/workspace overhead (``overhead_fraction`` of activations + logits)."""
+
+    @property
+    def total_bytes(self) -> float:
+        return (
+            self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+            + self.activations_bytes + self.logits_bytes + self.other_bytes
+        )
+
+    def components(self) -> dict[str, float]:
+        """The five stacked components of the plots (logits folded into ``other``)."""
+        return {
+            "weights": self.weights_bytes,
+            "gradients": self.gradients_bytes,
+            "optimizer": self.optimizer_bytes,
+            "activations": self.activations_bytes,
+            "other": self.logits_bytes + self.other_bytes,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Predicted memory per pipeline stage; every rank of a stage holds the same."""
+
+    model: str
+    parallel: ParallelConfig
+    num_microbatches: int
+    micro_batch_size: int
+    seq_length: int
+    recompute: str
+    stages: tuple[StageMemory, ...]
+    capacity_bytes: int | None = None
+    """Device memory, when a gpu was named."""
+    megatron_bytes: float = 0.0
+    """Megatron-LM's own estimate (first stage) for comparison."""
+    assumptions: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> float:
+        """Largest per-rank total over the stages."""
+        return max(s.total_bytes for s in self.stages)
+
+    @property
+    def peak_stage(self) -> int:
+        return max(self.stages, key=lambda s: s.total_bytes).stage
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the fullest rank fits the capacity (None when capacity is unknown)."""
+        return None if self.capacity_bytes is None else self.peak_bytes <= self.capacity_bytes
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.model_parallel_size * (self.parallel.dp or 1)
+
+    def stage_of_rank(self, rank: int) -> int:
+        """Pipeline stage of a global rank, Megatron's default order tp-cp-ep-dp-pp."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return rank // (self.world_size // self.parallel.pp)
+
+    def for_rank(self, rank: int) -> StageMemory:
+        return self.stages[self.stage_of_rank(rank)]
+
+    def summary(self) -> str:
+        gib = 2**30
+        lines = [
+            f"{self.model} | {self.parallel.describe()} | m={self.num_microbatches} "
+            f"mbs={self.micro_batch_size} seq={self.seq_length} recompute={self.recompute}"
+        ]
+        for s in self.stages:
+            c = s.components()
+            lines.append(
+                f"  stage {s.stage}: " + ", ".join(f"{k} {v / gib:.2f}" for k, v in c.items())
+                + f" -> {s.total_bytes / gib:.2f} GiB"
+            )
+        if self.capacity_bytes:
+            lines.append(f"  capacity {self.capacity_bytes / gib:.1f} GiB; fits: {self.fits}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def bytes_per_param(train: TrainConfig, dp: int = 1, *, grad_bytes: int | None = None) -> dict[str, float]:
+    """Weight / gradient / optimizer bytes per parameter (optimizer sharded over ``dp``).
+
+    bf16: 2 + 4 + 12 = 18 (6 + 12/dp with the distributed optimizer); fp32:
+    4 + 4 + 8 = 16 (8 + 8/dp).
+    """
+    if train.bf16 or train.fp8:
+        weight, grad, optim = 2, 4, 12
+    else:
+        weight, grad, optim = 4, 4, 8
+    if grad_bytes is not None:
+        grad = grad_bytes
+    shard = dp if train.use_distributed_optimizer else 1
+    return {"weights": weight, "gradients": grad, "optimizer": optim / shard}
+
+
+def memory(
+    model: str | ModelConfig | dict,
+    parallel: ParallelConfig | dict | None = None,
+    train: TrainConfig | dict | None = None,
+    *,
+    gpus: int | None = None,
+    num_microbatches: int | None = None,
+    gpu: str | None = None,
+    fused_attention: bool = True,
+    grad_bytes: int | None = None,
+    overhead_fraction: float = 0.05,
+) -> MemoryEstimate:
+    """Predict memory per rank and pipeline stage, by component, in bytes.
+
+    ``model``: ModelConfig, preset name or field dict (its ``seq_length`` is
+    the training sequence length).  ``parallel``: ParallelConfig with dp set,
+    or pass ``gpus`` (the world size) to resolve dp.  ``train``: TrainConfig
+    (micro batch, global batch -> microbatches, bf16, recompute, distributed
+    optimizer).  ``gpu`` names a hardware-table entry for ``capacity_bytes``.
+    ``fused_attention``: flash/SDPA attention (no s*s scores kept).
+    ``grad_bytes``: gradient bytes per param (default 4: fp32 main grads).
+
+    Example::
+
+        mnb.estimate.memory("llama-7b", ParallelConfig(tp=2), TrainConfig(bf16=True), gpus=8)
+    """
+    model = as_model(model)
+    train = as_train(train)
+    parallel = as_parallel(parallel, gpus)
+    model.check_parallel(parallel)
+    if overhead_fraction < 0:
+        raise ValueError(f"overhead_fraction must be >= 0, got {overhead_fraction}")
+    m = resolve_microbatches(train, parallel, num_microbatches)
+    pp, tp, cp, ep, dp = parallel.pp, parallel.tp, parallel.cp, parallel.ep, parallel.dp or 1
+    if parallel.vpp and parallel.vpp > 1 and m < pp:
+        raise ValueError(
+            f"interleaved schedule (vpp={parallel.vpp}) needs num_microbatches({m}) >= pp({pp}); "
+            f"raise global_batch_size to at least {pp * train.micro_batch_size * dp}"
+        )
+    sp = parallel.sequence_parallel and tp > 1
+    e = 2 if (train.bf16 or train.fp8) else 4
+    s_local = model.seq_length // cp
+    b = train.micro_batch_size
+    h = model.hidden_size
+    shape = LayerShape(
+        seq=s_local, micro_batch=b, tp=tp, sequence_parallel=sp, element_bytes=e,
+        recompute=train.recompute, fused_attention=fused_attention,
+    )
+    per_layer = layer_activation_bytes(model, shape)
+    one_full_layer = full_layer_bytes(model, shape)
+    vocab = padded_vocab_size(model, tp)
+    v = parallel.vpp or 1
+    sp_div = tp if sp else 1
+    dense_bpp = bytes_per_param(train, dp * cp, grad_bytes=grad_bytes)
+    expert_bpp = bytes_per_param(train, max(dp * cp // ep, 1), grad_bytes=grad_bytes)
+
+    stages = []
+    for stage in range(pp):
+        params = stage_params(model, parallel, stage)
+        chunks = in_flight(pp, stage, m, parallel.vpp)
+        layers_per_chunk = params.num_layers / v
+        acts = chunks * layers_per_chunk * per_layer
+        if train.recompute == "full":
+            acts += one_full_layer  # the layer rematerialised during its backward
+        mbs_in_flight = min(chunks, m)
+        if stage == 0:
+            acts += mbs_in_flight * s_local * b * 8 * 2  # int64 token and position ids
+            if dropout(model, "hidden_dropout") > 0:
+                acts += mbs_in_flight * s_local * b * h / sp_div  # embedding dropout mask
+        logits = 0.0
+        if stage == pp - 1:
+            acts += 2 * s_local * b * h * e / sp_div  # final norm input, output layer input
+            # vocab-parallel cross entropy keeps fp32 softmax; bf16 logits alive alongside.
+            logits = s_local * b * vocab / tp * (4 + e)
+        stages.append(
+            StageMemory(
+                stage=stage,
+                num_layers=params.num_layers,
+                params=params.total,
+                in_flight_microbatches=chunks,
+                weights_bytes=params.dense * dense_bpp["weights"] + params.expert * expert_bpp["weights"],
+                gradients_bytes=params.dense * dense_bpp["gradients"] + params.expert * expert_bpp["gradients"],
+                optimizer_bytes=params.dense * dense_bpp["optimizer"] + params.expert * expert_bpp["optimizer"],
+                activations_bytes=acts,
+                logits_bytes=logits,
+                other_bytes=overhead_fraction * (acts + logits),
+            )
+        )
+    capacity = hardware.device(gpu).capacity_bytes if gpu else None
+    return MemoryEstimate(
+        model=model.name,
+        parallel=parallel,
+        num_microbatches=m,
+        micro_batch_size=b,
+        seq_length=model.seq_length,
+        recompute=train.recompute,
+        stages=tuple(stages),
+        capacity_bytes=capacity,
+        megatron_bytes=megatron_estimate_bytes(model, parallel, train, m),
+        assumptions={
+            "fused_attention": fused_attention,
+            "hidden_dropout": dropout(model, "hidden_dropout"),
+            "attention_dropout": dropout(model, "attention_dropout"),
+            "padded_vocab_size": vocab,
+            "bytes_per_param": dense_bpp,
+            "overhead_fraction": overhead_fraction,
+        },
+    )
+
+
+def megatron_estimate_bytes(
+    model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, num_microbatches: int
+) -> float:
+    """Megatron-LM's theoretical_memory_usage estimate (first stage), for comparison.
+
+    Weights+optimizer: (layers/pp + embedding) / tp params at 18 B (6 + 12/dp
+    with the distributed optimizer); activations (SP + selective formula):
+    s*b*h*(18 + 4*ffn/h) per layer * layers, embedding extras for pp
+    microbatches, the interleaving factor or min(1, m/pp), logits for pp == 1,
+    all / tp.
+    """
+    h, s, b = model.hidden_size, model.seq_length, train.micro_batch_size
+    pp, tp, dp = parallel.pp, parallel.tp, parallel.dp or 1
+    vocab = padded_vocab_size(model, tp)
+    norm = 1 if model.normalization == "RMSNorm" else 2
+    q = model.num_attention_heads * model.head_dim
+    gate = 1.5 if model.gated_linear_unit else 1.0
+    experts = model.num_moe_experts or 1
+    ffn = model.moe_ffn if model.is_moe else model.ffn
+    layer = 2 * h * (ffn * experts * gate + norm) + 2 * h * h * (1 + model.query_groups / model.num_attention_heads) * q / h
+    block = layer * model.num_layers + norm * h
+    shard = (block / pp + vocab * h) / tp
+    if not model.share_embeddings_and_output_weights and pp == 1:
+        shard += vocab * h / tp
+    bpp = 6 + 12 / dp if train.use_distributed_optimizer else 18
+    acts = s * b * h * (18 + 4 * model.ffn / h) * model.num_layers
+    acts += 8 * s * b * pp + s * b * h * pp
+    if parallel.vpp:
+        acts *= 1 + (pp - 1) / (pp * parallel.vpp)
+    elif pp > 1:
+        acts *= min(1, num_microbatches / pp)
+    if pp == 1:
+        acts += s * b * h * 4 * (1 + vocab / h)
+    return shard * bpp + acts / tp

@@ -1,0 +1,219 @@
+"""Pipeline schedules: bubble fraction, microbatches in flight, a schedule simulator
+and the bubble measured from a timeline.
+
+Bubble (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+GPU Clusters Using Megatron-LM", arXiv 2104.04473, sec. 2.2): with p stages and
+m microbatches, 1F1B idles (p-1) forward+backward slots per stage, i.e. a
+bubble time of (p-1)/m of the ideal compute time; the interleaved schedule with
+v model chunks per rank divides it by v: (p-1)/(v*m).
+
+Usage::
+
+    >>> from mnb.config import ParallelConfig
+    >>> from mnb.estimate import bubble
+    >>> bubble(ParallelConfig(pp=4, dp=1), num_microbatches=8)
+    0.375
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from mnb.config import ParallelConfig
+
+COMPUTE_KINDS = ("forward", "backward")
+
+
+def bubble(parallel: ParallelConfig, num_microbatches: int) -> float:
+    """Pipeline bubble as a fraction of ideal compute time.
+
+    ``(pp-1)/m`` for 1F1B, ``(pp-1)/(vpp*m)`` for the interleaved schedule
+    (Narayanan et al. 2021, eqs. in sec. 2.2.1 and 2.2.2).  0 when pp == 1.
+    """
+    m = num_microbatches
+    if not isinstance(m, int) or m < 1:
+        raise ValueError(f"num_microbatches must be a positive integer, got {m!r}")
+    v = parallel.vpp or 1
+    return (parallel.pp - 1) / (v * m)
+
+
+def warmup_microbatches(pp: int, stage: int, num_microbatches: int, vpp: int | None = None) -> int:
+    """Forward passes a stage runs before its first backward (Megatron-Core schedules.py).
+
+    1F1B: ``pp - stage - 1``; interleaved: ``(pp - stage - 1) * 2 + (vpp - 1) * pp``
+    (microbatch group size = pp, the default); both capped at the total number
+    of (chunk, microbatch) forward passes.
+    """
+    v = vpp or 1
+    total = num_microbatches * v
+    if pp == 1:
+        return 0
+    if v == 1:
+        warm = pp - stage - 1
+    else:
+        warm = (pp - stage - 1) * 2 + (v - 1) * pp
+    return min(warm, total)
+
+
+def in_flight(pp: int, stage: int, num_microbatches: int, vpp: int | None = None) -> int:
+    """(chunk, microbatch) activations a stage holds at its peak.
+
+    1F1B: ``min(pp - stage, m)`` microbatches (stage r stashes its warm-up
+    forwards plus the one in steady state).  Interleaved: warm-up + 1 chunk
+    passes; for stage 0 this equals Megatron's memory factor
+    ``1 + (pp-1)/(pp*vpp)`` times pp microbatches of the stage's layers.
+    """
+    v = vpp or 1
+    return min(warmup_microbatches(pp, stage, num_microbatches, vpp) + 1, num_microbatches * v)
+
+
+def _chunk_order(pp: int, m: int, v: int) -> list[tuple[int, int]]:
+    """(chunk, microbatch) forward order on every rank, groups of pp microbatches."""
+    order: list[tuple[int, int]] = []
+    for start in range(0, m, pp):
+        for chunk in range(v):
+            for mb in range(start, min(start + pp, m)):
+                order.append((chunk, mb))
+    return order
+
+
+def simulate_schedule(
+    parallel: ParallelConfig,
+    num_microbatches: int,
+    *,
+    forward_s: float = 1.0,
+    backward_s: float = 2.0,
+    step: int = 0,
+) -> list[dict[str, Any]]:
+    """Predicted timeline of one step: events shaped like measured timeline entries.
+
+    ``forward_s``/``backward_s`` are the times of one microbatch through one
+    stage's full set of layers; with vpp each chunk takes 1/vpp of that.  Each
+    stage runs Megatron's op order (warm-up forwards, 1F1B steady state,
+    cool-down backwards); an op starts when its stage is free and its input
+    (previous stage's forward, next stage's backward) has arrived.  Transfers
+    take no time, so the idle time is the schedule's own bubble.
+    """
+    pp, m, v = parallel.pp, num_microbatches, parallel.vpp or 1
+    if m < 1:
+        raise ValueError(f"num_microbatches must be positive, got {m}")
+    if v > 1 and m < pp:
+        raise ValueError(
+            f"the interleaved schedule needs num_microbatches({m}) >= pp({pp}) (Megatron-Core check)"
+        )
+    fwd_order = _chunk_order(pp, m, v)
+    bwd_order = [(v - 1 - c, mb) for c, mb in fwd_order]
+    tf, tb = forward_s / v, backward_s / v
+    ops: list[list[tuple[str, int, int]]] = []
+    for stage in range(pp):
+        warm = warmup_microbatches(pp, stage, m, parallel.vpp) if pp > 1 else 0
+        seq: list[tuple[str, int, int]] = []
+        f = b = 0
+        total = m * v
+        for _ in range(warm):
+            seq.append(("forward", *fwd_order[f]))
+            f += 1
+        while f < total:
+            seq.append(("forward", *fwd_order[f]))
+            f += 1
+            seq.append(("backward", *bwd_order[b]))
+            b += 1
+        while b < total:
+            seq.append(("backward", *bwd_order[b]))
+            b += 1
+        ops.append(seq)
+
+    done: dict[tuple[str, int, int, int], float] = {}
+    free = [0.0] * pp
+    pos = [0] * pp
+    events: list[dict[str, Any]] = []
+    remaining = sum(len(s) for s in ops)
+    while remaining:
+        progressed = False
+        for stage in range(pp):
+            while pos[stage] < len(ops[stage]):
+                kind, chunk, mb = ops[stage][pos[stage]]
+                dep = _dependency(kind, stage, chunk, mb, pp, v)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[stage], done[dep] if dep is not None else 0.0)
+                end = start + (tf if kind == "forward" else tb)
+                done[(kind, stage, chunk, mb)] = end
+                free[stage] = end
+                events.append(
+                    {"step": step, "stage": stage, "chunk": chunk, "kind": kind,
+                     "microbatch": mb, "start_s": start, "end_s": end}
+                )
+                pos[stage] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - guards a schedule bug, not user input
+            raise RuntimeError("pipeline schedule simulation deadlocked")
+    return events
+
+
+def _dependency(kind: str, stage: int, chunk: int, mb: int, pp: int, v: int):
+    if kind == "forward":
+        if stage > 0:
+            return ("forward", stage - 1, chunk, mb)
+        if chunk > 0:
+            return ("forward", pp - 1, chunk - 1, mb)
+        return None
+    if stage < pp - 1:
+        return ("backward", stage + 1, chunk, mb)
+    if chunk < v - 1:
+        return ("backward", 0, chunk + 1, mb)
+    return ("forward", stage, chunk, mb)
+
+
+def timeline_bubble(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """Bubble measured from timeline events of one step.
+
+    The span is the forward-backward window of the step: first compute start
+    to last compute end over all stages.  Per stage, idle = span - busy, where
+    busy is the union of its forward/backward intervals; the bubble is
+    idle / busy, the quantity Narayanan et al. call (p-1)/m, so it is directly
+    comparable with :func:`bubble`.  Returns ``{"bubble", "idle_fraction",
+    "span_s", "by_stage": {stage: bubble}}`` or None without compute events.
+    """
+    by_stage: dict[int, list[tuple[float, float]]] = {}
+    for ev in events:
+        if ev.get("kind") not in COMPUTE_KINDS:
+            continue
+        by_stage.setdefault(int(ev.get("stage", 0)), []).append(
+            (float(ev["start_s"]), float(ev["end_s"]))
+        )
+    if not by_stage:
+        return None
+    start = min(s for iv in by_stage.values() for s, _ in iv)
+    end = max(e for iv in by_stage.values() for _, e in iv)
+    span = end - start
+    stage_bubble: dict[int, float] = {}
+    idle_total = busy_total = 0.0
+    for stage, intervals in sorted(by_stage.items()):
+        busy = _union_length(intervals)
+        idle = max(span - busy, 0.0)
+        stage_bubble[stage] = idle / busy if busy > 0 else float("inf")
+        idle_total += idle
+        busy_total += busy
+    return {
+        "bubble": idle_total / busy_total if busy_total > 0 else float("inf"),
+        "idle_fraction": idle_total / (span * len(by_stage)) if span > 0 else 0.0,
+        "span_s": span,
+        "by_stage": stage_bubble,
+    }
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total = 0.0
+    cur_s = cur_e = None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total

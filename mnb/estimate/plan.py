@@ -1,0 +1,201 @@
+"""Enumerate parallel layouts for a model on N GPUs, predict memory and speed, rank them.
+
+    >>> import mnb.estimate as est
+    >>> rows = est.plan("llama-7b", gpus=8, gpu="h200", seq=4096, mbs=1, gbs=128)
+    >>> rows[0].parallel.describe(), rows[0].recompute
+    ('tp1 pp1 dp8', 'none')
+
+Rules: tp divides heads and query groups and stays within a node; pp divides
+the layers; tp*pp*cp divides the GPUs; sequence parallel is on when tp > 1;
+the distributed optimizer is on when dp > 1; vpp in ``vpps`` where layers
+split evenly and m >= pp; ep (MoE) divides the experts and dp*cp; recompute
+in ``recomputes``.  Rows are sorted: fitting layouts first, then by predicted
+step time, then by memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors
+
+from . import hardware
+from ._inputs import as_model, as_train
+from .memory import MemoryEstimate, memory
+from .timing import StepTimeEstimate, step_time
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRow:
+    """One candidate layout with its predictions."""
+
+    parallel: ParallelConfig
+    recompute: str
+    use_distributed_optimizer: bool
+    num_microbatches: int
+    memory_bytes: float
+    """Predicted peak over all ranks."""
+    capacity_bytes: int | None
+    fits: bool
+    step_time_s: float
+    mfu: float
+    tokens_per_s: float
+    bubble: float
+    memory_estimate: MemoryEstimate
+    time_estimate: StepTimeEstimate
+
+    def describe(self) -> str:
+        extra = [] if self.recompute == "none" else [f"recompute={self.recompute}"]
+        if self.use_distributed_optimizer:
+            extra.append("dist-opt")
+        return " ".join([self.parallel.describe(), *extra])
+
+
+class Plan(list):
+    """A list of :class:`PlanRow`, best first, that renders as a table in Jupyter."""
+
+    @property
+    def best(self) -> PlanRow | None:
+        return self[0] if self and self[0].fits else None
+
+    def table(self, limit: int = 15) -> str:
+        gib = 2**30
+        lines = [f"{'layout':<38} {'mem GiB':>8} {'fits':>5} {'step s':>8} {'MFU':>6} {'tok/s':>10}"]
+        for r in self[:limit]:
+            lines.append(
+                f"{r.describe():<38} {r.memory_bytes / gib:8.1f} {str(r.fits):>5} "
+                f"{r.step_time_s:8.3f} {r.mfu:6.1%} {r.tokens_per_s:10.0f}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        gib = 2**30
+        head = "".join(f"<th>{c}</th>" for c in ("layout", "memory GiB", "fits", "step s", "MFU", "tokens/s"))
+        body = []
+        for r in self[:30]:
+            style = "" if r.fits else ' style="color:#999"'
+            body.append(
+                f"<tr{style}><td>{r.describe()}</td><td>{r.memory_bytes / gib:.1f}</td>"
+                f"<td>{'yes' if r.fits else 'no'}</td><td>{r.step_time_s:.3f}</td>"
+                f"<td>{r.mfu:.1%}</td><td>{r.tokens_per_s:,.0f}</td></tr>"
+            )
+        return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def plan(
+    model: str | ModelConfig | dict,
+    gpus: int,
+    gpu: str = "h200",
+    seq: int | None = None,
+    mbs: int = 1,
+    gbs: int | None = None,
+    *,
+    train: TrainConfig | None = None,
+    tps: Iterable[int] | None = None,
+    pps: Iterable[int] | None = None,
+    vpps: Sequence[int | None] = (None, 2),
+    cps: Iterable[int] = (1,),
+    eps: Iterable[int] | None = None,
+    recomputes: Sequence[str] = ("none", "selective", "full"),
+    gpus_per_node: int = 8,
+    capacity_bytes: int | None = None,
+    achievable_fraction: float = 0.5,
+) -> Plan:
+    """Enumerate valid layouts and rank them by predicted step time (fitting ones first).
+
+    ``gbs`` defaults to ``train.global_batch_size`` or 4 * gpus * mbs;
+    ``seq`` overrides ``model.seq_length``; ``train`` supplies precision and
+    other settings (default: bf16).  ``capacity_bytes`` overrides the device's.
+    """
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+    if not isinstance(mbs, int) or mbs < 1:
+        raise ValueError(f"mbs must be a positive integer, got {mbs!r}")
+    model = as_model(model)
+    if seq is not None:
+        model = model.with_overrides(seq_length=seq)
+    base = as_train(train) if train is not None else TrainConfig(bf16=True)
+    gbs = gbs or base.global_batch_size or 4 * gpus * mbs
+    if gbs % mbs:
+        raise ValueError(f"gbs({gbs}) is not divisible by mbs({mbs})")
+    capacity = capacity_bytes if capacity_bytes is not None else hardware.device(gpu).capacity_bytes
+    node = min(gpus_per_node, gpus)
+    tp_choices = list(tps) if tps is not None else [
+        t for t in divisors(gpus) if t <= node and model.num_attention_heads % t == 0
+        and model.query_groups % t == 0
+    ]
+    pp_choices = list(pps) if pps is not None else [
+        p for p in divisors(gpus) if model.num_layers % p == 0
+    ]
+    ep_choices = list(eps) if eps is not None else (
+        divisors(model.num_moe_experts) if model.is_moe else [1]
+    )
+
+    rows: list[PlanRow] = []
+    for tp in tp_choices:
+        for pp in pp_choices:
+            for cp in cps:
+                if gpus % (tp * pp * cp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                if gbs % (mbs * dp):
+                    continue
+                m = gbs // (mbs * dp)
+                for vpp in vpps:
+                    if vpp is not None and (pp < 2 or vpp < 2 or model.num_layers % (pp * vpp) or m < pp):
+                        continue
+                    for ep in ep_choices:
+                        if (dp * cp) % ep:
+                            continue
+                        parallel = ParallelConfig(
+                            tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, sequence_parallel=tp > 1
+                        )
+                        try:
+                            model.check_parallel(parallel)
+                        except ValueError:
+                            continue
+                        for recompute in recomputes:
+                            t = replace(
+                                base, micro_batch_size=mbs, global_batch_size=gbs,
+                                recompute=recompute, use_distributed_optimizer=dp * cp > 1,
+                            )
+                            rows.append(_row(model, parallel, t, gpu, capacity, gpus_per_node, achievable_fraction))
+    if not rows:
+        raise ValueError(
+            f"no valid layout for {model.name} on {gpus} GPUs with gbs({gbs}), mbs({mbs}): "
+            f"layers {model.num_layers}, heads {model.num_attention_heads}, "
+            f"query groups {model.query_groups}; try another gbs or GPU count"
+        )
+    rows.sort(key=lambda r: (not r.fits, r.step_time_s, r.memory_bytes))
+    return Plan(rows)
+
+
+def _row(model, parallel, train, gpu, capacity, gpus_per_node, achievable_fraction) -> PlanRow:
+    mem = memory(model, parallel, train, gpu=gpu)
+    mem = replace(mem, capacity_bytes=capacity)
+    t = step_time(
+        model, parallel, train, gpu=gpu, gpus_per_node=gpus_per_node,
+        achievable_fraction=achievable_fraction,
+    )
+    fits = capacity is None or mem.peak_bytes <= capacity
+    from .pipeline import bubble
+
+    return PlanRow(
+        parallel=parallel,
+        recompute=train.recompute,
+        use_distributed_optimizer=train.use_distributed_optimizer,
+        num_microbatches=mem.num_microbatches,
+        memory_bytes=mem.peak_bytes,
+        capacity_bytes=capacity,
+        fits=fits,
+        step_time_s=t.total_s,
+        mfu=t.mfu,
+        tokens_per_s=t.tokens_per_s,
+        bubble=bubble(parallel, mem.num_microbatches),
+        memory_estimate=mem,
+        time_estimate=t,
+    )

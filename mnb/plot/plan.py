@@ -1,0 +1,50 @@
+"""plot_plan: predicted memory vs predicted MFU for the rows of mnb.estimate.plan."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mnb.estimate import PlanRow
+
+from ._figure import COLORS, new_axes
+
+GIB = 2**30
+
+
+def plot_plan(rows: Sequence[PlanRow], ax=None, *, label_top: int = 5):
+    """Scatter of layouts: x = predicted peak memory per rank, y = predicted MFU.
+
+    Fitting layouts are filled circles, the others grey crosses; the capacity
+    is a dashed vertical line; the best ``label_top`` fitting rows are
+    labelled and the best one starred.  Returns the Axes.
+    """
+    rows = list(rows)
+    if ax is None:
+        _, ax = new_axes(figsize=(7.5, 4.5))
+    if not rows:
+        ax.text(0.5, 0.5, "no layouts", ha="center", va="center", transform=ax.transAxes)
+        return ax
+    fit = [r for r in rows if r.fits]
+    nofit = [r for r in rows if not r.fits]
+    if fit:
+        ax.scatter([r.memory_bytes / GIB for r in fit], [r.mfu * 100 for r in fit],
+                   color=COLORS["weights"], s=28, label=f"fits ({len(fit)})", zorder=3)
+    if nofit:
+        ax.scatter([r.memory_bytes / GIB for r in nofit], [r.mfu * 100 for r in nofit],
+                   color="#999999", marker="x", s=24, label=f"does not fit ({len(nofit)})", zorder=2)
+    capacity = next((r.capacity_bytes for r in rows if r.capacity_bytes), None)
+    if capacity:
+        ax.axvline(capacity / GIB, color=COLORS["capacity"], linestyle="--", linewidth=1.2,
+                   label=f"capacity {capacity / GIB:.0f} GiB")
+    for i, r in enumerate(fit[:label_top]):
+        ax.annotate(r.describe(), (r.memory_bytes / GIB, r.mfu * 100), fontsize=7,
+                    xytext=(4, 4 + 8 * (i % 2)), textcoords="offset points")
+    if fit:
+        best = fit[0]
+        ax.scatter([best.memory_bytes / GIB], [best.mfu * 100], marker="*", s=220,
+                   color="#F0B400", edgecolor="black", zorder=4, label="best")
+    ax.set_xlabel("predicted peak memory per rank (GiB)")
+    ax.set_ylabel("predicted MFU (%)")
+    ax.set_title("layouts: memory vs predicted MFU", fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    return ax

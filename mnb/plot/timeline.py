@@ -1,0 +1,110 @@
+"""plot_timeline (measured Gantt per pipeline stage) and plot_schedule (predicted).
+
+Boxes: forward and backward microbatches (number inside, one shade per
+virtual chunk); communication and optimizer intervals as thin grey bars;
+the forward-backward span shaded behind, so idle time shows as the pale
+background.  The title puts the measured bubble beside the theoretical
+(p-1)/m or (p-1)/(v*m) (Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mnb.config import ParallelConfig
+from mnb.estimate import bubble, simulate_schedule, timeline_bubble
+
+from ._coerce import as_run
+from ._figure import COLORS, new_axes
+
+COMPUTE = ("forward", "backward")
+
+
+def _draw(ax, events: list[dict[str, Any]], pp: int, unit: str, scale: float) -> None:
+    compute = [e for e in events if e.get("kind") in COMPUTE]
+    if not events:
+        ax.text(0.5, 0.5, "no timeline recorded", ha="center", va="center", transform=ax.transAxes)
+        return
+    t0 = min(float(e["start_s"]) for e in (compute or events))
+    if compute:
+        span_end = max(float(e["end_s"]) for e in compute)
+        for stage in range(pp):
+            ax.barh(stage, (span_end - t0) * scale, left=0.0, height=0.9, color=COLORS["idle"],
+                    edgecolor="none", zorder=0)
+    chunks = max((int(e.get("chunk") or 0) for e in events), default=0) + 1
+    for e in events:
+        start = (float(e["start_s"]) - t0) * scale
+        width = (float(e["end_s"]) - float(e["start_s"])) * scale
+        stage = int(e.get("stage", 0))
+        kind = e.get("kind")
+        if kind in COMPUTE:
+            chunk = int(e.get("chunk") or 0)
+            alpha = 1.0 - 0.45 * chunk / max(chunks - 1, 1) if chunks > 1 else 1.0
+            ax.barh(stage, width, left=start, height=0.8, color=COLORS[kind], alpha=alpha,
+                    edgecolor="white", linewidth=0.5, zorder=2)
+            mb = e.get("microbatch")
+            if mb is not None:
+                ax.text(start + width / 2, stage, str(mb), ha="center", va="center", fontsize=7, zorder=3)
+        else:
+            ax.barh(stage + 0.3, width, left=start, height=0.15, color=COLORS["comm"],
+                    edgecolor="none", zorder=1)
+    ax.set_yticks(range(pp))
+    ax.set_yticklabels([f"stage {s}" for s in range(pp)])
+    ax.set_ylim(pp - 0.5, -0.5)
+    ax.set_xlabel(f"time ({unit})")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLORS["forward"], label="forward"),
+               Patch(color=COLORS["backward"], label="backward"),
+               Patch(color=COLORS["idle"], label="idle")]
+    if any(e.get("kind") not in COMPUTE for e in events):
+        handles.append(Patch(color=COLORS["comm"], label="comm / optimizer"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def plot_timeline(run: Any, ax=None, step: int | None = None):
+    """Gantt chart of one measured step (default: the last) of a Run, per pipeline stage."""
+    run = as_run(run)
+    events = run.timeline(step)
+    if ax is None:
+        _, ax = new_axes(figsize=(9.0, 1.0 + 0.6 * run.layout.pp))
+    span = max((float(e["end_s"]) for e in events), default=0) - min(
+        (float(e["start_s"]) for e in events), default=0)
+    unit, scale = ("ms", 1e3) if span < 10 else ("s", 1.0)
+    _draw(ax, events, run.layout.pp, unit, scale)
+    measured = timeline_bubble(events)
+    shown = step if step is not None else (events[0].get("step") if events else None)
+    text = f"step {shown}: " if shown is not None else ""
+    if measured is not None:
+        text += f"measured bubble {measured['bubble']:.1%} vs "
+    text += f"theoretical {run.theoretical_bubble:.1%} ({run.layout.describe()}, m={run.num_microbatches})"
+    ax.set_title(text, fontsize=10)
+    return ax
+
+
+def plot_schedule(
+    parallel: ParallelConfig,
+    num_microbatches: int,
+    ax=None,
+    *,
+    forward_s: float = 1.0,
+    backward_s: float = 2.0,
+):
+    """Schematic predicted timeline of one step from (pp, vpp, m) alone.
+
+    Simulated with :func:`mnb.estimate.simulate_schedule` (backward twice a
+    forward by default, transfers free): its bubble equals the formula.
+    """
+    events = simulate_schedule(parallel, num_microbatches, forward_s=forward_s, backward_s=backward_s)
+    if ax is None:
+        _, ax = new_axes(figsize=(9.0, 1.0 + 0.6 * parallel.pp))
+    _draw(ax, events, parallel.pp, "forward passes of one stage", 1.0 / forward_s)
+    sim = timeline_bubble(events)
+    ax.set_title(
+        f"{'interleaved' if (parallel.vpp or 1) > 1 else '1F1B'} pp={parallel.pp}"
+        + (f" vpp={parallel.vpp}" if (parallel.vpp or 1) > 1 else "")
+        + f" m={num_microbatches}: bubble {sim['bubble']:.1%} "
+        f"(formula {bubble(parallel, num_microbatches):.1%})",
+        fontsize=10,
+    )
+    return ax

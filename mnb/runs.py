@@ -1,0 +1,344 @@
+"""Run records on the notebook side: measured beside predicted.
+
+``mnb.train`` produces one record (a JSON-able dict) per rank; the controller
+gathers them and builds a :class:`Run`::
+
+    run = Run(records)                 # or mnb.last_run
+    run.losses, run.tokens_per_s, run.mfu
+    run.peak_memory_bytes, run.predicted_memory.peak_bytes
+    run.measured_bubble, run.theoretical_bubble
+    run.summary(); run.plot_memory(); run.plot_timeline(); run.plot_mfu()
+    Run.from_dict(json.loads(json.dumps(run.to_dict())))
+
+Record schema (optional keys may be missing): ``rank``, ``world_size``,
+``coords`` {tp,pp,dp,cp,ep}, ``layout`` {tp,pp,vpp,cp,ep,dp,sequence_parallel},
+``model`` (ModelConfig fields), ``train`` (TrainConfig fields), ``device``,
+``device_name``, ``num_microbatches``, ``num_parameters_local``,
+``model_flops_per_step``, ``memory_source`` ('cuda'|'rss'), ``steps`` [{step,
+loss, grad_norm, lr, step_time_s, tokens_per_s, mem_allocated_bytes,
+mem_peak_bytes, mem_reserved_bytes}], ``timeline`` [{step, stage, chunk, kind,
+microbatch, start_s, end_s}], ``memory`` {peak_allocated_bytes,
+peak_reserved_bytes, capacity_bytes}.
+
+Pure Python: no torch, no numpy.  Timeline times of different ranks are
+compared directly, which holds for ranks on one host (a shared monotonic
+clock); across hosts the bubble is only as good as the clocks' agreement.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import fields
+from functools import cached_property
+from typing import Any, Iterable
+
+from mnb import estimate
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig
+from mnb.estimate import hardware
+
+GIB = 2**30
+
+
+def _model_from_dict(data: dict[str, Any]) -> ModelConfig:
+    known = {f.name for f in fields(ModelConfig)}
+    base = ModelConfig(**{k: v for k, v in data.items() if k in known})
+    unknown = {k: v for k, v in data.items() if k not in known}
+    return base.with_overrides(**unknown) if unknown else base
+
+
+def _filtered(cls, data: dict[str, Any]):
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class Run:
+    """Per-rank records of one training run, with measured and predicted views.
+
+    ``gpu`` (a hardware-table name) or ``peak_flops`` (per device) set the
+    peak for MFU; otherwise it comes from ``device_name`` of a CUDA run, and
+    CPU runs have no MFU (None).
+    """
+
+    def __init__(
+        self,
+        records: Iterable[dict[str, Any]],
+        *,
+        gpu: str | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        recs = sorted((dict(r) for r in records), key=lambda r: int(r.get("rank", 0)))
+        if not recs:
+            raise ValueError("a Run needs at least one rank record")
+        self._records = recs
+        self.gpu = gpu
+        self.peak_flops = peak_flops
+
+    # ----- structure -------------------------------------------------------------
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return list(self._records)
+
+    @property
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        return {int(r.get("rank", i)): r for i, r in enumerate(self._records)}
+
+    @property
+    def _first(self) -> dict[str, Any]:
+        return self._records[0]
+
+    @property
+    def world_size(self) -> int:
+        return int(self._first.get("world_size") or len(self._records))
+
+    @cached_property
+    def layout(self) -> ParallelConfig:
+        data = dict(self._first.get("layout") or {})
+        parallel = _filtered(ParallelConfig, data)
+        if parallel.dp is None:
+            parallel = parallel.resolve(self.world_size)
+        return parallel
+
+    @cached_property
+    def model(self) -> ModelConfig:
+        return _model_from_dict(dict(self._first.get("model") or {}))
+
+    @cached_property
+    def train(self) -> TrainConfig:
+        return _filtered(TrainConfig, dict(self._first.get("train") or {}))
+
+    @property
+    def num_microbatches(self) -> int:
+        given = self._first.get("num_microbatches")
+        return int(given) if given else self.train.num_microbatches(self.layout.dp or 1)
+
+    @property
+    def device_name(self) -> str | None:
+        return self._first.get("device_name")
+
+    @property
+    def on_cpu(self) -> bool:
+        return str(self._first.get("device", "cpu")).startswith("cpu")
+
+    # ----- per-step measurements -----------------------------------------------------
+    def _per_step(self, key: str) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for rec in self._records:
+            for st in rec.get("steps") or []:
+                value = st.get(key)
+                if "step" in st:
+                    out.setdefault(int(st["step"]), [])
+                    if value is not None:
+                        out[int(st["step"])].append(float(value))
+        return dict(sorted(out.items()))
+
+    @property
+    def steps(self) -> list[int]:
+        return list(self._per_step("step_time_s"))
+
+    @property
+    def losses(self) -> list[float | None]:
+        """Loss per step: mean over the ranks that report one (the last pipeline stage)."""
+        return [sum(v) / len(v) if v else None for v in self._per_step("loss").values()]
+
+    @property
+    def step_times_s(self) -> list[float | None]:
+        """Step time per step: the slowest rank's."""
+        return [max(v) if v else None for v in self._per_step("step_time_s").values()]
+
+    @property
+    def tokens_per_s(self) -> list[float | None]:
+        """Tokens per second per step (as recorded, else global batch * seq / step time)."""
+        recorded = self._per_step("tokens_per_s")
+        tokens = self.num_microbatches * self.train.micro_batch_size * (self.layout.dp or 1) * self.model.seq_length
+        out = []
+        for (step, vals), t in zip(recorded.items(), self.step_times_s):
+            if vals:
+                out.append(min(vals))
+            elif t:
+                out.append(tokens / t)
+            else:
+                out.append(None)
+        return out
+
+    @property
+    def model_flops_per_step(self) -> float:
+        given = self._first.get("model_flops_per_step")
+        if given:
+            return float(given)
+        gbs = self.num_microbatches * self.train.micro_batch_size * (self.layout.dp or 1)
+        return estimate.flops(self.model, self.train, global_batch_size=gbs)
+
+    @property
+    def peak_flops_per_device(self) -> float | None:
+        """Peak used for MFU: ``peak_flops``, ``gpu``, or the CUDA device's table entry."""
+        if self.peak_flops:
+            return float(self.peak_flops)
+        dtype = hardware.train_dtype(self.train.bf16, self.train.fp8)
+        if self.gpu:
+            return hardware.peak_flops(self.gpu, dtype)
+        if self.on_cpu:
+            return None
+        dev = hardware.device_from_name(self.device_name)
+        return hardware.peak_flops(dev.name, dtype) if dev is not None else None
+
+    @property
+    def mfu(self) -> list[float | None]:
+        """MFU per step (None without a peak, e.g. CPU runs without ``peak_flops``)."""
+        peak = self.peak_flops_per_device
+        if peak is None:
+            return [None for _ in self.steps]
+        f = self.model_flops_per_step
+        return [
+            estimate.mfu(flops_per_step=f, step_time_s=t, num_gpus=self.world_size, peak_flops=peak)
+            if t else None
+            for t in self.step_times_s
+        ]
+
+    # ----- memory --------------------------------------------------------------------
+    @property
+    def peak_memory_bytes(self) -> dict[int, int]:
+        """Measured peak allocated bytes per rank (CUDA allocator, or RSS on CPU)."""
+        out = {}
+        for rank, rec in self.ranks.items():
+            peak = (rec.get("memory") or {}).get("peak_allocated_bytes")
+            if peak is None:
+                peaks = [s.get("mem_peak_bytes") for s in rec.get("steps") or [] if s.get("mem_peak_bytes")]
+                peak = max(peaks) if peaks else None
+            if peak is not None:
+                out[rank] = int(peak)
+        return out
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        cap = (self._first.get("memory") or {}).get("capacity_bytes")
+        return int(cap) if cap else None
+
+    @property
+    def memory_source(self) -> str:
+        return self._first.get("memory_source") or ("rss" if self.on_cpu else "cuda")
+
+    @cached_property
+    def predicted_memory(self) -> estimate.MemoryEstimate:
+        """mnb.estimate.memory for this run's model, layout and train settings."""
+        mem = estimate.memory(self.model, self.layout, self.train, num_microbatches=self.num_microbatches)
+        if self.capacity_bytes:
+            from dataclasses import replace
+
+            mem = replace(mem, capacity_bytes=self.capacity_bytes)
+        return mem
+
+    def stage_of_rank(self, rank: int) -> int:
+        coords = self.ranks[rank].get("coords") or {}
+        if "pp" in coords:
+            return int(coords["pp"])
+        return self.predicted_memory.stage_of_rank(rank)
+
+    # ----- pipeline ------------------------------------------------------------------
+    def timeline(self, step: int | None = None) -> list[dict[str, Any]]:
+        """Timeline events of one step (default: the last), one rank per pipeline stage."""
+        chosen: dict[int, int] = {}
+        for rank, rec in self.ranks.items():
+            if rec.get("timeline"):
+                stage = int((rec.get("coords") or {}).get("pp", rec["timeline"][0].get("stage", 0)))
+                chosen.setdefault(stage, rank)
+        events = []
+        for stage, rank in chosen.items():
+            for ev in self.ranks[rank]["timeline"]:
+                ev = dict(ev)
+                ev.setdefault("stage", stage)
+                events.append(ev)
+        if not events:
+            return []
+        steps = sorted({int(ev.get("step", 0)) for ev in events})
+        wanted = steps[-1] if step is None else step
+        return [ev for ev in events if int(ev.get("step", 0)) == wanted]
+
+    def timeline_steps(self) -> list[int]:
+        steps = {int(ev.get("step", 0)) for rec in self._records for ev in rec.get("timeline") or []}
+        return sorted(steps)
+
+    @property
+    def measured_bubble_per_step(self) -> dict[int, float]:
+        """Bubble (idle / busy, as in (p-1)/m) per step, from the timeline."""
+        out = {}
+        for step in self.timeline_steps():
+            result = estimate.timeline_bubble(self.timeline(step))
+            if result is not None:
+                out[step] = result["bubble"]
+        return out
+
+    @property
+    def measured_bubble(self) -> float | None:
+        """Mean measured bubble over steps (the first step is left out when there are more)."""
+        per = list(self.measured_bubble_per_step.values())
+        if not per:
+            return None
+        if len(per) > 1:
+            per = per[1:]
+        return sum(per) / len(per)
+
+    @property
+    def theoretical_bubble(self) -> float:
+        return estimate.bubble(self.layout, self.num_microbatches)
+
+    # ----- text ----------------------------------------------------------------------
+    def summary(self) -> str:
+        """A few lines: loss, tokens/s, MFU, bubble, peak memory vs predicted."""
+        lines = [
+            f"{self.model.name} | {self.layout.describe()} | {self.world_size} ranks on "
+            f"{self.device_name or self._first.get('device', '?')} | m={self.num_microbatches}"
+        ]
+        losses = [x for x in self.losses if x is not None]
+        if losses:
+            lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(self.steps)} steps")
+        tps = [x for x in self.tokens_per_s[1:] or self.tokens_per_s if x]
+        mfus = [x for x in self.mfu[1:] or self.mfu if x is not None]
+        perf = []
+        if tps:
+            perf.append(f"{sum(tps) / len(tps):,.0f} tokens/s")
+        perf.append(f"MFU {sum(mfus) / len(mfus):.1%}" if mfus else "MFU n/a (no peak for this device)")
+        lines.append(", ".join(perf))
+        if self.measured_bubble is not None:
+            lines.append(f"bubble measured {self.measured_bubble:.1%} vs theoretical {self.theoretical_bubble:.1%}")
+        peaks = self.peak_memory_bytes
+        if peaks:
+            rank = max(peaks, key=peaks.get)
+            text = f"peak memory {peaks[rank] / GIB:.2f} GiB (rank {rank}, {self.memory_source})"
+            try:
+                pred = self.predicted_memory.for_rank(rank).total_bytes
+                text += f" vs predicted {pred / GIB:.2f} GiB"
+            except ValueError as err:
+                text += f"; no prediction: {err}"
+            lines.append(text)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Run {self.model.name} {self.layout.describe()} steps={len(self.steps)}>\n{self.summary()}"
+
+    def _repr_html_(self) -> str:
+        body = "<br>".join(html.escape(line) for line in self.summary().splitlines())
+        return f"<div><b>mnb run</b><br>{body}</div>"
+
+    # ----- plots ---------------------------------------------------------------------
+    def plot_memory(self, ax=None):
+        from mnb.plot import plot_memory
+
+        return plot_memory(self, ax=ax)
+
+    def plot_timeline(self, ax=None, step: int | None = None):
+        from mnb.plot import plot_timeline
+
+        return plot_timeline(self, ax=ax, step=step)
+
+    def plot_mfu(self, ax=None):
+        from mnb.plot import plot_mfu
+
+        return plot_mfu(self, ax=ax)
+
+    # ----- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"records": self.records, "gpu": self.gpu, "peak_flops": self.peak_flops}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Run":
+        return cls(data["records"], gpu=data.get("gpu"), peak_flops=data.get("peak_flops"))
