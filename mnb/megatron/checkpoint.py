@@ -1,0 +1,363 @@
+"""Save and load models through Megatron-Core's ``dist_checkpointing``.
+
+Inside ``%%megatron`` cells (every rank runs the same line)::
+
+    mnb.save("ckpt/run1", model)            # model weights + optimizer + step + rng
+    ...                                     # later, possibly under another layout:
+    info = mnb.load("ckpt/run1", model)     # {'step': 20, 'optimizer_loaded': True, ...}
+
+The checkpoint is a Megatron distributed checkpoint (``torch_dist`` format) of
+``chunk.sharded_state_dict()`` for every model chunk, plus the Megatron
+optimizer's ``sharded_state_dict``, so it loads into any other tp/pp/vpp/dp
+layout: Megatron reshards tensors by their global keys. Beside it, ``mnb.json``
+(written last) records the step, the layout it was saved under, the model
+config and a user ``extra`` dict (e.g. the data position).
+
+Atomic: ranks write into ``<path>.tmp-<id>``; after every rank finished (barrier)
+rank 0 moves the previous checkpoint aside, renames the new one into place, then
+deletes the old one. A save interrupted at any point leaves the last complete
+checkpoint loadable (:func:`load` also finds it if the process died between the
+two renames). Stale ``.tmp-*`` folders are removed by the next save. The
+checkpoint folder must be on storage that every rank sees (one host, or a
+shared filesystem).
+
+RNG states are saved per (pp, tp) rank and restored only under the same layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_FILE = "mnb.json"
+
+
+# -- small helpers -------------------------------------------------------------------
+
+
+def _dist():
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError(
+            "mnb.save/mnb.load run on pool ranks: torch.distributed is not initialised "
+            "(start a pool with %mnb start, or call torch.distributed.init_process_group)"
+        )
+    return torch.distributed
+
+
+def _parallel_state():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError(
+            "no Megatron parallel layout on this rank: run under %%megatron --tp/--pp, or call "
+            "mnb.megatron.layout.apply_layout(ParallelConfig(...)) first"
+        )
+    return ps
+
+
+def _layout() -> dict[str, Any]:
+    ps = _parallel_state()
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "world_size": torch.distributed.get_world_size(),
+    }
+
+
+def _current_model():
+    try:
+        from mnb.megatron import model as model_module
+    except ImportError:
+        model_module = None
+    for name in ("current_model", "current", "last_model"):
+        getter = getattr(model_module, name, None)
+        if callable(getter):
+            found = getter()
+            if found is not None:
+                return found
+    raise ValueError("no model given and none built yet on this rank: pass model=mnb.gpt(...)")
+
+
+def _chunks(model) -> list[torch.nn.Module]:
+    """Unwrapped chunks (no DDP / Float16Module) of an mnb model, a list of modules, or a module.
+
+    Unwrapped like Megatron-LM's checkpointing does, so tensor keys are the
+    model's own ("decoder.layers.0...") whatever the wrappers.
+    """
+    from megatron.core.utils import unwrap_model
+
+    if hasattr(model, "chunks"):
+        chunks = list(model.chunks)
+    elif isinstance(model, (list, tuple)):
+        chunks = list(model)
+    elif isinstance(model, torch.nn.Module):
+        chunks = [model]
+    else:
+        raise TypeError(
+            f"expected an mnb model, a module or a list of modules, got {type(model).__name__}"
+        )
+    return unwrap_model(chunks)
+
+
+def _model_keys(n: int) -> list[str]:
+    """Megatron-LM's convention: 'model', or 'model0', 'model1', ... for vpp chunks."""
+    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
+
+
+def _model_sharded_state_dict(chunks) -> dict:
+    return {key: chunk.sharded_state_dict(prefix="") for key, chunk in zip(_model_keys(len(chunks)), chunks)}
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    try:
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    except Exception:  # tracker not initialised: nothing to restore later
+        state["tracker"] = None
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(state: dict | None):
+    """One ShardedObject per (pp, tp) coordinate; dp replicas are not written twice."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    ps = _parallel_state()
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    return ShardedObject("mnb.rng_state", state, shape, offset,
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+@contextlib.contextmanager
+def _cuda_calls_on_cpu() -> Iterator[None]:
+    """Let dist_checkpointing save on CPU ranks that did not call mnb.megatron.cpu.install().
+
+    megatron-core 0.16.1 calls CUDA during a torch_dist save even when every
+    tensor is on the CPU (found by running the save on a CPU-only torch):
+
+    - ``dist_checkpointing/strategies/filesystem_async.py:230``,
+      ``FileSystemWriterAsync.preload_tensors``: ``torch.cuda.synchronize()``
+      (``non_blocking=True`` is hard-wired by the caller at line 207);
+    - ``dist_checkpointing/strategies/state_dict_saver.py:252``,
+      ``save_state_dict_async_finalize``:
+      ``torch.tensor(..., device=torch.cuda.current_device())``.
+
+    ``cpu.install()`` redirects both (its torch proxy); this is only the fallback,
+    active for the duration of one save/load, when CUDA is absent and CPU mode
+    is not installed.
+    """
+    try:
+        from mnb.megatron import cpu
+
+        installed = cpu.installed()
+    except ImportError:
+        installed = False
+    if torch.cuda.is_available() or installed:
+        yield
+        return
+    saved = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
+def _broadcast(obj):
+    box = [obj]
+    _dist().broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def read_meta(path: str | os.PathLike) -> dict | None:
+    """``mnb.json`` of a checkpoint folder (or None): readable without torch."""
+    try:
+        return json.loads((Path(path) / META_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+
+
+def _complete(path: Path) -> bool:
+    return read_meta(path) is not None and (path / "metadata.json").is_file()
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The complete checkpoint for ``path``: itself, or what an interrupted swap left.
+
+    A save that died between "move the old one aside" and "rename the new one in"
+    leaves ``path.tmp-<id>`` (complete: has ``mnb.json``) and ``path.old-<id>``;
+    the newer complete one wins.
+    """
+    path = Path(path).absolute()
+    if _complete(path):
+        return path
+    if path.exists():
+        return None
+    siblings = sorted(path.parent.glob(path.name + ".tmp-*")) + sorted(path.parent.glob(path.name + ".old-*"))
+    complete = [p for p in siblings if _complete(p)]
+    if not complete:
+        return None
+    return max(complete, key=lambda p: (p.name.startswith(path.name + ".tmp-"), read_meta(p).get("time", 0)))
+
+
+# -- save / load -------------------------------------------------------------------
+
+
+def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | None = None,
+         extra: dict | None = None) -> Path:
+    """Write a distributed checkpoint of ``model`` (and its optimizer) to ``path``; collective.
+
+    ``model``: the wrapper from ``mnb.gpt`` (its ``.chunks``; ``.optimizer`` when
+    ``optimizer`` is None), a module, or a list of chunks; None = the current model.
+    ``step`` and ``extra`` (JSON-serialisable) go into ``mnb.json``. Returns the path.
+    """
+    from megatron.core import dist_checkpointing
+
+    dist = _dist()
+    model = _current_model() if model is None else model
+    chunks = _chunks(model)
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    if step is None:
+        step = getattr(model, "step", None)
+    path = Path(path).absolute()
+    rank = dist.get_rank()
+    save_id = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    tmp = path.with_name(f"{path.name}.tmp-{save_id}")
+    t0 = time.perf_counter()
+
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(path.name + ".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted save
+        tmp.mkdir()
+    dist.barrier()
+
+    state = _model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False)
+    state["mnb_rng"] = _rng_sharded_object(_rng_state())
+    with _cuda_calls_on_cpu():
+        dist_checkpointing.save(state, str(tmp))  # ends with a barrier
+    meta = {
+        "format": FORMAT_VERSION, "step": step, "layout": _layout(),
+        "num_chunks": len(chunks), "optimizer": optimizer is not None,
+        "model_config": _model_config(model), "extra": extra or {}, "time": time.time(),
+    }
+    if rank == 0:
+        (tmp / (META_FILE + ".part")).write_text(json.dumps(meta, indent=1, default=str))
+        os.replace(tmp / (META_FILE + ".part"), tmp / META_FILE)
+    dist.barrier()  # every rank finished writing; the new checkpoint is complete
+
+    if rank == 0:
+        old = path.with_name(f"{path.name}.old-{save_id}")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    logger.info("saved %s (step %s) in %.2f s", path, step, time.perf_counter() - t0)
+    return path
+
+
+def _model_config(model) -> dict | None:
+    config = getattr(model, "config", None) or getattr(model, "model_config", None)
+    to_dict = getattr(config, "to_dict", None)
+    return to_dict() if callable(to_dict) else None
+
+
+def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer: bool = True,
+         load_rng: bool = True, strict: bool = True) -> dict:
+    """Load a checkpoint written by :func:`save` into ``model`` (any layout); collective.
+
+    Model weights always; optimizer state when the checkpoint has it, an optimizer
+    is present and ``load_optimizer``; RNG states when the layout is unchanged and
+    ``load_rng``. Returns ``mnb.json`` plus ``optimizer_loaded`` / ``rng_loaded``.
+    ``strict``: every model tensor must be in the checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    dist = _dist()
+    model = _current_model() if model is None else model
+    chunks = _chunks(model)
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    requested = Path(path).absolute()
+    found = find_checkpoint(requested)
+    if found is None:
+        if (requested / "metadata.json").is_file():  # a plain Megatron checkpoint
+            found, meta = requested, {"step": None, "layout": None, "optimizer": False, "extra": {}}
+        elif requested.exists():
+            raise ValueError(f"{requested} is not a complete checkpoint (no {META_FILE}); "
+                             "was its save interrupted?")
+        else:
+            raise FileNotFoundError(f"no checkpoint at {requested}")
+    else:
+        meta = read_meta(found)
+        if found != requested:
+            logger.warning("%s was being replaced when a save stopped; loading %s", requested, found)
+    t0 = time.perf_counter()
+
+    state = _model_sharded_state_dict(chunks)
+    use_optimizer = bool(load_optimizer and optimizer is not None and meta.get("optimizer"))
+    if use_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
+    same_layout = meta.get("layout") == _layout()
+    use_rng = bool(load_rng and same_layout)
+    if use_rng:
+        state["mnb_rng"] = _rng_sharded_object(None)
+    # Megatron's "unexpected" = requested but absent from the checkpoint.
+    strictness = StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED
+    with _cuda_calls_on_cpu():
+        loaded = dist_checkpointing.load(state, str(found), strict=strictness)
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        chunk.load_state_dict(loaded[key], strict=strict)
+    if use_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # fp32 main params follow the loaded weights
+    if use_rng:
+        _set_rng_state(loaded["mnb_rng"])
+    if hasattr(model, "step"):
+        with contextlib.suppress(AttributeError):
+            model.step = meta.get("step")
+    dist.barrier()
+    logger.info("loaded %s (step %s) in %.2f s", found, meta.get("step"), time.perf_counter() - t0)
+    return {**meta, "path": str(found), "optimizer_loaded": use_optimizer, "rng_loaded": use_rng}
