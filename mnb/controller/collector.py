@@ -10,6 +10,7 @@ interrupt to the ranks and waits briefly for them to return.
 from __future__ import annotations
 
 import queue
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,10 @@ class Collector:
         failures = launcher.failures()
         dead |= set(launcher.dead_ranks()) | set(failures)
         deaths = {r: failures.get(r, "exited") for r in sorted(dead)}
+        if any("SIGTERM" not in why for why in deaths.values()):
+            # torchrun SIGTERMs the survivors of a failure: say so, not "killed".
+            deaths = {r: why if "SIGTERM" not in why else f"torn down by torchrun after the failure ({why})"
+                      for r, why in deaths.items()}
         for r in silent:
             deaths.setdefault(r, f"no heartbeat for {REMOTE_SILENCE_S:.0f} s (host {pool.ranks[r].host})")
         if not deaths and torchrun_gone:
@@ -189,19 +194,28 @@ class Collector:
                 continue
 
 
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+
+
 def last_frame(stack_text: str) -> str:
-    """'<cell-3>:2 in <module>: dist.all_reduce(x)' from a formatted stack."""
-    lines = [line for line in stack_text.strip().splitlines() if line.strip()]
-    for index in range(len(lines) - 1, -1, -1):
-        line = lines[index].strip()
-        if line.startswith('File "'):
-            try:
-                filename = line.split('"')[1]
-                rest = line.split('"', 2)[2]
-                lineno = rest.split("line ")[1].split(",")[0]
-                func = rest.split(" in ", 1)[1] if " in " in rest else "?"
-            except IndexError:
-                return line
-            code = lines[index + 1].strip() if index + 1 < len(lines) and not lines[index + 1].strip().startswith("File") else ""
-            return f"{filename}:{lineno} in {func}" + (f": {code}" if code else "")
-    return ""
+    """Where a stack stands: the innermost cell line, then the innermost frame.
+
+    e.g. ``cell line 3 `dist.all_reduce(x)` -> distributed_c10d.py:3252 in all_reduce``.
+    """
+    frames: list[tuple[str, str, str, str]] = []
+    lines = stack_text.splitlines()
+    for index, line in enumerate(lines):
+        match = _FRAME.match(line)
+        if match:
+            code = lines[index + 1].strip() if index + 1 < len(lines) and not _FRAME.match(lines[index + 1]) else ""
+            frames.append((match["file"], match["line"], match["func"], code))
+    if not frames:
+        return ""
+    cell = [f for f in frames if f[0].startswith("<cell-")]
+    inner = frames[-1]
+    where = f"{inner[0].rsplit('/', 1)[-1]}:{inner[1]} in {inner[2]}"
+    if cell and cell[-1] is not inner:
+        return f"cell line {cell[-1][1]} `{cell[-1][3]}` -> {where}"
+    if cell:
+        return f"cell line {inner[1]} `{inner[3]}`"
+    return where + (f": {inner[3]}" if inner[3] else "")

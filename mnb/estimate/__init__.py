@@ -26,7 +26,7 @@ from .hardware import DEVICES, Device, peak_flops
 from .memory import COMPONENTS, MemoryEstimate, StageMemory, bytes_per_param, memory
 from .params import StageParams, layer_params, stage_params
 from .pipeline import bubble, in_flight, simulate_schedule, timeline_bubble, warmup_microbatches
-from .plan import Plan, PlanRow, plan
+from .plan import Plan, PlanRow, format_plan, plan
 from .timing import StepTimeEstimate, step_time
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "bytes_per_param",
     "flops",
     "flops_per_token",
+    "format_plan",
     "hardware",
     "hardware_flops",
     "in_flight",

@@ -23,6 +23,7 @@ from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors
 from . import hardware
 from ._inputs import as_model, as_train
 from .memory import MemoryEstimate, memory
+from .pipeline import bubble
 from .timing import StepTimeEstimate, step_time
 
 
@@ -60,14 +61,7 @@ class Plan(list):
         return self[0] if self and self[0].fits else None
 
     def table(self, limit: int = 15) -> str:
-        gib = 2**30
-        lines = [f"{'layout':<38} {'mem GiB':>8} {'fits':>5} {'step s':>8} {'MFU':>6} {'tok/s':>10}"]
-        for r in self[:limit]:
-            lines.append(
-                f"{r.describe():<38} {r.memory_bytes / gib:8.1f} {str(r.fits):>5} "
-                f"{r.step_time_s:8.3f} {r.mfu:6.1%} {r.tokens_per_s:10.0f}"
-            )
-        return "\n".join(lines)
+        return format_plan(self[:limit])
 
     def __str__(self) -> str:
         return self.table()
@@ -84,6 +78,18 @@ class Plan(list):
                 f"<td>{r.mfu:.1%}</td><td>{r.tokens_per_s:,.0f}</td></tr>"
             )
         return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def format_plan(rows: Iterable[PlanRow]) -> str:
+    """Plain-text table of plan rows (layout, memory, fits, step time, MFU, tokens/s)."""
+    gib = 2**30
+    lines = [f"{'layout':<50} {'mem GiB':>8} {'fits':>5} {'step s':>8} {'MFU':>6} {'tokens/s':>10}"]
+    for r in rows:
+        lines.append(
+            f"{r.describe():<50} {r.memory_bytes / gib:8.1f} {'yes' if r.fits else 'no':>5} "
+            f"{r.step_time_s:8.3f} {r.mfu:6.1%} {r.tokens_per_s:10,.0f}"
+        )
+    return "\n".join(lines)
 
 
 def plan(
@@ -182,8 +188,6 @@ def _row(model, parallel, train, gpu, capacity, gpus_per_node, achievable_fracti
         achievable_fraction=achievable_fraction,
     )
     fits = capacity is None or mem.peak_bytes <= capacity
-    from .pipeline import bubble
-
     return PlanRow(
         parallel=parallel,
         recompute=train.recompute,

@@ -161,11 +161,20 @@ class Channel:
 
 
 def main_thread_stack(main_ident: int | None) -> str:
-    """The main thread's current Python stack, innermost call last."""
+    """The main thread's current Python stack, innermost call last.
+
+    Starts at the cell's outermost frame when a cell is running, so the
+    user sees their own code, not mnb's exec loop.
+    """
     frame = sys._current_frames().get(main_ident) if main_ident is not None else None
     if frame is None:
         return "(main thread not found)"
-    return "".join(traceback.format_stack(frame))
+    frames = traceback.extract_stack(frame)
+    for index, summary in enumerate(frames):
+        if summary.filename.startswith("<cell-"):
+            frames = frames[index:]
+            break
+    return "".join(traceback.format_list(frames))
 
 
 def _same_host(info: ConnectionInfo) -> bool:

@@ -1,0 +1,33 @@
+"""Shared fixtures: real pools of CPU ranks (no mocks), cleaned up after use."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+@pytest.fixture(scope="module")
+def cpu_pool():
+    """A 2-rank CPU pool shared by the tests of one module."""
+    from mnb.controller import Pool
+
+    pool = Pool.start(2, device="cpu", timeout=180)
+    yield pool
+    pids = pool.pids()
+    pool.stop()
+    assert_no_orphans(pids)
+
+
+def assert_no_orphans(pids: list[int]) -> None:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert not alive, f"processes left behind: {alive}"

@@ -1,0 +1,159 @@
+"""The pool with real torchrun-launched CPU ranks: no mocks."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import threading
+import time
+
+import pytest
+import zmq
+
+from mnb.config import ParallelConfig
+from mnb.controller import Pool
+from mnb.errors import CellTimeoutError, CompositeRankError, PoolError, RankDiedError
+from tests.conftest import assert_no_orphans
+
+pytestmark = pytest.mark.slow
+
+
+def test_ranks_report_identity_and_names_persist(cpu_pool, capsys):
+    assert sorted(cpu_pool.ranks) == [0, 1]
+    assert {i.backend for i in cpu_pool.ranks.values()} == {"gloo"}
+    cpu_pool.run("x = rank * 10\nprint('x is', x)")
+    out = capsys.readouterr().out
+    assert "[r0 tp0 pp0 dp0] x is 0" in out and "[r1 tp0 pp0 dp1] x is 10" in out
+    assert cpu_pool.pull("x") == {0: 0, 1: 10}
+    assert cpu_pool.run("x + world_size") == {0: 2, 1: 12}
+
+
+def test_push_pull_and_tensors_arrive_as_numpy(cpu_pool):
+    cpu_pool.push({"lr": 0.5, "name": "a"}, ranks=[1])
+    assert cpu_pool.pull("lr", ranks=[1]) == {1: 0.5}
+    with pytest.raises(CompositeRankError, match="not defined on rank 0"):
+        cpu_pool.pull("lr", ranks=[0])
+    cpu_pool.run("t = torch.arange(4, dtype=torch.bfloat16) + rank")
+    pulled = cpu_pool.pull("t")
+    assert type(pulled[0]).__module__ == "numpy"
+    assert pulled[1].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_layout_change_in_place_and_identical_output_folded(cpu_pool, capsys):
+    pids = {r: i.pid for r, i in cpu_pool.ranks.items()}
+    cpu_pool.run("print(ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size())",
+                 layout=ParallelConfig(tp=2))
+    out = capsys.readouterr().out
+    assert "[r0-1] 2 1" in out
+    assert cpu_pool.layout.tp == 2 and cpu_pool.layout.dp == 1
+    assert cpu_pool.run("ps.get_tensor_model_parallel_rank()") == {0: 0, 1: 1}
+    cpu_pool.run("print(ps.get_pipeline_model_parallel_world_size())", layout=ParallelConfig(pp=2))
+    assert "[r0-1] 2" in capsys.readouterr().out
+    assert {r: i.pid for r, i in cpu_pool.ranks.items()} == pids  # same processes
+    cpu_pool.run("pass", layout=ParallelConfig())
+
+
+def test_exception_on_one_rank_raises_one_composite_error(cpu_pool):
+    with pytest.raises(CompositeRankError) as info:
+        cpu_pool.run("if rank == 1:\n    raise ValueError('bad value on ' + str(rank))")
+    error = info.value
+    assert error.ranks == [1]
+    rendered = "\n".join(error._render_traceback_())
+    assert "ValueError: bad value on 1" in rendered
+    assert "r1 tp0 pp0 dp1" in rendered
+    assert "raise ValueError" in rendered  # the cell's own line is in the traceback
+    assert cpu_pool.run("rank") == {0: 0, 1: 1}  # still usable
+
+
+def test_invalid_requests_are_refused_before_ranks_run(cpu_pool):
+    with pytest.raises(ValueError, match=r"tp\(4\) \* pp\(1\) \* cp\(1\) = 4 does not divide world size 2"):
+        cpu_pool.run("x = 1", layout=ParallelConfig(tp=4))
+    with pytest.raises(ValueError, match="not in this pool of world size 2"):
+        cpu_pool.run("x = 1", ranks=[5])
+    with pytest.raises(ValueError, match="needs every rank"):
+        cpu_pool.run("x = 1", ranks=[0], layout=ParallelConfig(tp=2))
+
+
+def test_interrupt_reaches_every_rank_within_a_second(cpu_pool):
+    threading.Timer(0.8, _thread.interrupt_main).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cpu_pool.run("import time\nfor _ in range(600):\n    time.sleep(0.05)")
+    assert time.monotonic() - started < 0.8 + 1.5
+    assert cpu_pool.run("rank") == {0: 0, 1: 1}
+
+
+def test_interruptible_python_loop_times_out_and_pool_stays_usable(cpu_pool):
+    with pytest.raises(CellTimeoutError) as info:
+        cpu_pool.run("while True:\n    pass", timeout=1)
+    message = str(info.value)
+    assert "timed out after 1 s" in message and "cell line 1 `while True:`" in message
+    assert "All ranks were interrupted" in message
+    assert cpu_pool.run("rank") == {0: 0, 1: 1}
+
+
+def test_forged_messages_are_dropped(cpu_pool):
+    info = json.loads((cpu_pool.workdir() / "pool.json").read_text())
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"rank-9")
+    sock.connect(info["address"])
+    before = cpu_pool._transport.dropped
+    sock.send_multipart([b"0" * 64, b'{"type":"reply","id":"x","rank":0}', b""])
+    deadline = time.monotonic() + 5
+    while cpu_pool._transport.dropped == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock.close(0)
+    context.term()
+    assert cpu_pool._transport.dropped == before + 1
+    assert cpu_pool.run("rank") == {0: 0, 1: 1}
+
+
+def test_status_reports_every_rank(cpu_pool):
+    rows = cpu_pool.status()
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert all(r["state"] == "idle" and r["memory_bytes"] > 0 for r in rows)
+
+
+def test_hang_returns_with_stacks_then_restart_and_death_are_reported(tmp_path):
+    pool = Pool.start(2, device="cpu", timeout=180, workdir=tmp_path)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CellTimeoutError) as info:
+            pool.run("x = torch.ones(1)\nif rank == 0:\n    dist.all_reduce(x)", timeout=2)
+        assert time.monotonic() - started < 2 + 8
+        message = str(info.value)
+        assert "rank(s) [0] had not finished" in message
+        assert "dist.all_reduce(x)" in message and "in all_reduce" in message
+        assert "rank(s) [1] had finished" in message
+        assert 0 in info.value.stacks
+        with pytest.raises(PoolError, match="still busy with a cell that timed out"):
+            pool.run("1")
+        pool.restart()
+        assert pool.run("rank") == {0: 0, 1: 1}
+        started = time.monotonic()
+        with pytest.raises(RankDiedError) as died:
+            pool.run("import os, time\nif rank == 1:\n    os._exit(3)\ntime.sleep(60)")
+        assert time.monotonic() - started < 5
+        assert "exit code 3" in died.value.deaths[1]
+        assert "%mnb restart" in str(died.value)
+        with pytest.raises(PoolError, match="restart"):
+            pool.run("1")
+        pool.restart()
+        assert pool.run("rank") == {0: 0, 1: 1}
+        pids = pool.pids()
+    finally:
+        pool.stop()
+    assert_no_orphans(pids)
+
+
+def test_segfault_is_reported_with_its_signal(tmp_path):
+    pool = Pool.start(2, device="cpu", timeout=180, workdir=tmp_path)
+    try:
+        with pytest.raises(RankDiedError) as died:
+            pool.run("import ctypes, time\nif rank == 0:\n    ctypes.string_at(0)\ntime.sleep(60)")
+        assert "SIGSEGV" in died.value.deaths[0]
+    finally:
+        pids = pool.pids()
+        pool.stop()
+    assert_no_orphans(pids)
