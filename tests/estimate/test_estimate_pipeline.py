@@ -1,0 +1,47 @@
+"""Bubble formula, warm-up counts and the schedule simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+import mnb.estimate as est
+from mnb.config import ParallelConfig
+
+
+@pytest.mark.parametrize("pp,m", [(1, 1), (2, 4), (4, 8), (8, 16), (4, 2)])
+def test_bubble_1f1b(pp, m):
+    assert est.bubble(ParallelConfig(pp=pp, dp=1), m) == pytest.approx((pp - 1) / m)
+
+
+@pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (8, 2, 16)])
+def test_bubble_interleaved(pp, v, m):
+    assert est.bubble(ParallelConfig(pp=pp, vpp=v, dp=1), m) == pytest.approx((pp - 1) / (v * m))
+
+
+@pytest.mark.parametrize(
+    "pp,v,m", [(2, None, 4), (4, None, 8), (4, None, 3), (3, None, 5), (2, 2, 4), (4, 2, 8), (4, 2, 12), (4, 4, 8)]
+)
+def test_simulated_schedule_reproduces_formula(pp, v, m):
+    par = ParallelConfig(pp=pp, vpp=v, dp=1)
+    events = est.simulate_schedule(par, m, forward_s=1.0, backward_s=2.0)
+    assert len(events) == 2 * pp * m * (v or 1)
+    measured = est.timeline_bubble(events)
+    if m >= pp or v:
+        assert measured["bubble"] == pytest.approx(est.bubble(par, m))
+    else:  # fewer microbatches than stages: the pipeline never fills
+        assert measured["bubble"] >= est.bubble(par, m)
+
+
+def test_warmup_counts_follow_megatron():
+    assert [est.warmup_microbatches(4, r, 8) for r in range(4)] == [3, 2, 1, 0]
+    assert [est.warmup_microbatches(4, r, 2) for r in range(4)] == [2, 2, 1, 0]
+    # interleaved: (p - r - 1) * 2 + (v - 1) * p
+    assert [est.warmup_microbatches(4, r, 8, vpp=2) for r in range(4)] == [10, 8, 6, 4]
+    assert [est.in_flight(4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+
+
+def test_bubble_errors():
+    with pytest.raises(ValueError, match="num_microbatches must be a positive integer, got 0"):
+        est.bubble(ParallelConfig(pp=2, dp=1), 0)
+    with pytest.raises(ValueError, match=r"num_microbatches\(2\) >= pp\(4\)"):
+        est.simulate_schedule(ParallelConfig(pp=4, vpp=2, dp=1), 2)

@@ -1,0 +1,73 @@
+"""Layout planner recommendations and the no-torch import contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import mnb.estimate as est
+
+
+def test_llama7b_on_8_h200_prefers_data_parallel():
+    rows = est.plan("llama-7b", gpus=8, gpu="h200", seq=4096, mbs=1, gbs=128)
+    best = rows[0]
+    assert best.fits
+    assert (best.parallel.tp, best.parallel.pp, best.parallel.dp) == (1, 1, 8)
+    assert best.use_distributed_optimizer and best.recompute == "none"
+    assert rows.best is best
+    for r in rows:
+        p = r.parallel
+        assert p.tp * p.pp * p.cp * p.dp == 8
+        assert p.sequence_parallel == (p.tp > 1)
+        assert r.use_distributed_optimizer == (p.dp > 1)
+    fits = [r.fits for r in rows]
+    assert fits == sorted(fits, reverse=True)
+    assert "tp1 pp1 dp8" in est.format_plan(rows[:3])
+
+
+def test_llama70b_on_64_needs_model_parallelism():
+    rows = est.plan("llama-70b", gpus=64, gpu="h200", seq=4096, mbs=1, gbs=128)
+    best = rows[0]
+    assert best.fits and best.parallel.tp * best.parallel.pp > 1
+    assert all(not r.fits for r in rows if r.parallel.tp * r.parallel.pp == 1)
+
+
+def test_moe_plan_includes_expert_parallel():
+    rows = est.plan("mixtral-8x7b", gpus=8, gpu="h200", mbs=1, gbs=64)
+    assert any(r.parallel.ep > 1 for r in rows)
+    assert rows[0].fits
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match="gpus must be a positive integer, got 0"):
+        est.plan("tiny", gpus=0)
+    with pytest.raises(ValueError, match=r"no valid layout for tiny on 3 GPUs with gbs\(4\)"):
+        est.plan("tiny", gpus=3, gbs=4)
+    with pytest.raises(ValueError, match=r"gbs\(3\) is not divisible by mbs\(2\)"):
+        est.plan("tiny", gpus=2, mbs=2, gbs=3)
+
+
+def test_step_time_parts():
+    from mnb.config import ParallelConfig, TrainConfig
+
+    train = TrainConfig(bf16=True, global_batch_size=128, use_distributed_optimizer=True)
+    t = est.step_time("llama-7b", ParallelConfig(pp=2), train, gpus=8, gpu="h200", achievable_fraction=0.5)
+    flops = est.flops("llama-7b", train)
+    assert t.compute_s == pytest.approx(flops / (8 * 989e12 * 0.5))
+    assert t.bubble_s == pytest.approx(t.compute_s * 1 / 32)  # (p-1)/m with m = 128/4
+    assert t.tp_comm_s == 0 and t.dp_comm_s > 0 and t.pp_comm_s > 0
+    assert 0 < t.mfu < 0.5
+
+
+def test_notebook_modules_import_no_torch():
+    code = (
+        "import sys, mnb, mnb.estimate, mnb.runs, mnb.plot\n"
+        "bad = [m for m in ('torch', 'megatron', 'numpy') if m in sys.modules]\n"
+        "print(bad)\n"
+        "assert not [m for m in bad if m != 'numpy'], bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "torch" not in out.stdout
