@@ -36,9 +36,16 @@ def plot_plan(rows: Sequence[PlanRow], ax=None, *, label_top: int = 5):
     if capacity:
         ax.axvline(capacity / GIB, color=COLORS["capacity"], linestyle="--", linewidth=1.2,
                    label=f"capacity {capacity / GIB:.0f} GiB")
-    for i, r in enumerate(fit[:label_top]):
+    labelled: list[PlanRow] = []
+    for r in fit:  # one label per layout (recompute variants sit on top of each other)
+        if len(labelled) >= label_top:
+            break
+        if any(r.parallel == o.parallel for o in labelled):
+            continue
         ax.annotate(r.describe(), (r.memory_bytes / GIB, r.mfu * 100), fontsize=7,
-                    xytext=(4, 4 + 8 * (i % 2)), textcoords="offset points")
+                    xytext=(6, -10 * len(labelled)), textcoords="offset points",
+                    arrowprops={"arrowstyle": "-", "color": "#888888", "linewidth": 0.5})
+        labelled.append(r)
     if fit:
         best = fit[0]
         ax.scatter([best.memory_bytes / GIB], [best.mfu * 100], marker="*", s=220,

@@ -1,0 +1,105 @@
+"""Plots render to PNG with Agg; counts of bars where they mean something."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from runs_fixtures import make_records  # noqa: E402
+
+import mnb.estimate as est  # noqa: E402
+from mnb.config import ParallelConfig, TrainConfig  # noqa: E402
+from mnb.plot import plot_memory, plot_mfu, plot_plan, plot_schedule, plot_timeline  # noqa: E402
+from mnb.runs import Run  # noqa: E402
+
+
+def save(ax, tmp_path, name):
+    path = tmp_path / f"{name}.png"
+    ax.figure.savefig(path)
+    assert path.exists() and path.stat().st_size > 1000
+    return path
+
+
+def test_plot_memory_run(tmp_path):
+    run = Run(make_records())
+    ax = plot_memory(run)
+    # 2 ranks x 5 predicted components + 2 measured bars
+    assert len(ax.patches) == 12
+    assert ax.figure.canvas.manager is None  # bare Figure outside a kernel: no pyplot state
+    save(ax, tmp_path, "memory_run")
+    assert run.plot_memory().figure is not None
+
+
+def test_plot_memory_estimate_only(tmp_path):
+    mem = est.memory("llama-7b", ParallelConfig(pp=2), TrainConfig(bf16=True, global_batch_size=64),
+                     gpus=8, gpu="h200")
+    ax = plot_memory(mem)
+    assert len(ax.patches) == 2 * 5
+    assert any("capacity" in t.get_text() for t in ax.get_legend().get_texts())
+    save(ax, tmp_path, "memory_estimate")
+
+
+def test_plot_memory_into_given_axes(tmp_path):
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    ax = fig.add_subplot(111)
+    assert plot_memory(make_records(), ax=ax) is ax
+    save(ax, tmp_path, "memory_given")
+
+
+def test_plot_timeline(tmp_path):
+    run = Run(make_records())
+    ax = plot_timeline(run, step=1)
+    # 2 idle backgrounds + 16 compute boxes + 1 recv + 4 sync/optimizer bars
+    assert len(ax.patches) == 2 + 16 + 1 + 4
+    assert "measured bubble 25.0%" in ax.get_title() and "theoretical 25.0%" in ax.get_title()
+    assert sorted(t.get_text() for t in ax.texts) == sorted(str(i) for i in range(4) for _ in range(4))
+    save(ax, tmp_path, "timeline")
+    assert "28.0%" in run.plot_timeline().get_title()  # default: last step
+
+
+def test_plot_schedule(tmp_path):
+    ax = plot_schedule(ParallelConfig(pp=4, vpp=2, dp=1), 8)
+    assert len(ax.patches) == 4 + 2 * 4 * 8 * 2
+    assert "bubble 18.8%" in ax.get_title() and "formula 18.8%" in ax.get_title()
+    save(ax, tmp_path, "schedule")
+
+
+def test_plot_mfu(tmp_path):
+    run = Run(make_records())
+    ax = plot_mfu(run)
+    assert len(ax.figure.axes) == 3
+    assert len(ax.lines) == 1 and len(ax.lines[0].get_xdata()) == 2
+    save(ax, tmp_path, "mfu")
+    cpu = Run(make_records(device="cpu", device_name="cpu"))
+    save(plot_mfu(cpu), tmp_path, "mfu_cpu")
+    from matplotlib.figure import Figure
+
+    ax2 = Figure().add_subplot(111)
+    assert plot_mfu(run, ax=ax2) is ax2
+    assert len(ax2.figure.axes) == 3  # MFU + twin tokens/s + twin loss
+    save(ax2, tmp_path, "mfu_twin")
+
+
+def test_plot_plan(tmp_path):
+    rows = est.plan("llama-70b", gpus=64, gpu="h200", gbs=128)
+    ax = plot_plan(rows)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(label.startswith("fits") for label in labels)
+    assert any(label.startswith("does not fit") for label in labels)
+    assert any(rows[0].describe() == t.get_text() for t in ax.texts)
+    save(ax, tmp_path, "plan")
+
+
+def test_rejects_unknown_input():
+    with pytest.raises(TypeError, match="expected a Run"):
+        plot_memory(42)
