@@ -1,20 +1,76 @@
-"""mnb.runs.Run on synthetic records (see tests/runs_fixtures.py for the hand-written timeline)."""
+"""mnb.runs.Run on synthetic per-rank records (also used by tests/plot/).
+
+A pp=2, m=4 1F1B step written out by hand (forward 1 s, backward 2 s):
+
+    stage 0: F0 [0,1] F1 [1,2] .. B0 [4,6] F2 [6,7] B1 [7,9] F3 [9,10] B2 [10,12] . B3 [13,15]
+    stage 1: .  F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7] F2 [7,8] B2 [8,10] F3 [10,11] B3 [11,13] ..
+
+Span 15 s, busy 12 s per stage, idle 3 s per stage: bubble 6/24 = 0.25 = (p-1)/m.
+Step 2 is the same but stage 0's last backward takes 3 s: span 16, idle 3 + 4,
+busy 13 + 12: bubble 7/25 = 0.28.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+from mnb.config import ParallelConfig, load_preset
+from mnb.estimate import MemoryEstimate
+from mnb.runs import Run
 
-from runs_fixtures import make_records  # noqa: E402
+STAGE0 = [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 4, 6), ("forward", 2, 6, 7),
+          ("backward", 1, 7, 9), ("forward", 3, 9, 10), ("backward", 2, 10, 12), ("backward", 3, 13, 15)]
+STAGE1 = [("forward", 0, 1, 2), ("backward", 0, 2, 4), ("forward", 1, 4, 5), ("backward", 1, 5, 7),
+          ("forward", 2, 7, 8), ("backward", 2, 8, 10), ("forward", 3, 10, 11), ("backward", 3, 11, 13)]
 
-from mnb.config import ParallelConfig  # noqa: E402
-from mnb.estimate import MemoryEstimate  # noqa: E402
-from mnb.runs import Run  # noqa: E402
+
+def _events(step: int, stage: int, ops, t0: float, stretch_last: float = 0.0):
+    out = []
+    for i, (kind, mb, s, e) in enumerate(ops):
+        if i == len(ops) - 1:
+            e += stretch_last
+        out.append({"step": step, "stage": stage, "chunk": 0, "kind": kind, "microbatch": mb,
+                    "start_s": t0 + s, "end_s": t0 + e})
+    if stage == 1:
+        out.append({"step": step, "stage": 1, "chunk": 0, "kind": "forward-recv", "microbatch": 0,
+                    "start_s": t0 + 0.0, "end_s": t0 + 1.0})
+    end = max(ev["end_s"] for ev in out)
+    out.append({"step": step, "stage": stage, "chunk": None, "kind": "all-grads-sync", "microbatch": None,
+                "start_s": end, "end_s": end + 0.5})
+    out.append({"step": step, "stage": stage, "chunk": None, "kind": "optimizer", "microbatch": None,
+                "start_s": end + 0.5, "end_s": end + 1.0})
+    return out
+
+
+def make_records(device: str = "cuda:0", device_name: str = "NVIDIA H200") -> list[dict]:
+    model = load_preset("tiny").to_dict()
+    train = {"steps": 2, "micro_batch_size": 1, "global_batch_size": 4, "bf16": True}
+    records = []
+    for rank in (0, 1):
+        timeline = _events(1, rank, STAGE0 if rank == 0 else STAGE1, 100.0)
+        timeline += _events(2, rank, STAGE0 if rank == 0 else STAGE1, 200.0, 1.0 if rank == 0 else 0.0)
+        steps = []
+        for step, loss, t in ((1, 5.5, 17.0), (2, 5.0, 18.0)):
+            steps.append({"step": step, "loss": loss if rank == 1 else None, "grad_norm": 1.0, "lr": 3e-4,
+                          "step_time_s": t - 0.5 * rank, "tokens_per_s": 4 * 64 / t,
+                          "mem_allocated_bytes": 1000, "mem_peak_bytes": 2_000_000 + rank,
+                          "mem_reserved_bytes": 3_000_000})
+        records.append({
+            "rank": rank, "world_size": 2,
+            "coords": {"tp": 0, "pp": rank, "dp": 0, "cp": 0, "ep": 0},
+            "layout": {"tp": 1, "pp": 2, "vpp": None, "cp": 1, "ep": 1, "dp": 1, "sequence_parallel": False},
+            "model": copy.deepcopy(model), "train": dict(train),
+            "device": device, "device_name": device_name,
+            "num_microbatches": 4, "num_parameters_local": 50_000,
+            "model_flops_per_step": 1e12, "memory_source": "cuda" if device != "cpu" else "rss",
+            "steps": steps, "timeline": timeline,
+            "memory": {"peak_allocated_bytes": 2_000_000 + rank, "peak_reserved_bytes": 3_000_000,
+                       "capacity_bytes": None if device == "cpu" else 150_000_000_000},
+        })
+    return records
 
 
 def test_losses_times_and_layout():

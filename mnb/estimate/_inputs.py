@@ -57,9 +57,14 @@ def padded_vocab_size(model: ModelConfig, tp: int = 1) -> int:
     return int(math.ceil(model.vocab_size / divisor) * divisor)
 
 
+DEFAULT_DROPOUT = 0.0
+"""mnb's rank-side default for hidden_dropout and attention_dropout (mnb.megatron.model
+sets 0.0; Megatron-Core's own TransformerConfig default would be 0.1)."""
+
+
 def dropout(model: ModelConfig, name: str) -> float:
-    """Dropout probability from ``model.extra`` (Megatron-Core's default is 0.1)."""
-    value: Any = model.extra.get(name, 0.1)
+    """Dropout probability from ``model.extra``, else mnb's default (0.0)."""
+    value: Any = model.extra.get(name, DEFAULT_DROPOUT)
     return float(value)
 
 

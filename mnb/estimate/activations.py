@@ -17,7 +17,8 @@ and with selective recompute it matches Megatron-LM's own estimator
 that estimator it counts GQA (K, V are kv-sized), SwiGLU (fc1 output is
 2*ffn wide, the fused SwiGLU keeps only its input), RoPE (rotated Q and K are
 new tensors), flash/SDPA attention (no s*s matrices, a fp32 log-sum-exp
-instead), dropout only when enabled, and MoE layers (top-k routed copies of
+instead), dropout masks only when ``model.extra`` sets dropout > 0 (mnb's
+default is 0), and MoE layers (top-k routed copies of
 each token).  Context parallelism divides the sequence: s -> s/cp.
 """
 

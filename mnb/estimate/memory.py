@@ -23,7 +23,7 @@ overhead ("other").
     >>> m = est.memory("llama-7b", ParallelConfig(), TrainConfig(bf16=True,
     ...                use_distributed_optimizer=True, global_batch_size=128), gpus=8)
     >>> round(m.peak_bytes / 2**30)   # GiB on the fullest rank
-    68
+    67
 """
 
 from __future__ import annotations

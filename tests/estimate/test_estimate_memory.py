@@ -13,6 +13,7 @@ from mnb.estimate.activations import LayerShape, layer_activation_bytes
 GPT = ModelConfig(
     name="gpt-test", num_layers=8, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096,
     vocab_size=51200, max_position_embeddings=2048, seq_length=2048,
+    extra={"hidden_dropout": 0.1, "attention_dropout": 0.1},
 )
 S, B, H, A = 2048, 2, 1024, 16
 
@@ -47,7 +48,7 @@ def test_full_recompute_keeps_layer_input():
     assert layer_activation_bytes(GPT, shape(tp=4, sp=True, recompute="full")) == 2 * S * B * H / 4
 
 
-LLAMA = load_preset("llama-7b").with_overrides(hidden_dropout=0.0, attention_dropout=0.0)
+LLAMA = load_preset("llama-7b")  # mnb default: no dropout
 
 
 def llama_layer(t=1, sp=False, s=4096, b=1):

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from runs_fixtures import make_records  # noqa: E402
+from test_runs import make_records  # noqa: E402
 
 import mnb.estimate as est  # noqa: E402
 from mnb.config import ParallelConfig, TrainConfig  # noqa: E402
