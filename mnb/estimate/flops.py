@@ -10,19 +10,21 @@ token, with 3 = forward + two backward GEMMs and 2 = multiply-add::
   + N_layers * 6*q*s * c                           core attention QK^T and (QK^T)V
   + 6*h*V_pad                                      logits
 
-``c`` is 1 for causal attention counted as half the score matrix (Megatron-LM
-from mid-2025 on; the megatron/training shipped with megatron-core 0.19 counts
-it so), 2 for the full matrix (Megatron-LM releases contemporary with core
-0.16 and earlier: the ``12*s*L*h^2*(... + s/h)`` form).  ``causal=True`` is the
-default because it is the work a causal flash kernel actually does; pass
-``causal=False`` to reproduce older Megatron-LM logs.  Model FLOPs exclude
+``c`` is 2 for the full s*s score matrix (``causal=False``, the default) and 1
+for causal attention counted as half of it (``causal=True``).  Versions:
+Megatron-LM releases contemporary with megatron-core 0.16 and earlier count the
+full matrix (the ``12*B*s*L*h^2*(1 + g/a + s/h)...`` form), as does PaLM's MFU
+definition (Chowdhery et al. 2022, appendix B) and mnb's rank-side
+``model_flops_per_step``; Megatron-LM from mid-2025 on (the megatron/training
+shipped with megatron-core 0.19) halves it for causal masks.  Pass
+``causal=True`` to compare with those newer logs.  Model FLOPs exclude
 recomputation (that is what MFU divides by); :func:`hardware_flops` adds it.
 
     >>> import mnb.estimate as est
     >>> from mnb.config import TrainConfig
     >>> f = est.flops("llama-7b", TrainConfig(global_batch_size=128))
     >>> round(f / 1e15, 1)    # PFLOP per step of 128 x 4096 tokens
-    22.5
+    24.2
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _batch(train: TrainConfig, global_batch_size: int | None) -> int:
     return gbs
 
 
-def flops_per_token(model: ModelConfig, *, causal: bool = True, seq_length: int | None = None) -> float:
+def flops_per_token(model: ModelConfig, *, causal: bool = False, seq_length: int | None = None) -> float:
     """Model FLOPs (forward + backward) per token; see the module docstring."""
     s = seq_length or model.seq_length
     h, layers = model.hidden_size, model.num_layers
@@ -62,7 +64,7 @@ def flops(
     train: TrainConfig | dict | None = None,
     *,
     global_batch_size: int | None = None,
-    causal: bool = True,
+    causal: bool = False,
 ) -> float:
     """Model FLOPs of one training step (the whole global batch, all ranks together).
 
@@ -81,7 +83,7 @@ def hardware_flops(
     train: TrainConfig | dict | None = None,
     *,
     global_batch_size: int | None = None,
-    causal: bool = True,
+    causal: bool = False,
     recompute: str | None = None,
 ) -> float:
     """FLOPs actually executed: model FLOPs plus recomputation.
@@ -116,7 +118,7 @@ def mfu(
     peak_flops: float | None = None,
     flops_per_step: float | None = None,
     dtype: str | None = None,
-    causal: bool = True,
+    causal: bool = False,
 ) -> float:
     """Model FLOPs utilisation: model FLOPs per step / (step time * GPUs * peak).
 

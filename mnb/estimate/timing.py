@@ -1,7 +1,7 @@
 """A first-order step-time model: compute at an achievable fraction of peak, plus the
 pipeline bubble, plus bandwidth-only communication terms.
 
-    compute   = hardware FLOPs / (gpus * peak * achievable_fraction)
+    compute   = hardware FLOPs (causal attention, + recompute) / (gpus * peak * achievable_fraction)
     bubble    = compute * (pp-1)/(vpp*m)                  (Narayanan et al. 2021)
     tp        = layers/pp * m * (4, +2 with full recompute) all-reduces of s*b*h
     cp        = layers/pp * m * 3 ring passes of K and V
@@ -82,7 +82,7 @@ def step_time(
     achievable_fraction: float = 0.5,
     gpus_per_node: int = 8,
     num_microbatches: int | None = None,
-    causal: bool = True,
+    causal: bool = False,
 ) -> StepTimeEstimate:
     """Estimate the time of one step; see the module docstring for the model.
 
@@ -105,7 +105,8 @@ def step_time(
     e = 2 if (train.bf16 or train.fp8) else 4
 
     model_f = flops(model, train, global_batch_size=gbs, causal=causal)
-    hw_f = hardware_flops(model, train, global_batch_size=gbs, causal=causal)
+    # executed work: causal kernels skip the masked half whatever MFU's convention
+    hw_f = hardware_flops(model, train, global_batch_size=gbs, causal=True)
     compute = hw_f / (world * peak * achievable_fraction)
     bubble_s = compute * bubble(parallel, m)
 

@@ -18,9 +18,9 @@ def test_tiny_by_hand():
         + 6 * h * V  # logits
     )
     train = TrainConfig(global_batch_size=8)
-    assert est.flops("tiny", train) == 8 * s * per_token
-    assert est.flops("tiny", train, causal=False) == 8 * s * (per_token + L * 6 * q * s)
-    assert est.flops("tiny", TrainConfig(micro_batch_size=2)) == 2 * s * per_token  # gbs None -> mbs
+    assert est.flops("tiny", train, causal=True) == 8 * s * per_token
+    assert est.flops("tiny", train) == 8 * s * (per_token + L * 6 * q * s)  # default: full s*s matrix
+    assert est.flops("tiny", TrainConfig(micro_batch_size=2), causal=True) == 2 * s * per_token  # gbs None -> mbs
 
 
 def test_gpt2_matches_narayanan_closed_form():
@@ -28,7 +28,7 @@ def test_gpt2_matches_narayanan_closed_form():
     # (their 96 includes one recomputed forward), full attention matrix, padded vocab.
     B, s, L, h, V = 16, 1024, 12, 768, 50304
     expected = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
-    got = est.flops("gpt2-124m", TrainConfig(global_batch_size=B), causal=False)
+    got = est.flops("gpt2-124m", TrainConfig(global_batch_size=B))
     assert got == pytest.approx(expected, rel=1e-12)
 
 
@@ -42,7 +42,7 @@ def test_llama7b_close_to_6N_tokens():
     model = load_preset("llama-7b")
     train = TrainConfig(global_batch_size=128)
     tokens = 128 * 4096
-    f = est.flops(model, train)
+    f = est.flops(model, train, causal=True)
     n = model.num_parameters()
     assert f == pytest.approx(6 * n * tokens, rel=0.10)
     # Kaplan et al. 2020: 6*N_nonembedding + 6*L*s*d_attn per token (causal), N with the output layer
