@@ -200,17 +200,17 @@ class MegatronMagics(Magics):
         for rank, text in sorted(current_pool().stacks().items()):
             print(f"--- rank {rank} ---\n{text}")
 
-    def _cmd_plot(self, argv: list[str]) -> Any:
+    def _cmd_plot(self, argv: list[str]) -> None:
         kinds = ("memory", "timeline", "mfu")
         if len(argv) != 1 or argv[0] not in kinds:
             raise UsageError(f"usage: %mnb plot {'|'.join(kinds)}")
         run = last_run()
         if run is None:
             raise UsageError("no run yet: train in a %%megatron cell with mnb.train(...) first")
-        ax = getattr(run, f"plot_{argv[0]}")()
-        return ax.figure
+        # Inside a kernel the figure is a pyplot one and shows itself inline.
+        getattr(run, f"plot_{argv[0]}")()
 
-    def _cmd_plan(self, argv: list[str]) -> Any:
+    def _cmd_plan(self, argv: list[str]) -> None:
         args = plan_parser().parse_args(argv)
         from mnb.estimate import plan
         from mnb.plot import plot_plan
@@ -222,7 +222,7 @@ class MegatronMagics(Magics):
         from mnb.estimate import format_plan
 
         print(format_plan(rows[: args.top]))
-        return plot_plan(rows).figure
+        plot_plan(rows)
 
     @cell_magic
     def megatron(self, line: str, cell: str) -> None:

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install mnb and what it needs into the current Python environment.
+#
+# torch is installed first, pinned, only when it is missing: an unpinned
+# `torch` pulls a multi-GB CUDA build, while on the project's CPU machines
+# torch==2.13.0 is a CPU build served from local disk.  megatron-core then
+# resolves by Python version (0.16.1 on 3.11, 0.19.x on 3.12).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+if ! "$PY" -c "import mnb, megatron.core, nbclient, pytest_timeout" 2>/dev/null || [ "${MNB_REINSTALL:-0}" = 1 ]; then
+  "$PY" -m pip install -q -e ".[test]"
+fi
