@@ -90,7 +90,11 @@ class Model:
     """What the checkpoint module reads from an mnb model: chunks, optimizer, config."""
 
     def __init__(self, chunks, optimizer, config):
+        from mnb.megatron.data import dataset_for
+
         self.chunks, self.optimizer, self.config, self.step = chunks, optimizer, config, 0
+        # Collective (Megatron's builder barriers): build it on every rank, outside the schedule.
+        self.dataset = dataset_for("stdlib-small", config, SEQ, 64, seed=5)
 
 
 def build(tp: int, pp: int, seed: int = 1234) -> Model:
@@ -114,7 +118,10 @@ def build(tp: int, pp: int, seed: int = 1234) -> Model:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
-    vocab = -(-mc.vocab_size // (128 * tp)) * 128 * tp
+    # The same padded vocabulary under every layout: padding rows are real logits
+    # (trained through the softmax), so a tp-dependent padding (128 * tp: 384 at
+    # tp=1, 512 at tp=2) changes the loss after resharding by itself (~0.14 here).
+    vocab = 512
     module = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab,
                       max_sequence_length=mc.max_position_embeddings,
                       pre_process=ps.is_pipeline_first_stage(),
@@ -127,9 +134,7 @@ def build(tp: int, pp: int, seed: int = 1234) -> Model:
 
 
 def batches(model: Model, step: int):
-    from mnb.megatron.data import dataset_for
-
-    ds = dataset_for("stdlib-small", model.config, SEQ, 64, seed=5)
+    ds = model.dataset
     first = step * MBS * MICROBATCHES
     for m in range(MICROBATCHES):
         items = [ds[first + m * MBS + i] for i in range(MBS)]
