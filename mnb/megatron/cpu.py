@@ -41,6 +41,11 @@ sites may have appeared.  The redirections, and why each one is needed:
    Layouts use Megatron's inference RNG tracker on CPU (``layout.py``), whose
    ``fork()`` is a no-op: all dropout draws from the CPU generator (tp ranks
    share the stream; mnb's dropout default is 0).
+5. ``moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True)`` converts only CUDA
+   tensors, so on CPU the alltoall token dispatcher (MoE with ep > 1) hands
+   tensors, not int sequences, to ``all_to_all_single`` split sizes
+   (TypeError).  The replacement also converts CPU tensors when asked for numpy
+   (patched in ``moe_utils`` and ``token_dispatcher``, which imports it by name).
 
 Tests: ``tests/megatron/test_cpu.py`` exercises each redirection.
 """
@@ -311,8 +316,25 @@ def install() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
         new_state
     )
+    _patch_moe_splits()
     _INSTALLED = True
     logger.info("mnb CPU mode installed for megatron-core %s", found)
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+def _patch_moe_splits() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for module in (moe_utils, token_dispatcher):
+        if hasattr(module, "maybe_move_tensor_to_cpu"):
+            module.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
 
 
 def _sweep() -> None:

@@ -1,0 +1,108 @@
+"""Which samples each rank reads, step by step.
+
+The global batch of step ``i`` (counting from the model's first step) is
+samples ``[c + i*G, c + (i+1)*G)`` of the dataset, ``G`` = global batch size,
+``c`` = samples consumed by earlier ``train`` calls.  Like Megatron-LM's
+``MegatronPretrainingSampler``, microbatch ``j`` of data-parallel rank ``d``
+reads ``mbs`` samples starting at ``c + i*G + j*mbs*dp + d*mbs``.  So every
+layout sees the same samples in each global batch (only their split over dp
+ranks and microbatches changes); tp ranks read the same batch; only the first
+and last pipeline stages read data at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    start_sample: int
+    micro_batch_size: int
+    num_microbatches: int
+    dp: int
+    dp_rank: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.dp * self.num_microbatches
+
+    def indices(self, step: int, microbatch: int) -> range:
+        """Dataset indices of ``microbatch`` on this dp rank in the call's ``step``-th step."""
+        mbs = self.micro_batch_size
+        first = (self.start_sample + step * self.global_batch_size
+                 + microbatch * mbs * self.dp + self.dp_rank * mbs)
+        return range(first, first + mbs)
+
+    def dataset(self, tc, model, *, steps: int):
+        """The dataset covering this call's samples (built collectively on all ranks)."""
+        return build_dataset(tc.data, model.config, model.config.seq_length,
+                             self.start_sample + steps * self.global_batch_size, tc.seed)
+
+
+def build_dataset(data: str, model_config, seq_length: int, num_samples: int, seed: int):
+    """``mnb.megatron.data.dataset_for`` (mock, corpus presets, text folders, .bin/.idx)."""
+    try:
+        from mnb.megatron.data import dataset_for
+    except ImportError as err:
+        if data != "mock":
+            raise RuntimeError(
+                f"data={data!r} needs mnb.megatron.data.dataset_for, which failed to import "
+                f"({err}); use data='mock' or repair the installation"
+            ) from err
+        return _mock_dataset(model_config.vocab_size, seq_length, num_samples, seed)
+    return dataset_for(data, model_config, seq_length, num_samples, seed)
+
+
+def _mock_dataset(vocab_size: int, seq_length: int, num_samples: int, seed: int):
+    """Megatron's MockGPTDataset, without mnb.megatron.data (fallback only)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+
+    class _Tokenizer:
+        vocab_size = vocab_size
+        eod = vocab_size - 1
+        unique_identifiers = {"class": "mnb-mock", "vocab_size": vocab_size}
+
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        tokenizer=_Tokenizer(),
+    )
+    config.split_matrix = convert_split_vector_to_split_matrix([1.0, 0.0, 0.0])
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [num_samples, None, None], lambda: True, config
+    ).build()
+    return train
+
+
+def _collate(dataset, indices: range, device) -> dict[str, torch.Tensor]:
+    items = [dataset[i] for i in indices]
+    return {
+        key: torch.stack([torch.as_tensor(item[key]) for item in items]).to(device)
+        for key in KEYS
+        if key in items[0]
+    }
+
+
+def _microbatches(dataset, plan: BatchPlan, step: int, device):
+    for j in range(plan.num_microbatches):
+        yield _collate(dataset, plan.indices(step, j), device)
+
+
+def microbatch_iterators(dataset, plan: BatchPlan, step: int, chunks, device) -> list:
+    """One iterator per model chunk; chunks without embedding or loss get ``None``s."""
+    iterators = []
+    for chunk in chunks:
+        if getattr(chunk, "pre_process", True) or getattr(chunk, "post_process", True):
+            iterators.append(_microbatches(dataset, plan, step, device))
+        else:
+            iterators.append(iter([None] * plan.num_microbatches))
+    return iterators

@@ -1,0 +1,227 @@
+"""``mnb.gpt``: this rank's part of a GPT model for the current layout.
+
+Inside a ``%%megatron --tp 2 --pp 2`` cell (or after ``apply_layout``)::
+
+    model = mnb.gpt("tiny")                       # preset from templates/presets/
+    model = mnb.gpt("llama-1b", num_layers=8)     # Megatron TransformerConfig names
+    model = mnb.gpt("tiny", hidden_dropout=0.1)   # unknown names go to TransformerConfig
+
+The result is a :class:`MegatronModel`; ``mnb.train`` trains it and keeps the
+DDP wrapper and optimizer on it, so a second ``mnb.train(model, ...)``
+continues.  Initial weights do not depend on the layout (see
+:mod:`mnb.megatron.weights`): tp=2, pp=2, dp=2 and a single rank all start
+from the same model, so their losses can be compared step by step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mnb.config import ModelConfig, ParallelConfig, model_config
+from mnb.megatron import layout as _layout
+
+logger = logging.getLogger(__name__)
+
+VOCAB_MULTIPLE = 128
+"""Megatron-LM's default make_vocab_size_divisible_by (times tp)."""
+
+MNB_DEFAULTS: dict[str, Any] = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+"""TransformerConfig values mnb changes from Megatron's defaults (overridable)."""
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Pad like Megatron-LM: up to a multiple of 128 * tp."""
+    multiple = VOCAB_MULTIPLE * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class MegatronModel:
+    """This rank's model chunks plus everything train/save need.
+
+    Attributes:
+        chunks: the unwrapped ``GPTModel`` of each virtual stage (one unless vpp > 1).
+        config: the :class:`ModelConfig` (``extra`` holds TransformerConfig overrides).
+        transformer_config: the Megatron ``TransformerConfig`` shared by the chunks.
+        parallel: the layout (dp filled in) the chunks were built for.
+        padded_vocab_size: vocabulary after padding to a multiple of 128 * tp.
+        seed: the seed of the initial weights.
+        wrapped: DDP-wrapped chunks (``None`` until the first ``train``).
+        optimizer: the Megatron optimizer (``None`` until the first ``train``).
+        steps_done / consumed_samples: training progress across ``train`` calls.
+    """
+
+    chunks: list[torch.nn.Module]
+    config: ModelConfig
+    transformer_config: Any
+    parallel: ParallelConfig
+    padded_vocab_size: int
+    seed: int
+    layout_generation: int
+    wrapped: list[torch.nn.Module] | None = None
+    optimizer: Any = None
+    precision: str | None = None
+    use_distributed_optimizer: bool | None = None
+    steps_done: int = 0
+    consumed_samples: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The chunks as training sees them (DDP-wrapped once trained)."""
+        return self.wrapped if self.wrapped is not None else self.chunks
+
+    def num_parameters_local(self) -> int:
+        """Parameters held by this rank (its shard of every chunk)."""
+        return sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
+
+    def check_layout(self) -> None:
+        """Raise if the process groups were rebuilt since this model was built."""
+        now = _layout.require_layout()
+        if _layout.generation() != self.layout_generation:
+            raise RuntimeError(
+                f"this model was built for layout '{self.parallel.describe()}' but the ranks now "
+                f"run '{now.describe()}'; build it again with mnb.gpt(...) (or save and load it)"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"MegatronModel({self.config.name!r}, {self.parallel.describe()}, "
+            f"chunks={len(self.chunks)}, local_params={self.num_parameters_local():,})"
+        )
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+
+
+def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
+    """Megatron ``TransformerConfig`` for ``cfg`` under ``parallel`` (fp32 params)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mnb.megatron import cpu
+
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    extra = dict(cfg.extra)
+    unknown = sorted(k for k in extra if k not in known)
+    if unknown:
+        raise ValueError(
+            f"unknown model settings {unknown}: not ModelConfig fields and not Megatron "
+            "TransformerConfig fields (check the spelling against megatron.core TransformerConfig)"
+        )
+    kwargs: dict[str, Any] = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn,
+        kv_channels=cfg.head_dim,
+        normalization=cfg.normalization,
+        gated_linear_unit=cfg.gated_linear_unit,
+        activation_func=_ACTIVATIONS[cfg.activation],
+        add_bias_linear=cfg.add_bias_linear,
+        init_method_std=cfg.init_method_std,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if (parallel.vpp or 1) > 1 else None,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        # CPU ranks: build master weights on the CPU (no CUDA RNG tracker needed).
+        use_cpu_initialization=cpu.installed() or not torch.cuda.is_available(),
+        calculate_per_token_loss=True,
+        **MNB_DEFAULTS,
+    )
+    if cfg.is_moe:
+        kwargs.update(
+            num_moe_experts=cfg.num_moe_experts,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_ffn_hidden_size=cfg.moe_ffn,
+            moe_token_dispatcher_type="alltoall" if parallel.ep > 1 else "allgather",
+        )
+    if (parallel.vpp or 1) > 1:
+        # Interleaved 1F1B with batched p2p sends activations and gradients to the same
+        # peer in one batch_isend_irecv; when pp == 2 the peer is the same rank in both
+        # directions and gloo pairs the messages in posting order, swapping them (seen as
+        # wrong losses from the third microbatch on).  Megatron-LM's own default for
+        # interleaving is unbatched, overlapped p2p, which posts the two directions on
+        # different groups.
+        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    kwargs.update(extra)
+    return TransformerConfig(**kwargs)
+
+
+def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None = None,
+        init: str = "layout_invariant", **overrides: Any) -> MegatronModel:
+    """Build this rank's part of a GPT for the current layout.
+
+    Args:
+        preset_or_config: a preset name (``mnb.config.preset_names()``), a dict of
+            ModelConfig fields, or a ModelConfig.
+        seed: seed of the initial weights (default: the layout's seed, 1234).
+        init: ``"layout_invariant"`` (same initial model under every layout) or
+            ``"megatron"`` (Megatron's own per-rank initialisation).
+        **overrides: ModelConfig or Megatron TransformerConfig fields, e.g.
+            ``num_layers=8``, ``sequence_parallel=True``, ``hidden_dropout=0.1``.
+    """
+    parallel = _layout.require_layout()
+    if "sequence_parallel" in overrides:
+        parallel = dataclasses.replace(parallel, sequence_parallel=bool(overrides.pop("sequence_parallel")))
+    cfg = model_config(preset_or_config, **overrides)
+    cfg.check_parallel(parallel)
+    if init not in ("layout_invariant", "megatron"):
+        raise ValueError(f"init must be 'layout_invariant' or 'megatron', got {init!r}")
+    seed = 1234 if seed is None else seed
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from mnb.megatron import compat
+    from mnb.megatron.spec import block_spec
+    from mnb.megatron.weights import init_layout_invariant
+
+    compat.apply()
+
+    tconfig = transformer_config(cfg, parallel)
+    vocab = padded_vocab_size(cfg.vocab_size, parallel.tp)
+    vpp = parallel.vpp if (parallel.vpp or 1) > 1 else None
+    torch.manual_seed(seed)
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        if vpp:
+            first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+            last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        else:
+            first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        chunk = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=block_spec(cfg, tconfig, vp_stage=vp_stage),
+            vocab_size=vocab,
+            max_sequence_length=cfg.max_position_embeddings,
+            pre_process=first,
+            post_process=last,
+            share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+            position_embedding_type=cfg.position_embedding_type,
+            rotary_base=cfg.rotary_base,
+            vp_stage=vp_stage,
+        )
+        chunks.append(chunk)
+    if init == "layout_invariant":
+        init_layout_invariant(chunks, tconfig, seed)
+    return MegatronModel(
+        chunks=chunks,
+        config=cfg,
+        transformer_config=tconfig,
+        parallel=parallel,
+        padded_vocab_size=vocab,
+        seed=seed,
+        layout_generation=_layout.generation(),
+    )

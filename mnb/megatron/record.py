@@ -1,0 +1,102 @@
+"""The per-rank run record that ``mnb.train`` returns and publishes.
+
+Schema (JSON-able; the controller, ``mnb.runs`` and ``mnb.plot`` read it)::
+
+    {
+      "rank": int, "world_size": int,
+      "coords": {"tp", "pp", "dp", "cp", "ep"},          # this rank's index in each group
+      "layout": ParallelConfig.as_dict() (dp filled),
+      "model": ModelConfig.to_dict(), "train": TrainConfig.to_dict(),
+      "device": "cpu" | "cuda:N", "device_name": str,
+      "num_microbatches": int,                          # per step, per dp rank
+      "global_batch_size": int, "seq_length": int,
+      "num_parameters_local": int, "padded_vocab_size": int,
+      "model_flops_per_step": float,                    # whole model, global batch, no recompute
+      "steps": [{"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
+                 "mem_allocated_bytes", "mem_peak_bytes", "mem_reserved_bytes"}],
+      "timeline": [{"step", "stage", "chunk", "kind", "microbatch", "start_s", "end_s"}],
+      "memory": {"peak_allocated_bytes", "peak_reserved_bytes", "capacity_bytes"},
+      "memory_source": "cuda" | "rss",
+      "megatron_core_version": str,
+    }
+
+``loss`` is the global batch's average per-token loss, the same on every rank.
+``timeline`` times are seconds from the start of their step; ``kind`` is
+"forward", "backward", a Megatron p2p name ("forward-recv", "backward-send",
+"forward-send-backward-recv", ...), "all-grads-sync" (and other
+finalize_model_grads timers), or "optimizer".
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from mnb.config import ModelConfig
+
+
+def device_of() -> torch.device:
+    """This rank's compute device: CPU in CPU mode, else the current CUDA device."""
+    from mnb.megatron import cpu
+
+    if cpu.installed() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_size: int) -> float:
+    """Model FLOPs of one training step (forward + backward, no recompute), whole model.
+
+    Megatron-LM's ``num_floating_point_operations`` (training.py), after
+    Narayanan et al. 2021 (arXiv 2104.04473, appendix "Floating-point
+    operations"): 12 = 3 (forward, wgrad, dgrad) * 2 (two GEMMs per block) *
+    2 (multiply-add), per layer ``12 B s h^2 [(1 + g/a + s/h) q/h + f k (ffn/h)]``
+    with g/a query groups per head, q = heads * head_dim, k experts per token,
+    f = 3/2 for gated MLPs; plus the logits ``6 B s h V``.  Core attention is
+    counted in full (not halved for causal masking), as in megatron-core 0.16.
+    """
+    b, s, h, layers = global_batch_size, cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    q = cfg.num_attention_heads * cfg.head_dim
+    gated = 1.5 if cfg.gated_linear_unit else 1.0
+    if cfg.is_moe:
+        mlp = (cfg.moe_ffn / h) * cfg.moe_router_topk * gated
+    else:
+        mlp = (cfg.ffn / h) * gated
+    attention = (1 + cfg.query_groups / cfg.num_attention_heads + s / h) * (q / h)
+    return float(12 * b * s * layers * h * h * (attention + mlp) + 6 * b * s * h * padded_vocab_size)
+
+
+def build_record(*, model, train, device: torch.device, num_microbatches: int, steps: list[dict],
+                 timeline: list[dict], meter, flops: float) -> dict:
+    import megatron.core
+
+    from mnb.megatron import layout
+
+    return {
+        "rank": torch.distributed.get_rank(),
+        "world_size": torch.distributed.get_world_size(),
+        "coords": layout.coordinates(),
+        "layout": model.parallel.as_dict(),
+        "model": model.config.to_dict(),
+        "train": train.to_dict(),
+        "device": "cpu" if device.type == "cpu" else f"cuda:{device.index}",
+        "device_name": device_name(device),
+        "num_microbatches": num_microbatches,
+        "global_batch_size": train.micro_batch_size * model.parallel.dp * num_microbatches,
+        "seq_length": model.config.seq_length,
+        "num_parameters_local": model.num_parameters_local(),
+        "padded_vocab_size": model.padded_vocab_size,
+        "model_flops_per_step": flops,
+        "steps": steps,
+        "timeline": timeline,
+        "memory": meter.summary(),
+        "memory_source": meter.source,
+        "megatron_core_version": getattr(megatron.core, "__version__", "unknown"),
+    }

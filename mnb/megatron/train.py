@@ -1,0 +1,319 @@
+"""``mnb.train``: train a :class:`~mnb.megatron.model.MegatronModel` on Megatron's own path.
+
+Inside a ``%%megatron`` cell, on every rank::
+
+    model = mnb.gpt("tiny")
+    record = mnb.train(model, steps=20, micro_batch_size=2, global_batch_size=8,
+                       lr=3e-4, data="mock")
+    record = mnb.train(model, steps=20)      # continues: same DDP, optimizer, data position
+
+The path is Megatron-LM's: ``get_forward_backward_func`` (1F1B, interleaved
+for vpp), Megatron ``DistributedDataParallel`` (grads in ``main_grad``),
+``get_megatron_optimizer`` (Adam; distributed optimizer optional),
+``finalize_model_grads``, ``OptimizerParamScheduler`` (warmup, then constant
+/ linear / cosine decay over the steps of this call), ``Float16Module`` for
+bf16.  The loss is the average per-token loss over the global batch
+(``calculate_per_token_loss``): independent of how the batch is split across
+dp ranks and microbatches, so layouts can be compared step by step.
+
+Each call returns this rank's run record (schema in :mod:`mnb.megatron.record`)
+and publishes it through :mod:`mnb.megatron.events`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+from mnb.config import TrainConfig
+from mnb.megatron import events
+from mnb.megatron import layout as _layout
+from mnb.megatron.batches import BatchPlan, microbatch_iterators
+from mnb.megatron.memory import MemoryMeter
+from mnb.megatron.model import MegatronModel
+from mnb.megatron.record import build_record, device_of, model_flops_per_step
+from mnb.megatron.timing import TimelineRecorder
+
+logger = logging.getLogger(__name__)
+
+_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def train_config(**fields: Any) -> TrainConfig:
+    """A TrainConfig from keyword fields, with a clear error for unknown names."""
+    unknown = sorted(set(fields) - _TRAIN_FIELDS)
+    if unknown:
+        raise TypeError(f"train() got unknown settings {unknown}; valid: {sorted(_TRAIN_FIELDS)}")
+    return TrainConfig(**fields)
+
+
+def _set_recompute(model: MegatronModel, recompute: str) -> None:
+    """Megatron reads the full-recompute flags at run time, selective ones at build time."""
+    config = model.transformer_config
+    if recompute == "full":
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = (
+            "full", "uniform", 1,
+        )
+    else:
+        config.recompute_granularity = "selective" if recompute == "selective" else None
+        config.recompute_method, config.recompute_num_layers = None, None
+    selective = recompute == "selective" and "core_attn" in (config.recompute_modules or ["core_attn"])
+    for chunk in model.chunks:
+        for module in chunk.modules():
+            if hasattr(module, "checkpoint_core_attention"):
+                module.checkpoint_core_attention = selective
+
+
+def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
+    """Wrap the chunks (bf16, DDP) and build the optimizer once per model."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from mnb.megatron.spec import fp8_supported
+
+    precision = "bf16" if tc.bf16 else "fp32"
+    if tc.fp8 and not fp8_supported():
+        raise ValueError("fp8 needs Transformer Engine and a Hopper-or-newer GPU on every rank")
+    config = model.transformer_config
+    if model.wrapped is not None:
+        if (model.precision, model.use_distributed_optimizer) != (precision, tc.use_distributed_optimizer):
+            raise ValueError(
+                f"this model trains in {model.precision} with use_distributed_optimizer="
+                f"{model.use_distributed_optimizer}; to change to {precision} / "
+                f"{tc.use_distributed_optimizer} build a new model (mnb.gpt) or save and load it"
+            )
+    else:
+        config.bf16 = tc.bf16
+        config.pipeline_dtype = torch.bfloat16 if tc.bf16 else torch.float32
+        modules = [Float16Module(config, c) if tc.bf16 else c for c in model.chunks]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=tc.use_distributed_optimizer,
+        )
+        model.wrapped = [
+            DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
+            for i, m in enumerate(modules)
+        ]
+        for wrapped in model.wrapped:
+            wrapped.broadcast_params()
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=tc.lr,
+            min_lr=tc.min_lr,
+            weight_decay=tc.weight_decay,
+            adam_beta1=tc.adam_beta1,
+            adam_beta2=tc.adam_beta2,
+            clip_grad=tc.clip_grad,
+            bf16=tc.bf16,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=tc.use_distributed_optimizer,
+        )
+        model.optimizer = get_megatron_optimizer(opt_config, model.wrapped)
+        model.precision, model.use_distributed_optimizer = precision, tc.use_distributed_optimizer
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = model.optimizer.scale_loss
+        no_sync = [w.no_sync for w in model.wrapped]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.fp8 = "hybrid" if tc.fp8 else None
+    _set_recompute(model, tc.recompute)
+    for opt in _sub_optimizers(model.optimizer):
+        opt.config.clip_grad = tc.clip_grad
+        for group in opt.param_groups:
+            group["betas"] = (tc.adam_beta1, tc.adam_beta2)
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _scheduler(model: MegatronModel, tc: TrainConfig):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if tc.warmup_steps >= tc.steps and tc.lr_decay_style != "constant":
+        raise ValueError(
+            f"warmup_steps({tc.warmup_steps}) must be smaller than steps({tc.steps}) "
+            f"for lr_decay_style={tc.lr_decay_style!r}"
+        )
+    return OptimizerParamScheduler(
+        model.optimizer,
+        init_lr=0.0 if tc.warmup_steps else tc.lr,
+        max_lr=tc.lr,
+        min_lr=tc.min_lr,
+        lr_warmup_steps=tc.warmup_steps,
+        lr_decay_steps=max(tc.steps, tc.warmup_steps + 1),
+        lr_decay_style=tc.lr_decay_style,
+        start_wd=tc.weight_decay,
+        end_wd=tc.weight_decay,
+        wd_incr_steps=tc.steps,
+        wd_incr_style="constant",
+    )
+
+
+def _forward_step(data_iterator, model):
+    """Megatron forward_step_func: one microbatch through one chunk; per-token loss sum."""
+    batch = next(data_iterator)
+    if batch is None:  # middle pipeline stage: input comes from the previous stage
+        output = model(None, None, None)
+        return output, None
+    labels = batch.get("labels")
+    output = model(batch.get("tokens"), batch.get("position_ids"), None, labels=labels)
+    loss_mask = batch.get("loss_mask")
+
+    def loss_func(output_tensor):
+        losses = output_tensor.float().reshape(-1)
+        mask = loss_mask.reshape(-1).float()
+        loss_sum = torch.sum(losses * mask)
+        num_tokens = mask.sum().to(torch.int)
+        report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+        return loss_sum, num_tokens, {"lm loss": report}
+
+    return output, loss_func
+
+
+def _holds_loss() -> bool:
+    """True on the ranks that report the loss: last stage, first tp and cp rank (any dp)."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_last_stage()
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
+
+
+def _global_loss(losses_reduced: list[dict], device) -> float:
+    """Average per-token loss over the global batch, identical on every rank."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    if _holds_loss():
+        for item in losses_reduced:
+            totals += item["lm loss"].to(device=device, dtype=torch.float64)
+    torch.distributed.all_reduce(totals)
+    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+
+
+def _oom_error(err: BaseException, step: int, meter: MemoryMeter) -> torch.OutOfMemoryError:
+    coords = _layout.coordinates()
+    layout = _layout.current_layout()
+    mem = meter.now()
+    gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+    capacity = f" of {gib(mem['capacity'])}" if mem["capacity"] else ""
+    return torch.OutOfMemoryError(
+        f"rank {torch.distributed.get_rank()} (tp{coords['tp']} pp{coords['pp']} dp{coords['dp']}; "
+        f"pipeline stage {coords['pp']} of {layout.pp if layout else 1}) ran out of memory at "
+        f"step {step}: allocated {gib(mem['allocated'])}, peak {gib(mem['peak'])}, reserved "
+        f"{gib(mem['reserved'])}{capacity} ({meter.source}). Try a smaller micro_batch_size, "
+        f"recompute='selective' or 'full', bf16=True, use_distributed_optimizer=True, or more tp/pp. "
+        f"Original error: {err}"
+    )
+
+
+def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: int | None = None,
+          global_batch_size: int | None = None, lr: float | None = None, data: str | None = None,
+          **fields: Any) -> dict:
+    """Train ``model`` for ``steps`` steps; return this rank's run record (see module doc).
+
+    Keyword arguments are :class:`mnb.config.TrainConfig` fields (unset ones take
+    its defaults).  Must be called on every rank of the pool.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    given = dict(steps=steps, micro_batch_size=micro_batch_size,
+                 global_batch_size=global_batch_size, lr=lr, data=data)
+    tc = train_config(**{k: v for k, v in given.items() if v is not None}, **fields)
+    if not isinstance(model, MegatronModel):
+        raise TypeError(f"train() needs the model returned by mnb.gpt(), got {type(model).__name__}")
+    model.check_layout()
+    parallel = model.parallel
+    dp = parallel.dp
+    num_microbatches = tc.num_microbatches(dp)
+    gbs = tc.micro_batch_size * dp * num_microbatches
+    seq = model.config.seq_length
+    device = device_of()
+    _prepare(model, tc)
+    scheduler = _scheduler(model, tc)
+    config = model.transformer_config
+    meter = MemoryMeter(device)
+    recorder = TimelineRecorder(
+        stage=ps.get_pipeline_model_parallel_rank(),
+        num_microbatches=num_microbatches,
+        num_chunks=len(model.chunks),
+        group_size=getattr(config, "microbatch_group_size_per_vp_stage", None) or parallel.pp,
+        device=device,
+        on_stop=meter.sample,
+    )
+    config.timers = recorder
+    plan = BatchPlan(
+        start_sample=model.consumed_samples,
+        micro_batch_size=tc.micro_batch_size,
+        num_microbatches=num_microbatches,
+        dp=dp,
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+    dataset = plan.dataset(tc, model, steps=tc.steps)
+    forward_backward = get_forward_backward_func()
+    reports = _holds_loss() and ps.get_data_parallel_rank() == 0
+    step_rows, timeline = [], []
+    for i in range(tc.steps):
+        step = model.steps_done
+        meter.begin_step()
+        recorder.begin_step(step)
+        t0 = time.perf_counter()
+        try:
+            for wrapped in model.wrapped:
+                wrapped.zero_grad_buffer()
+            model.optimizer.zero_grad()
+            iterators = microbatch_iterators(dataset, plan, i, model.chunks, device)
+            losses = forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=iterators,
+                model=model.wrapped,
+                num_microbatches=num_microbatches,
+                seq_length=seq,
+                micro_batch_size=tc.micro_batch_size,
+                decoder_seq_length=seq,
+                forward_only=False,
+            )
+            with recorder.span("optimizer"):
+                _, grad_norm, _ = model.optimizer.step()
+            scheduler.step(increment=1)
+            loss = _global_loss(losses, device)
+        except torch.OutOfMemoryError as err:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise _oom_error(err, step, meter) from err
+        step_time = time.perf_counter() - t0
+        row = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "lr": float(_sub_optimizers(model.optimizer)[0].param_groups[0]["lr"]),
+            "step_time_s": step_time,
+            "tokens_per_s": gbs * seq / step_time if step_time > 0 else None,
+            **meter.end_step(),
+        }
+        step_rows.append(row)
+        timeline.extend(recorder.end_step())
+        model.steps_done += 1
+        if reports:
+            events.emit("progress", {"step": step, "steps": tc.steps, "loss": loss,
+                                     "tokens_per_s": row["tokens_per_s"], "step_time_s": step_time})
+    model.consumed_samples += tc.steps * gbs
+    config.timers = None
+    record = build_record(
+        model=model, train=tc, device=device, num_microbatches=num_microbatches,
+        steps=step_rows, timeline=timeline, meter=meter,
+        flops=model_flops_per_step(model.config, gbs, model.padded_vocab_size),
+    )
+    events.publish_record(record)
+    return record
