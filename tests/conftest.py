@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import psutil
 import pytest
-
-os.environ.setdefault("MPLBACKEND", "Agg")
 
 
 @pytest.fixture(scope="module")

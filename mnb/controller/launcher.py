@@ -80,6 +80,7 @@ class LaunchSpec:
         env.update(self.extra_env)
         env["PYTHONUNBUFFERED"] = "1"
         env["MNB_DEVICE"] = self.device
+        env["MPLBACKEND"] = "Agg"  # ranks render figures to PNG for the notebook
         threads = self.threads_per_rank or max(1, (os.cpu_count() or 2) // self.nproc_per_node)
         env.setdefault("OMP_NUM_THREADS", str(threads))
         if self.gpus is not None:

@@ -255,6 +255,9 @@ class Pool:
                         "drop --ranks or change the layout in a cell of its own"
                     )
                 header["layout"] = resolved.as_dict()
+                for rank in targets:  # label this cell's output with the coordinates it will have
+                    self.ranks[rank].coords = resolved.coordinates(rank)
+                self.layout = resolved
         replies = self._request("execute", targets, header, timeout=timeout, stream=not quiet)
         errors = []
         values: dict[int, Any] = {}

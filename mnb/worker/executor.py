@@ -40,6 +40,8 @@ def run_cell(code: str, namespace: dict[str, Any]) -> Outcome:
             last_expr = ast.Expression(tree.body.pop().value)
         exec(compile(tree, filename, "exec"), namespace)
         value = eval(compile(last_expr, filename, "eval"), namespace) if last_expr else None
+        if code.rstrip().endswith(";"):  # IPython's convention: a trailing ';' hides the result
+            value = None
         return Outcome(ok=True, value=value)
     except BaseException as exc:  # the rank reports every failure, KeyboardInterrupt included
         return describe_exception(exc)

@@ -1,0 +1,93 @@
+"""Layout maths and validation messages of mnb.config."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, load_preset, model_config, preset_names
+
+
+def megatron_coordinates(layout: ParallelConfig, world: int) -> dict[int, dict[str, int]]:
+    """Coordinates from Megatron's own RankGenerator (order tp-cp-ep-dp-pp)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    decoder = RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order="tp-cp-ep-dp-pp")
+    expert_dp = layout.dp * layout.cp // layout.ep
+    expert = RankGenerator(tp=layout.tp, ep=layout.ep, dp=expert_dp, pp=layout.pp, cp=1, order="tp-cp-ep-dp-pp")
+    coords: dict[int, dict[str, int]] = {r: {} for r in range(world)}
+    for name, generator, token in (("tp", decoder, "tp"), ("pp", decoder, "pp"), ("dp", decoder, "dp"),
+                                   ("cp", decoder, "cp"), ("ep", expert, "ep")):
+        for group in generator.get_ranks(token):
+            for index, rank in enumerate(group):
+                coords[rank][name] = index
+    return coords
+
+
+@pytest.mark.parametrize("tp,pp,cp,ep", [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2), (4, 2, 1, 1), (1, 1, 2, 4),
+                                          (2, 2, 2, 1), (1, 8, 1, 1)])
+def test_coordinates_match_megatrons_rank_generator(tp, pp, cp, ep):
+    layout = ParallelConfig(tp=tp, pp=pp, cp=cp, ep=ep).resolve(16)
+    expected = megatron_coordinates(layout, 16)
+    assert {r: layout.coordinates(r) for r in range(16)} == expected
+
+
+def test_layout_errors_carry_numbers():
+    with pytest.raises(ValueError, match=r"tp\(2\) \* pp\(2\) \* cp\(1\) = 4 does not divide world size 6"):
+        ParallelConfig(tp=2, pp=2).resolve(6)
+    with pytest.raises(ValueError, match=r"ep\(4\) does not divide dp\(2\) \* cp\(1\) = 2"):
+        ParallelConfig(tp=2, ep=4).resolve(4)
+    with pytest.raises(ValueError, match=r"vpp\(2\) needs pipeline parallelism: pp is 1"):
+        ParallelConfig(vpp=2)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        ParallelConfig(tp=0)
+    assert ParallelConfig(tp=2, pp=2).resolve(8).dp == 2
+
+
+def test_model_checks_against_layout():
+    tiny = load_preset("tiny")
+    for parallel, message in [
+        (ParallelConfig(tp=8).resolve(8), r"num_attention_heads\(4\) is not divisible by tp\(8\)"),
+        (ParallelConfig(pp=3).resolve(3), r"num_layers\(4\) is not divisible by pp\(3\) \* vpp\(1\) = 3"),
+        (ParallelConfig(pp=2, vpp=4).resolve(2), r"num_layers\(4\) is not divisible by pp\(2\) \* vpp\(4\) = 8"),
+        (ParallelConfig(ep=2).resolve(2), r"ep\(2\) needs an MoE model"),
+        (ParallelConfig(cp=2).resolve(2), None),
+    ]:
+        if message is None:
+            tiny.check_parallel(parallel)  # seq 64 divisible by 2*cp
+        else:
+            with pytest.raises(ValueError, match=message):
+                tiny.check_parallel(parallel)
+    moe = load_preset("moe-tiny")
+    with pytest.raises(ValueError, match=r"num_moe_experts\(4\) is not divisible by ep\(8\)"):
+        moe.check_parallel(ParallelConfig(ep=8).resolve(8))
+    odd = tiny.with_overrides(seq_length=63)
+    with pytest.raises(ValueError, match=r"seq_length\(63\) is not divisible by tp\(2\) under sequence parallel"):
+        odd.check_parallel(ParallelConfig(tp=2, sequence_parallel=True).resolve(2))
+    with pytest.raises(ValueError, match=r"seq_length\(63\) is not divisible by 2 \* cp\(2\) = 4"):
+        odd.check_parallel(ParallelConfig(cp=2).resolve(2))
+
+
+def test_batch_divisibility():
+    assert TrainConfig(micro_batch_size=2, global_batch_size=16).num_microbatches(dp=2) == 4
+    with pytest.raises(ValueError, match=r"global_batch_size\(12\) is not divisible by micro_batch_size\(4\) \* dp\(2\) = 8"):
+        TrainConfig(micro_batch_size=4, global_batch_size=12).num_microbatches(dp=2)
+
+
+def test_presets_have_known_sizes():
+    assert {"tiny", "moe-tiny", "gpt2-124m", "llama-1b", "llama-8b", "llama-70b"} <= set(preset_names())
+    sizes = {name: load_preset(name).num_parameters() for name in ("llama-7b", "llama-8b", "llama-70b", "gpt2-124m")}
+    assert sizes["llama-7b"] == pytest.approx(6.74e9, rel=0.01)
+    assert sizes["llama-8b"] == pytest.approx(8.03e9, rel=0.01)
+    assert sizes["llama-70b"] == pytest.approx(70.55e9, rel=0.01)
+    assert sizes["gpt2-124m"] == pytest.approx(124.4e6, rel=0.01)
+    with pytest.raises(ValueError, match="unknown model preset 'nope'; choose from"):
+        load_preset("nope")
+
+
+def test_overrides_use_megatron_names_and_pass_unknown_through():
+    config = model_config("tiny", num_layers=8, hidden_dropout=0.1, seq_length=128)
+    assert config.num_layers == 8 and config.extra == {"hidden_dropout": 0.1}
+    assert config.max_position_embeddings >= 128
+    assert isinstance(config, ModelConfig)
