@@ -83,6 +83,9 @@ class LaunchSpec:
         env["MPLBACKEND"] = "Agg"  # ranks render figures to PNG for the notebook
         threads = self.threads_per_rank or max(1, (os.cpu_count() or 2) // self.nproc_per_node)
         env.setdefault("OMP_NUM_THREADS", str(threads))
+        if self.device == "cuda":
+            # Megatron's own launch scripts set this so TP communication can overlap compute.
+            env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
         # The workers need mnb importable exactly as the kernel has it.

@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 from typing import Any
 
 from mnb.protocol import ConnectionInfo, Message
@@ -34,6 +35,15 @@ from mnb.worker.channel import Channel
 from mnb.worker.executor import describe_exception, portable, run_cell
 
 log = logging.getLogger("mnb.worker")
+
+# Warnings Megatron-Core repeats on every rank and every model build, that say
+# nothing a notebook user can act on (mnb already chose the torch fallbacks and
+# says so in the README).  Everything else still reaches the cell's output.
+QUIET_WARNINGS = (
+    r"(Transformer Engine and )?Apex (is|are) not installed",
+    r"full scope is deprecated",
+    r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+)
 
 
 def _die_with_parent() -> None:
@@ -64,6 +74,8 @@ class Rank:
     # -------------------------------------------------------------- start
     def start(self) -> None:
         t0 = time.perf_counter()
+        for pattern in QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", message=pattern)
         import torch
         import torch.distributed as dist
 
