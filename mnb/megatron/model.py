@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,12 @@ class MegatronModel:
 
 
 _ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+_last_model: "weakref.ref[MegatronModel] | None" = None
+
+
+def current_model() -> MegatronModel | None:
+    """The model most recently built by :func:`gpt` on this rank, if it is still alive."""
+    return _last_model() if _last_model is not None else None
 
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
@@ -216,7 +223,8 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         chunks.append(chunk)
     if init == "layout_invariant":
         init_layout_invariant(chunks, tconfig, seed)
-    return MegatronModel(
+    global _last_model
+    model = MegatronModel(
         chunks=chunks,
         config=cfg,
         transformer_config=tconfig,
@@ -225,3 +233,5 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         seed=seed,
         layout_generation=_layout.generation(),
     )
+    _last_model = weakref.ref(model)
+    return model

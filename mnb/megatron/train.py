@@ -226,7 +226,6 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
     its defaults).  Must be called on every rank of the pool.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     given = dict(steps=steps, micro_batch_size=micro_batch_size,
                  global_batch_size=global_batch_size, lr=lr, data=data)
@@ -235,10 +234,7 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
         raise TypeError(f"train() needs the model returned by mnb.gpt(), got {type(model).__name__}")
     model.check_layout()
     parallel = model.parallel
-    dp = parallel.dp
-    num_microbatches = tc.num_microbatches(dp)
-    gbs = tc.micro_batch_size * dp * num_microbatches
-    seq = model.config.seq_length
+    num_microbatches = tc.num_microbatches(parallel.dp)
     device = device_of()
     _prepare(model, tc)
     scheduler = _scheduler(model, tc)
@@ -252,16 +248,35 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
         device=device,
         on_stop=meter.sample,
     )
-    config.timers = recorder
     plan = BatchPlan(
         start_sample=model.consumed_samples,
         micro_batch_size=tc.micro_batch_size,
         num_microbatches=num_microbatches,
-        dp=dp,
+        dp=parallel.dp,
         dp_rank=ps.get_data_parallel_rank(),
     )
     dataset = plan.dataset(tc, model, steps=tc.steps)
+    config.timers = recorder
+    try:
+        step_rows, timeline = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device)
+    finally:
+        config.timers = None
+    record = build_record(
+        model=model, train=tc, device=device, num_microbatches=num_microbatches,
+        steps=step_rows, timeline=timeline, meter=meter,
+        flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size),
+    )
+    events.publish_record(record)
+    return record
+
+
+def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device):
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     forward_backward = get_forward_backward_func()
+    seq = model.config.seq_length
+    tokens_per_step = plan.global_batch_size * seq
     reports = _holds_loss() and ps.get_data_parallel_rank() == 0
     step_rows, timeline = [], []
     for i in range(tc.steps):
@@ -273,17 +288,17 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
             for wrapped in model.wrapped:
                 wrapped.zero_grad_buffer()
             model.optimizer.zero_grad()
-            iterators = microbatch_iterators(dataset, plan, i, model.chunks, device)
             losses = forward_backward(
                 forward_step_func=_forward_step,
-                data_iterator=iterators,
+                data_iterator=microbatch_iterators(dataset, plan, i, model.chunks, device),
                 model=model.wrapped,
-                num_microbatches=num_microbatches,
+                num_microbatches=plan.num_microbatches,
                 seq_length=seq,
                 micro_batch_size=tc.micro_batch_size,
                 decoder_seq_length=seq,
                 forward_only=False,
             )
+            step_lr = float(_sub_optimizers(model.optimizer)[0].param_groups[0]["lr"])
             with recorder.span("optimizer"):
                 _, grad_norm, _ = model.optimizer.step()
             scheduler.step(increment=1)
@@ -297,23 +312,16 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
             "step": step,
             "loss": loss,
             "grad_norm": None if grad_norm is None else float(grad_norm),
-            "lr": float(_sub_optimizers(model.optimizer)[0].param_groups[0]["lr"]),
+            "lr": step_lr,
             "step_time_s": step_time,
-            "tokens_per_s": gbs * seq / step_time if step_time > 0 else None,
+            "tokens_per_s": tokens_per_step / step_time if step_time > 0 else None,
             **meter.end_step(),
         }
         step_rows.append(row)
         timeline.extend(recorder.end_step())
         model.steps_done += 1
+        model.consumed_samples += plan.global_batch_size
         if reports:
-            events.emit("progress", {"step": step, "steps": tc.steps, "loss": loss,
+            events.emit("progress", {"step": i + 1, "steps": tc.steps, "global_step": step, "loss": loss,
                                      "tokens_per_s": row["tokens_per_s"], "step_time_s": step_time})
-    model.consumed_samples += tc.steps * gbs
-    config.timers = None
-    record = build_record(
-        model=model, train=tc, device=device, num_microbatches=num_microbatches,
-        steps=step_rows, timeline=timeline, meter=meter,
-        flops=model_flops_per_step(model.config, gbs, model.padded_vocab_size),
-    )
-    events.publish_record(record)
-    return record
+    return step_rows, timeline
