@@ -1,0 +1,219 @@
+"""Every GPU check of mnb in one run, through the real magics (device machine, 2 GPUs).
+
+    python bench/gpu_checks.py --out OUTDIR [--sections magics,parity,memory,mfu,sweep]
+
+Sections (each writes its rows into OUTDIR/gpu_checks.json and .md):
+
+magics   ``%mnb start --device cuda`` (time to ready); NCCL all_reduce under
+         ``%%megatron --tp 2``; re-layout to ``--pp 2`` in the same processes; time
+         from a layout change to the first finished Megatron step, against a cold
+         ``torchrun`` launch of the same step (bench/plain_torchrun.py).
+parity   bf16 loss after 20 steps under tp1·dp2, tp2 and pp2 (same seed, same data).
+memory   >= 6 layouts of llama-1b (tp, pp, dp, sp, recompute, distributed optimizer):
+         predicted peak memory (mnb.estimate) against measured peak allocated, per
+         rank; measured bubble against (p-1)/m; MFU per run.
+mfu      llama-1b on 1 GPU through the pool: MFU against the measured bf16 GEMM
+         peak (790 TFLOP/s), tokens/s, peak memory; the same run in a plain
+         torchrun script: throughput ratio pool / plain.
+sweep    mnb.sweep over tp/pp/micro batch on 2 GPUs (table and chart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from IPython.core.interactiveshell import InteractiveShell
+
+import mnb
+
+MEASURED_PEAK_FLOPS = 790e12  # bf16 GEMM peak measured on this H200 (8192^3 matmul)
+GIB = 2**30
+HERE = Path(__file__).resolve().parent
+
+
+def flags(layout: dict) -> str:
+    return " ".join(f"--{k} {v}" if not isinstance(v, bool) else (f"--{k}" if v else "--no-sp")
+                    for k, v in layout.items())
+
+
+class Checks:
+    def __init__(self, out: Path):
+        self.out = out
+        self.rows: dict[str, list[dict]] = {}
+        self.shell = InteractiveShell.instance()
+        self.shell.run_line_magic("load_ext", "mnb")
+
+    def cell(self, line: str, code: str) -> float:
+        t = time.perf_counter()
+        self.shell.run_cell_magic("megatron", line, code)
+        return time.perf_counter() - t
+
+    def add(self, section: str, row: dict) -> None:
+        print(f"[{section}] {json.dumps(row, default=str)}", flush=True)
+        self.rows.setdefault(section, []).append(row)
+        self.save()
+
+    def save(self) -> None:
+        (self.out / "gpu_checks.json").write_text(json.dumps(self.rows, indent=1, default=str))
+        lines = []
+        for section, rows in self.rows.items():
+            keys = list(dict.fromkeys(k for r in rows for k in r))
+            lines += [f"### {section}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
+            lines.append("")
+        (self.out / "gpu_checks.md").write_text("\n".join(lines))
+
+    # ------------------------------------------------------------------ sections
+    def magics(self) -> None:
+        t = time.perf_counter()
+        self.shell.run_line_magic("mnb", "start --device cuda")
+        self.add("magics", {"check": "%mnb start --device cuda", "world": mnb.pool().world_size,
+                            "seconds": round(time.perf_counter() - t, 2)})
+        self.cell("--tp 2", "x = torch.ones(1, device=device) * (rank + 1)\ndist.all_reduce(x)\n"
+                  "assert x.item() == 3 and ps.get_tensor_model_parallel_world_size() == 2\nprint('nccl tp2 ok')")
+        self.add("magics", {"check": "tp=2 NCCL all_reduce", "ok": True})
+        seconds = self.cell("--tp 1 --pp 2", "assert ps.get_pipeline_model_parallel_world_size() == 2\n"
+                            "print('pp2 stage', ps.get_pipeline_model_parallel_rank())")
+        self.add("magics", {"check": "re-layout tp2 -> pp2 in place", "seconds": round(seconds, 3)})
+        # Layout change to the first finished step, against a cold torchrun launch of the same job.
+        job = "model = mnb.gpt('llama-1b', seq_length=2048)\nmnb.train(model, steps=1, micro_batch_size=1, global_batch_size=2, bf16=True);"
+        self.cell("--tp 1 --pp 1", "pass")
+        warm = self.cell("--tp 2", job)
+        cold = plain_torchrun(self.out, nproc=2, layout="tp=2", steps=1, mbs=1, gbs=2)
+        self.add("magics", {"check": "layout change -> first step (llama-1b, tp2)", "pool_s": round(warm, 2),
+                            "cold_torchrun_s": cold.get("first_step_s"), "speedup":
+                            round(cold["first_step_s"] / warm, 1) if cold.get("first_step_s") else None})
+
+    def parity(self) -> None:
+        losses = {}
+        for layout in ({"tp": 1, "pp": 1}, {"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}):
+            self.cell(flags(layout), "model = mnb.gpt('llama-1b', num_layers=4, seq_length=1024, seed=7)\n"
+                      "mnb.train(model, steps=20, micro_batch_size=2, global_batch_size=16, lr=3e-4, bf16=True, "
+                      "data='stdlib', seed=7);")
+            run = mnb.last_run
+            losses[run.layout.describe()] = run.losses
+        base_name, base = next(iter(losses.items()))
+        for name, values in losses.items():
+            self.add("parity", {"layout": name, "loss_step1": round(values[0], 4), "loss_step20": round(values[-1], 4),
+                                "rel_diff_vs_" + base_name.replace(" ", "_"): round(abs(values[-1] - base[-1]) / base[-1], 4)})
+
+    def memory(self) -> None:
+        base = "model = mnb.gpt('llama-1b', seq_length=2048)\nmnb.train(model, steps=6, bf16=True, {train});"
+        cases = [
+            ({"tp": 1, "pp": 1}, "micro_batch_size=1, global_batch_size=8"),
+            ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, use_distributed_optimizer=True"),
+            ({"tp": 2, "pp": 1, "sp": False}, "micro_batch_size=1, global_batch_size=8"),
+            ({"tp": 2, "pp": 1, "sp": True}, "micro_batch_size=2, global_batch_size=8"),
+            ({"tp": 1, "pp": 2, "sp": False}, "micro_batch_size=1, global_batch_size=4"),
+            ({"tp": 1, "pp": 2}, "micro_batch_size=1, global_batch_size=8"),
+            ({"tp": 1, "pp": 2}, "micro_batch_size=1, global_batch_size=16"),
+            ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, recompute='selective'"),
+            ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, recompute='full'"),
+        ]
+        for layout, train in cases:
+            try:
+                self.cell(flags(layout), base.format(train=train))
+            except Exception as exc:  # a failed case is a row with its reason; the others still run
+                self.add("memory", {"layout": flags(layout), "train": train, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                continue
+            self.add("memory", run_row(mnb.last_run, train))
+
+    def mfu(self) -> None:
+        self.shell.run_line_magic("mnb", "stop")
+        self.shell.run_line_magic("mnb", "start -n 1 --gpus 0")
+        job = dict(steps=12, mbs=4, gbs=32)
+        self.cell("", "model = mnb.gpt('llama-1b', seq_length=2048)\n"
+                  f"mnb.train(model, steps={job['steps']}, micro_batch_size={job['mbs']}, "
+                  f"global_batch_size={job['gbs']}, bf16=True);")
+        run = mnb.last_run
+        row = run_row(run, "mbs 4, gbs 32, 1 GPU")
+        plain = plain_torchrun(self.out, nproc=1, layout="tp=1", steps=job["steps"], mbs=job["mbs"], gbs=job["gbs"])
+        row["plain_tokens_per_s"] = plain.get("tokens_per_s")
+        if plain.get("tokens_per_s"):
+            row["pool/plain"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3)
+        self.add("mfu", row)
+        self.shell.run_line_magic("mnb", "stop")
+        self.shell.run_line_magic("mnb", "start --device cuda")
+
+    def sweep(self) -> None:
+        result = mnb.sweep({"tp": [1, 2], "pp": [1, 2], "micro_batch_size": [1, 2]}, steps=4,
+                           model="llama-1b", global_batch_size=8, bf16=True, seq_length=2048)
+        for row in getattr(result, "rows", []):
+            self.add("sweep", {k: v for k, v in (row.items() if isinstance(row, dict) else vars(row).items())
+                               if not isinstance(v, (list, dict))})
+        ax = result.plot() if hasattr(result, "plot") else None
+        if ax is not None:
+            ax.figure.savefig(self.out / "sweep.png", dpi=110)
+
+
+def run_row(run, train: str) -> dict:
+    tokens = [x for x in run.tokens_per_s[1:] if x]
+    step_times = [x for x in run.step_times_s[1:] if x]
+    flops = run.model_flops_per_step
+    row = {"layout": run.layout.describe(), "train": train, "m": run.num_microbatches,
+           "tokens_per_s": round(sum(tokens) / len(tokens)) if tokens else None,
+           "mfu_vs_790": round(flops / (sum(step_times) / len(step_times)) / run.world_size / MEASURED_PEAK_FLOPS, 3)
+           if step_times else None}
+    predicted = run.predicted_memory
+    worst = 0.0
+    for rank, rec in sorted(run.ranks.items()):
+        measured = rec["memory"]["peak_allocated_bytes"]
+        pred = predicted.for_rank(rank).total_bytes
+        row[f"r{rank}_meas_GiB"] = round(measured / GIB, 2)
+        row[f"r{rank}_pred_GiB"] = round(pred / GIB, 2)
+        worst = max(worst, abs(pred - measured) / measured)
+    row["worst_mem_err"] = round(worst, 3)
+    if run.layout.pp > 1:
+        row["bubble_measured"] = round(run.measured_bubble, 3)
+        row["bubble_theory"] = round(run.theoretical_bubble, 3)
+    return row
+
+
+def plain_torchrun(out: Path, *, nproc: int, layout: str, steps: int, mbs: int, gbs: int) -> dict:
+    """Launch bench/plain_torchrun.py cold and read its JSON result."""
+    result = out / f"plain_{nproc}_{layout}_{steps}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(HERE / "plain_torchrun.py"), "--layout", layout, "--steps", str(steps), "--mbs", str(mbs),
+           "--gbs", str(gbs), "--result", str(result)]
+    env = dict(os.environ, MNB_LAUNCH_T=repr(time.time()))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    if proc.returncode or not result.exists():
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        return {"error": f"exit {proc.returncode}"}
+    return json.loads(result.read_text())
+
+
+def _fmt(value) -> str:
+    return "" if value is None else str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "artifacts"))
+    parser.add_argument("--sections", default="magics,parity,memory,mfu,sweep")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checks = Checks(out)
+    sections = args.sections.split(",")
+    if "magics" not in sections:
+        checks.shell.run_line_magic("mnb", "start --device cuda")
+    for name in sections:
+        t = time.perf_counter()
+        try:
+            getattr(checks, name)()
+        except Exception:
+            checks.add(name, {"error": traceback.format_exc()[-1500:]})
+        print(f"== {name} took {time.perf_counter() - t:.1f} s", flush=True)
+    checks.shell.run_line_magic("mnb", "stop")
+
+
+if __name__ == "__main__":
+    main()
