@@ -161,6 +161,7 @@ class MegatronMagics(Magics):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         set_current_pool(pool)
+        from mnb.widgets.live import attach; attach(pool)  # noqa: E702 - live widget in a kernel only; text line elsewhere
         print(format_table(
             ["rank", "pid", "host", "device", "backend"],
             [[i.rank, i.pid, i.host, i.device, i.backend] for i in sorted(pool.ranks.values(), key=lambda i: i.rank)],
