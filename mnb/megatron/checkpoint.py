@@ -44,6 +44,13 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 META_FILE = "mnb.json"
+OPTIMIZER_METADATA = {
+    # The distributed optimizer's only format in 0.16 that reshards across tp/pp/dp
+    # (the default, 'fully_sharded_model_space', raises "flattened_range is not supported").
+    "distrib_optim_sharding_type": "fully_reshardable",
+    # Chained optimizers (dense + experts): keys by parameter, not by optimizer index.
+    "chained_optim_avoid_prefix": True,
+}
 
 
 # -- small helpers -------------------------------------------------------------------
@@ -256,7 +263,7 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     chunks = _chunks(model)
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     if step is None:
-        step = getattr(model, "step", None)
+        step = getattr(model, "steps_done", None)
     path = Path(path).absolute()
     rank = dist.get_rank()
     save_id = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
@@ -272,13 +279,16 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
 
     state = _model_sharded_state_dict(chunks)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False,
+                                                         metadata=dict(OPTIMIZER_METADATA))
     state["mnb_rng"] = _rng_sharded_object(_rng_state())
     with _cuda_calls_on_cpu():
         dist_checkpointing.save(state, str(tmp))  # ends with a barrier
     meta = {
         "format": FORMAT_VERSION, "step": step, "layout": _layout(),
         "num_chunks": len(chunks), "optimizer": optimizer is not None,
+        "optimizer_config": _optimizer_config(optimizer),
+        "consumed_samples": getattr(model, "consumed_samples", None),
         "model_config": _model_config(model), "extra": extra or {}, "time": time.time(),
     }
     if rank == 0:
@@ -298,9 +308,124 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
 
 
 def _model_config(model) -> dict | None:
-    config = getattr(model, "config", None) or getattr(model, "model_config", None)
+    config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
     return to_dict() if callable(to_dict) else None
+
+
+_OPT_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad", "bf16",
+               "use_distributed_optimizer")
+
+
+def _optimizer_config(optimizer) -> dict | None:
+    """The Megatron OptimizerConfig fields needed to rebuild the same optimizer."""
+    if optimizer is None:
+        return None
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    config = getattr(subs[0], "config", None)
+    return {f: getattr(config, f, None) for f in _OPT_FIELDS} if config is not None else None
+
+
+def _init_empty_optimizer_state(optimizer) -> None:
+    """Give a never-stepped DistributedOptimizer its Adam state (zeros) before loading.
+
+    Without Apex/TE, megatron-core 0.16's ``DistributedOptimizer.state_dict()``
+    (distrib_optimizer.py:642, called by ``sharded_state_dict(is_loading=True)``)
+    reads the per-parameter Adam ``step`` and asserts there is exactly one; a fresh
+    optimizer has none. Megatron's own dummy-state helper (a zero-gradient step:
+    no parameter changes) fills it; the checkpoint then overwrites it.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        init = getattr(sub, "_init_optimizer_states_with_dummy_values", None)
+        inner = getattr(sub, "optimizer", None)
+        if callable(init) and inner is not None and not inner.state:
+            init()
+
+
+@contextlib.contextmanager
+def _torch_adam_step_fixes(optimizer) -> Iterator[None]:
+    """Work around two bugs of megatron-core 0.16.1's DistributedOptimizer with torch Adam.
+
+    Both hit the DistributedOptimizer without Apex/TE (so CPU ranks, and GPUs without TE):
+
+    1. ``load_parameter_state_from_fully_reshardable`` (distrib_optimizer.py:2101)
+       skips Adam's ``step`` when it builds the source tensors, but
+       ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:938) copies
+       every destination key, ``step`` included: ``KeyError: 'step'``. During the
+       load a missing ``step`` is filled with the current one (``load_state_dict``
+       has already restored it from the param groups).
+    2. ``DistributedOptimizer.load_state_dict`` (distrib_optimizer.py:821-825) puts
+       *one* ``step`` tensor into every parameter's state; torch Adam increments it
+       in place once per parameter, so after a load the bias correction runs ahead
+       (next-but-one loss off by ~4e-3 on the tiny preset). Each state gets its own
+       copy after the load.
+    """
+    patched = []
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for sub in subs:
+        original = getattr(sub, "_set_main_param_and_optimizer_states", None)
+        config = getattr(sub, "config", None)
+        if original is None or getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            continue
+
+        def fill_step(model_param, tensors, sub=sub, original=original):
+            if "step" not in tensors:
+                group, order = sub.model_param_group_index_map[model_param]
+                state = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
+                if "step" in state:
+                    tensors = {**tensors, "step": state["step"].clone()}
+            return original(model_param, tensors)
+
+        sub._set_main_param_and_optimizer_states = fill_step
+        patched.append(sub)
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub._set_main_param_and_optimizer_states
+    for sub in subs:
+        inner = getattr(sub, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                 "ffn_hidden_size", "kv_channels", "vocab_size", "normalization",
+                 "gated_linear_unit", "position_embedding_type", "add_bias_linear",
+                 "num_moe_experts", "share_embeddings_and_output_weights")
+
+
+def _check_same_shape(meta: dict, model) -> None:
+    """ValueError naming every architecture field that differs from the checkpoint's."""
+    saved, mine = meta.get("model_config") or {}, _model_config(model) or {}
+    diffs = [f"{k}: checkpoint {saved[k]!r}, model {mine[k]!r}" for k in _SHAPE_FIELDS
+             if k in saved and k in mine and saved[k] != mine[k]]
+    if diffs:
+        raise ValueError("the checkpoint holds a different model (" + "; ".join(diffs) + "); build "
+                         "the model with the checkpoint's settings, e.g. mnb.gpt(preset, **settings)")
+
+
+def _ensure_optimizer(model, meta: dict):
+    """Give a never-trained mnb model its DDP wrappers and optimizer, as mnb.train would.
+
+    So the checkpoint's optimizer state can be loaded now and training continues
+    with it (mnb.train keeps an existing optimizer). Uses the optimizer settings
+    recorded at save time; the learning-rate schedule is set by each train call.
+    """
+    saved = meta.get("optimizer_config")
+    if getattr(model, "optimizer", None) is not None or not saved or not hasattr(model, "wrapped"):
+        return getattr(model, "optimizer", None)
+    try:
+        from mnb.config import TrainConfig
+        from mnb.megatron.train import _prepare
+    except ImportError:
+        logger.warning("mnb.megatron.train unavailable: loading weights without optimizer state")
+        return None
+    fields = {k: saved[k] for k in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
+                                    "clip_grad", "use_distributed_optimizer") if saved.get(k) is not None}
+    _prepare(model, TrainConfig(bf16=bool(saved.get("bf16")), **fields))
+    return model.optimizer
 
 
 def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer: bool = True,
@@ -334,11 +459,16 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
         if found != requested:
             logger.warning("%s was being replaced when a save stopped; loading %s", requested, found)
     t0 = time.perf_counter()
+    _check_same_shape(meta, model)
+    if optimizer is None and load_optimizer and meta.get("optimizer"):
+        optimizer = _ensure_optimizer(model, meta)
 
     state = _model_sharded_state_dict(chunks)
     use_optimizer = bool(load_optimizer and optimizer is not None and meta.get("optimizer"))
     if use_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
+        _init_empty_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
+                                                         metadata=dict(OPTIMIZER_METADATA))
     same_layout = meta.get("layout") == _layout()
     use_rng = bool(load_rng and same_layout)
     if use_rng:
@@ -350,14 +480,15 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         chunk.load_state_dict(loaded[key], strict=strict)
     if use_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _torch_adam_step_fixes(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 main params follow the loaded weights
     if use_rng:
         _set_rng_state(loaded["mnb_rng"])
-    if hasattr(model, "step"):
-        with contextlib.suppress(AttributeError):
-            model.step = meta.get("step")
+    for attr, key in (("steps_done", "step"), ("consumed_samples", "consumed_samples")):
+        if hasattr(model, attr) and meta.get(key) is not None:
+            setattr(model, attr, meta[key])
     dist.barrier()
     logger.info("loaded %s (step %s) in %.2f s", found, meta.get("step"), time.perf_counter() - t0)
     return {**meta, "path": str(found), "optimizer_loaded": use_optimizer, "rng_loaded": use_rng}

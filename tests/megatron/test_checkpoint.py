@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SEQ, MBS, MICROBATCHES = 32, 2, 2
 
 
 # -- launcher (parent side) --------------------------------------------------------
@@ -83,102 +82,35 @@ def _run(fn: str, world: int, tmp_path: Path, **kwargs) -> list:
     return _wait(_start(fn, world, out, tmp_path / "cache", **kwargs), out)
 
 
-# -- rank side: a small GPT trained with Megatron's schedule, DDP and optimizer ---------
+# -- rank side: mnb.gpt + mnb.train (Megatron schedule, DDP, optimizer) -------------
 
 
-class Model:
-    """What the checkpoint module reads from an mnb model: chunks, optimizer, config."""
-
-    def __init__(self, chunks, optimizer, config):
-        from mnb.megatron.data import dataset_for
-
-        self.chunks, self.optimizer, self.config, self.step = chunks, optimizer, config, 0
-        # Collective (Megatron's builder barriers): build it on every rank, outside the schedule.
-        self.dataset = dataset_for("stdlib-small", config, SEQ, 64, seed=5)
-
-
-def build(tp: int, pp: int, seed: int = 1234) -> Model:
-    import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (DistributedDataParallel,
-                                           DistributedDataParallelConfig, finalize_model_grads)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-
-    from mnb.config import ParallelConfig, model_config
+def build(tp: int, pp: int, seed: int = 1234, **overrides):
+    from mnb.config import ParallelConfig
     from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
 
-    apply_layout(ParallelConfig(tp=tp, pp=pp), seed=seed)
-    mc = model_config("tiny", vocab_size=257, seq_length=SEQ, num_layers=2)
-    cfg = TransformerConfig(
-        num_layers=mc.num_layers, hidden_size=mc.hidden_size,
-        num_attention_heads=mc.num_attention_heads, ffn_hidden_size=mc.ffn,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
-    # The same padded vocabulary under every layout: padding rows are real logits
-    # (trained through the softmax), so a tp-dependent padding (128 * tp: 384 at
-    # tp=1, 512 at tp=2) changes the loss after resharding by itself (~0.14 here).
-    vocab = 512
-    module = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab,
-                      max_sequence_length=mc.max_position_embeddings,
-                      pre_process=ps.is_pipeline_first_stage(),
-                      post_process=ps.is_pipeline_last_stage(),
-                      share_embeddings_and_output_weights=False)
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), module)
-    cfg.finalize_model_grads_func = finalize_model_grads
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0), [ddp])
-    return Model([ddp], opt, mc)
+    apply_layout(ParallelConfig(tp=tp, pp=pp))
+    # tiny: vocab_size 512, so the padded vocabulary (128 * tp multiple) is the same
+    # for tp 1, 2, 4; padding rows are real logits, so a layout-dependent padding
+    # alone would change the loss after resharding.
+    return gpt("tiny", seed=seed, **overrides)
 
 
-def batches(model: Model, step: int):
-    ds = model.dataset
-    first = step * MBS * MICROBATCHES
-    for m in range(MICROBATCHES):
-        items = [ds[first + m * MBS + i] for i in range(MBS)]
-        yield {k: __import__("torch").stack([it[k] for it in items]) for k in items[0]}
+def train(model, steps: int, **kwargs) -> list[float]:
+    from mnb.megatron.train import train as mnb_train
+
+    settings = dict(micro_batch_size=2, global_batch_size=4, lr=3e-3, data="stdlib-small")
+    record = mnb_train(model, steps=steps, **{**settings, **kwargs})
+    return [row["loss"] for row in record["steps"]]
 
 
-def train_step(model: Model) -> float | None:
-    """One optimizer step; the mean loss on the last pipeline stage (None elsewhere)."""
-    import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(data_iterator, chunk):
-        batch = next(data_iterator)
-        out = chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-        def loss_fn(output):
-            mask = batch["loss_mask"]
-            loss = (output.float() * mask).sum() / mask.sum()
-            return loss, {"lm loss": loss.detach()}
-
-        return out, loss_fn
-
-    for chunk in model.chunks:
-        chunk.zero_grad_buffer()
-    model.optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=batches(model, model.step),
-        model=model.chunks, num_microbatches=MICROBATCHES, seq_length=SEQ,
-        micro_batch_size=MBS, decoder_seq_length=SEQ, forward_only=False)
-    ok, _, _ = model.optimizer.step()
-    assert ok
-    model.step += 1
-    if ps.is_pipeline_last_stage():
-        return float(torch.stack([d["lm loss"] for d in losses]).mean())
-    return None
-
-
-def snapshot(model: Model) -> dict:
+def snapshot(model) -> dict:
     """Copies of every parameter and optimizer-state tensor on this rank."""
     params = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(model.chunks)
               for n, p in c.named_parameters()}
-    state = model.optimizer.state_dict()
-    return {"params": params, "opt": _tensors(state)}
+    opt = _tensors(model.optimizer.state_dict()) if model.optimizer is not None else {}
+    return {"params": params, "opt": opt}
 
 
 def _tensors(obj, prefix="") -> dict:
@@ -204,51 +136,55 @@ def differences(a: dict, b: dict) -> list[str]:
     return bad
 
 
-def scramble(model: Model) -> None:
+def scramble(model) -> None:
     import torch
 
     with torch.no_grad():
         for chunk in model.chunks:
             for p in chunk.parameters():
                 p.add_(1.0)
-    model.optimizer.reload_model_params()
-    model.step = -1
+    if model.optimizer is not None:
+        model.optimizer.reload_model_params()
+        for state in model.optimizer.state_dict()["state"].values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.add_(1.0)
+    model.steps_done, model.consumed_samples = -1, -1
 
 
 def rank_round_trip(path: str) -> dict:
     from mnb.megatron import checkpoint
 
     model = build(tp=2, pp=1)
-    train_step(model)
-    train_step(model)
-    checkpoint.save(path, model, extra={"consumed_samples": 8})
+    train(model, 2)
+    checkpoint.save(path, model, extra={"note": "after 2 steps"})
     saved = snapshot(model)
     scramble(model)
     assert differences(saved, snapshot(model))  # the scramble changed something
     info = checkpoint.load(path, model)
-    return {"diff": differences(saved, snapshot(model)), "step": model.step,
+    return {"diff": differences(saved, snapshot(model)),
+            "progress": [model.steps_done, model.consumed_samples],
             "info": {k: info[k] for k in ("step", "optimizer_loaded", "rng_loaded", "extra")},
             "files": sorted(os.listdir(Path(path).parent))}
 
 
-def rank_train_and_save(path: str, steps: int, extra_steps: int) -> dict:
+def rank_train_and_save(path: str, steps: int, extra_steps: int, dist_opt: bool) -> dict:
     from mnb.megatron import checkpoint
 
     model = build(tp=2, pp=1)
-    for _ in range(steps):
-        train_step(model)
+    train(model, steps, use_distributed_optimizer=dist_opt)
     checkpoint.save(path, model)
-    return {"next_losses": [train_step(model) for _ in range(extra_steps)]}
+    return {"next_losses": train(model, extra_steps, use_distributed_optimizer=dist_opt)}
 
 
-def rank_load_and_continue(path: str, tp: int, pp: int, extra_steps: int) -> dict:
+def rank_load_and_continue(path: str, tp: int, pp: int, extra_steps: int, dist_opt: bool) -> dict:
     from mnb.megatron import checkpoint
 
-    model = build(tp=tp, pp=pp, seed=999)  # different init: everything must come from the file
-    info = checkpoint.load(path, model)
-    assert model.step == info["step"]
-    return {"next_losses": [train_step(model) for _ in range(extra_steps)],
-            "optimizer_loaded": info["optimizer_loaded"], "rng_loaded": info["rng_loaded"]}
+    model = build(tp=tp, pp=pp, seed=999)  # other weights: everything must come from the file
+    info = checkpoint.load(path, model)    # never trained: gets its optimizer from the file
+    return {"next_losses": train(model, extra_steps, use_distributed_optimizer=dist_opt),
+            "optimizer_loaded": info["optimizer_loaded"], "rng_loaded": info["rng_loaded"],
+            "step": info["step"]}
 
 
 def rank_save_then_fail(path: str, mode: str) -> dict:
@@ -258,15 +194,15 @@ def rank_save_then_fail(path: str, mode: str) -> dict:
     from mnb.megatron import checkpoint
 
     model = build(tp=2, pp=1)
-    train_step(model)
+    train(model, 1)
     checkpoint.save(path, model)
     good = snapshot(model)
     torch.save(good, Path(path).parent / f"good-rank{torch.distributed.get_rank()}.pt")
-    train_step(model)
+    train(model, 1)
     real_save = dist_checkpointing.save
 
     def partial_save(state, directory, *args, **kwargs):
-        real_save(state, directory, *args, **kwargs)  # tensors written, no mnb.json, no rename
+        real_save(state, directory, *args, **kwargs)  # tensors written; no mnb.json, no rename
         (Path(directory) / f"partial-{torch.distributed.get_rank()}").write_text("x")
         if mode == "raise":
             raise OSError("disk full (simulated)")
@@ -298,6 +234,19 @@ def rank_load_good(path: str) -> dict:
     return {"diff": differences(good, snapshot(model)), "step": info["step"]}
 
 
+def rank_mismatch(path: str) -> dict:
+    from mnb.megatron import checkpoint
+
+    model = build(tp=2, pp=1)
+    checkpoint.save(path, model)
+    other = build(tp=2, pp=1, num_layers=2)
+    try:
+        checkpoint.load(path, other)
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
 # -- tests (parent side) -----------------------------------------------------------------
 
 
@@ -305,23 +254,25 @@ def test_round_trip_is_bitwise(tmp_path):
     results = _run("rank_round_trip", 2, tmp_path, path=str(tmp_path / "ckpt" / "a"))
     for r in results:
         assert r["diff"] == []
-        assert r["step"] == 2
+        assert r["progress"] == [2, 8]  # steps_done, consumed_samples restored
         assert r["info"] == {"step": 2, "optimizer_loaded": True, "rng_loaded": True,
-                             "extra": {"consumed_samples": 8}}
+                             "extra": {"note": "after 2 steps"}}
         assert r["files"] == ["a"]  # no .tmp-/.old- leftovers
 
 
 @pytest.mark.slow
-def test_resume_in_another_layout_continues_the_loss(tmp_path):
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["adam", "distributed-optimizer"])
+def test_resume_in_another_layout_continues_the_loss(tmp_path, dist_opt):
     """Save at tp=2 after 2 steps, load at pp=2: the next 2 losses equal the uninterrupted run's."""
     path = str(tmp_path / "ckpt" / "run")
-    straight = _run("rank_train_and_save", 2, tmp_path, path=path, steps=2, extra_steps=2)
-    resumed = _run("rank_load_and_continue", 2, tmp_path, path=path, tp=1, pp=2, extra_steps=2)
-    expected = straight[-1]["next_losses"]
-    got = resumed[-1]["next_losses"]  # last pipeline stage holds the loss
-    assert resumed[0]["next_losses"] == [None, None]
-    assert all(r["optimizer_loaded"] and not r["rng_loaded"] for r in resumed)
-    assert got == pytest.approx(expected, abs=1e-5), (got, expected)
+    straight = _run("rank_train_and_save", 2, tmp_path, path=path, steps=2, extra_steps=2,
+                    dist_opt=dist_opt)
+    resumed = _run("rank_load_and_continue", 2, tmp_path, path=path, tp=1, pp=2, extra_steps=2,
+                   dist_opt=dist_opt)
+    expected = straight[0]["next_losses"]
+    for r in resumed:
+        assert r["step"] == 2 and r["optimizer_loaded"] and not r["rng_loaded"]
+        assert r["next_losses"] == pytest.approx(expected, abs=1e-5), (r["next_losses"], expected)
 
 
 @pytest.mark.slow
@@ -345,6 +296,11 @@ def test_killed_save_keeps_the_last_checkpoint(tmp_path):
     assert list(path.parent.glob("run.tmp-*"))
     for r in _run("rank_load_good", 2, tmp_path, path=str(path)):
         assert r["diff"] == [] and r["step"] == 1
+
+
+def test_load_into_a_different_model_says_what_differs(tmp_path):
+    for r in _run("rank_mismatch", 2, tmp_path, path=str(tmp_path / "ckpt" / "m")):
+        assert "num_layers: checkpoint 4, model 2" in r["error"]
 
 
 def test_find_checkpoint_after_a_crash_between_renames(tmp_path):
