@@ -266,6 +266,16 @@ def _tensor_type(self, dtype=None, non_blocking=False, **kwargs: Any):
     return _ORIG_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
+def version_supported(version: str) -> bool:
+    """True for megatron-core versions whose CUDA call sites were checked (>=0.16,<0.20)."""
+    parts = version.split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return False
+    return major == 0 and 16 <= minor < 20
+
+
 def _check_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -275,15 +285,9 @@ def _check_version() -> str:
         import megatron.core
 
         found = getattr(megatron.core, "__version__", "unknown")
-    parts = found.split(".")
-    try:
-        major, minor = int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        warnings.warn(f"mnb CPU mode: cannot parse megatron-core version {found!r}", stacklevel=3)
-        return found
-    if not (major == 0 and 16 <= minor < 20):
+    if not version_supported(found):
         warnings.warn(
-            f"mnb CPU mode was checked against megatron-core {' '.join(SUPPORTED)}; found {found}. "
+            f"mnb CPU mode was checked against megatron-core {','.join(SUPPORTED)}; found {found}. "
             "New CUDA-only call sites may fail on CPU ranks: use a GPU pool or a supported version.",
             stacklevel=3,
         )

@@ -83,6 +83,8 @@ def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
             "(start a pool with %mnb start), or call torch.distributed.init_process_group first"
         )
     resolved = parallel.resolve(torch.distributed.get_world_size())
+    if resolved.vpp == 1:
+        resolved = dataclasses.replace(resolved, vpp=None)
     if resolved.cp > 1:
         from mnb.megatron.spec import have_te
 

@@ -1,4 +1,34 @@
+"""Fixtures for the mnb.megatron tests: real gloo ranks, launched once per session.
+
+``world1`` and ``world2`` run the bodies in ``scenarios.py`` on 1 and 2 fresh
+rank processes (cpu.install + init_process_group("gloo")) and hand their results
+to every test that asks, so the whole file set costs two launches.
+"""
+
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+import scenarios  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def world1(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("world1")
+    return run_ranks(scenarios.world1, 1, tmp, tmp=str(tmp))[0]
+
+
+@pytest.fixture(scope="session")
+def world2(tmp_path_factory):
+    return run_ranks(scenarios.world2, 2, tmp_path_factory.mktemp("world2"))
+
+
+def ok(result):
+    """The result of a guarded check, or a failure showing the rank's traceback."""
+    if isinstance(result, dict) and "error" in result and len(result) == 1:
+        pytest.fail("rank-side check raised:\n" + result["error"], pytrace=False)
+    return result

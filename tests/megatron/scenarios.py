@@ -1,0 +1,323 @@
+"""Rank-side bodies for the mnb.megatron tests (run by ranks.run_ranks in fresh processes).
+
+Each body runs several independent checks and returns JSON-able results keyed by
+name; a check that raises stores its traceback under "error" so the tests report
+it, without the other checks being lost.  Bodies run the same sequence on every
+rank, so collectives line up.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+PARITY_STEPS = 10
+PARITY_BATCH = dict(micro_batch_size=1, global_batch_size=4, lr=1e-3)
+
+# name -> (model preset, ParallelConfig kwargs, gpt overrides, extra train kwargs)
+WORLD2_LAYOUTS = {
+    "tp2": ("tiny", dict(tp=2), {}, {}),
+    "tp2-sp": ("tiny", dict(tp=2, sequence_parallel=True), {}, {}),
+    "pp2": ("tiny", dict(pp=2), {}, {}),
+    "dp2": ("tiny", dict(), {}, {}),
+    "dp2-distopt": ("tiny", dict(), {}, dict(use_distributed_optimizer=True)),
+    "pp2-vpp2": ("tiny", dict(pp=2, vpp=2), {}, {}),
+    "moe-ep2": ("moe-tiny", dict(ep=2), {}, {}),
+    "moe-tp2-sp": ("moe-tiny", dict(tp=2, sequence_parallel=True), {}, {}),
+}
+
+
+def _guard(results: dict, name: str, fn) -> None:
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()}
+
+
+def _losses(record: dict) -> list[float]:
+    return [row["loss"] for row in record["steps"]]
+
+
+def _train(preset, parallel_kw, gpt_kw=None, steps=PARITY_STEPS, **train_kw):
+    from mnb.config import ParallelConfig
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    apply_layout(ParallelConfig(**parallel_kw))
+    model = gpt(preset, **(gpt_kw or {}))
+    return train(model, steps=steps, **{**PARITY_BATCH, **train_kw})
+
+
+# ---------------------------------------------------------------- world size 1
+
+
+def world1(tmp: str) -> dict:
+    results: dict = {}
+    _guard(results, "cpu", cpu_checks)
+    _guard(results, "checkpoint", lambda: checkpoint_roundtrip(tmp))
+    _guard(results, "sdpa", sdpa_vs_megatron)
+    _guard(results, "ref-tiny", lambda: _losses(_train("tiny", {})))
+    _guard(results, "ref-moe-tiny", lambda: _losses(_train("moe-tiny", {})))
+    _guard(results, "recompute-full", lambda: _losses(_train("tiny", {}, recompute="full")))
+    _guard(results, "recompute-selective", lambda: _losses(_train("tiny", {}, recompute="selective")))
+    _guard(results, "continue", continue_training)
+    _guard(results, "events", events_seen)
+    _guard(results, "oom", oom_message)
+    _guard(results, "bf16", lambda: _losses(_train("tiny", {}, steps=3, bf16=True)))
+    return results
+
+
+def cpu_checks() -> dict:
+    import importlib
+    import sys
+
+    import numpy
+    import torch
+
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import token_dispatcher
+    from mnb.megatron import cpu
+
+    out: dict = {"installed": cpu.installed()}
+    mt = schedules.torch
+    out["proxy_is_not_torch"] = mt is not torch
+    out["factory_device"] = mt.zeros(2, device="cuda").device.type
+    out["factory_int_device"] = mt.empty(2, device=mt.cuda.current_device()).device.type
+    out["pin_memory_dropped"] = mt.tensor([1], device="cuda", pin_memory=True).is_pinned()
+    out["current_device"] = str(mt.cuda.current_device())
+    out["synchronize"] = mt.cuda.synchronize() is None
+    stream = mt.cuda.Stream()
+    stream.wait_stream(mt.cuda.current_stream())
+    with mt.cuda.stream(stream):
+        pass
+    event = mt.cuda.Event(enable_timing=True)
+    event.record()
+    out["stream_event_inert"] = event.query()
+    with mt.autocast("cuda", dtype=torch.bfloat16):
+        out["autocast_cpu"] = torch.is_autocast_enabled("cpu")
+    # The real torch is untouched for non-Megatron code.
+    try:
+        torch.zeros(1, device="cuda")
+        out["real_torch_cuda_raises"] = False
+    except (RuntimeError, AssertionError):
+        out["real_torch_cuda_raises"] = True
+    t = torch.ones(2)
+    megatron_ns = {"__name__": "megatron.core.fake_module", "t": t}
+    exec("r_cuda = t.cuda()\nr_type = t.type()", megatron_ns)
+    out["megatron_cuda_is_self"] = megatron_ns["r_cuda"] is t
+    out["megatron_type"] = megatron_ns["r_type"]
+    out["user_type"] = t.type()
+    try:
+        t.cuda()
+        out["user_cuda_raises"] = False
+    except (RuntimeError, AssertionError):
+        out["user_cuda_raises"] = True
+    # RNG state get/set act on the CPU generator (activation recompute replays dropout).
+    state = mrandom._get_cuda_rng_state()
+    a = torch.rand(3)
+    mrandom._set_cuda_rng_state(state)
+    out["rng_replay"] = bool(torch.equal(a, torch.rand(3)))
+    # clip_grads: 'torch.cuda.FloatTensor' assert and device='cuda' buffer.
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=6.0)
+    out["clip_grad_scaled"] = float(p.grad[0])
+    # MoE split sizes come back as numpy on CPU.
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
+    out["moe_splits_numpy"] = isinstance(splits, numpy.ndarray)
+    # A Megatron module imported after install() is patched by the import hook.
+    late = None
+    for name in ("megatron.core.export.trtllm.trtllm_helper", "megatron.core.inference.sampling_params",
+                 "megatron.core.post_training.modelopt.layers", "megatron.core.hyper_comm_grid"):
+        if name in sys.modules:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except Exception:
+            continue
+        if hasattr(module, "torch"):
+            late = (name, module.torch is schedules.torch)
+            break
+    out["late_import"] = late
+    before = schedules.torch
+    cpu.install()
+    out["idempotent"] = schedules.torch is before and cpu.installed()
+    return out
+
+
+def checkpoint_roundtrip(tmp: str) -> dict:
+    """dist_checkpointing save + load of a tiny model on CPU (torch.cuda.synchronize et al.)."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+
+    apply_layout(ParallelConfig())
+    model = gpt("tiny", num_layers=2)
+    chunk = model.chunks[0]
+    before = {k: v.clone() for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
+    path = f"{tmp}/ckpt"
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(chunk.sharded_state_dict(prefix=""), path)
+    with torch.no_grad():
+        for p in chunk.parameters():
+            p.zero_()
+    loaded = dist_checkpointing.load(chunk.sharded_state_dict(prefix=""), path)
+    chunk.load_state_dict(loaded, strict=False)
+    after = chunk.state_dict()
+    return {"equal": all(torch.equal(before[k], after[k]) for k in before), "tensors": len(before)}
+
+
+def sdpa_vs_megatron() -> dict:
+    """The SDPA core attention against Megatron's DotProductAttention (causal, GQA)."""
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mnb.config import ParallelConfig, model_config
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import transformer_config
+    from mnb.megatron.spec import LocalNorm, SDPAttention
+
+    from mnb.megatron.layout import current_layout
+
+    apply_layout(ParallelConfig())
+    parallel = current_layout()
+    cfg = model_config("tiny")  # 4 heads, 2 query groups: GQA
+    tconfig = transformer_config(cfg, parallel)
+    kwargs = dict(config=tconfig, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                  attention_type="self")
+    ref, ours = DotProductAttention(**kwargs), SDPAttention(**kwargs)
+    s, b, heads, groups, dim = 16, 2, 4, 2, 16
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(s, b, heads, dim, generator=gen)
+    k = torch.randn(s, b, groups, dim, generator=gen)
+    v = torch.randn(s, b, groups, dim, generator=gen)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    expected = ref(q, k, v, mask)
+    got = ours(q, k, v, None)
+    sp_config = transformer_config(cfg.with_overrides(), parallel)
+    sp_config.sequence_parallel = True
+    norm = LocalNorm(config=sp_config, hidden_size=8)
+    return {
+        "shape": list(got.shape),
+        "expected_shape": list(expected.shape),
+        "max_abs_diff": float((got - expected).abs().max()),
+        "norm_sp_flags": [bool(getattr(p, "sequence_parallel", False)) for p in norm.parameters()],
+    }
+
+
+def continue_training() -> dict:
+    from mnb.config import ParallelConfig
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    apply_layout(ParallelConfig())
+    model = gpt("tiny", num_layers=2)
+    first = train(model, steps=3, **PARITY_BATCH)
+    second = train(model, steps=3, **PARITY_BATCH)
+    once = train(gpt("tiny", num_layers=2), steps=6, **PARITY_BATCH)
+    return {
+        "split": _losses(first) + _losses(second),
+        "once": _losses(once),
+        "second_steps": [row["step"] for row in second["steps"]],
+    }
+
+
+def events_seen() -> dict:
+    from mnb.megatron import events
+
+    seen = []
+    events.take_records()
+    events.set_sink(lambda kind, payload: seen.append((kind, payload)))
+    try:
+        record = _train("tiny", {}, gpt_kw=dict(num_layers=2), steps=2)
+    finally:
+        events.set_sink(None)
+    taken = events.take_records()
+    return {
+        "kinds": [kind for kind, _ in seen],
+        "progress": [payload for kind, payload in seen if kind == "progress"],
+        "taken": len(taken),
+        "taken_is_record": bool(taken) and taken[0] == record,
+        "record": record,
+    }
+
+
+def oom_message() -> dict:
+    import torch
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    apply_layout(ParallelConfig())
+    model = gpt("tiny", num_layers=1)
+
+    def explode(module, args, output):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    model.chunks[0].decoder.layers[0].register_forward_hook(explode)
+    try:
+        train(model, steps=1, **PARITY_BATCH)
+    except torch.OutOfMemoryError as err:
+        return {"type": type(err).__name__, "message": str(err),
+                "cause": type(err.__cause__).__name__}
+    return {"type": None}
+
+
+# ---------------------------------------------------------------- world size 2
+
+
+def world2() -> dict:
+    results: dict = {}
+    _guard(results, "layout_walk", layout_walk)
+    for name, (preset, parallel_kw, gpt_kw, train_kw) in WORLD2_LAYOUTS.items():
+        _guard(results, name, lambda: _train(preset, parallel_kw, gpt_kw, **train_kw))
+    return results
+
+
+def layout_walk() -> list:
+    import torch
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron.layout import apply_layout, coordinates, current_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    walk = [{"request": None, "rebuilt": None, "layout": None, "coords": coordinates()}]
+
+    def step(**kw):
+        rebuilt = apply_layout(ParallelConfig(**kw))
+        layout = current_layout()
+        walk.append({"request": kw, "rebuilt": rebuilt, "layout": layout.as_dict(),
+                     "coords": coordinates()})
+
+    step(tp=2)
+    model = gpt("tiny", num_layers=2)
+    step(tp=2)
+    step(tp=2, sequence_parallel=True)
+    step(pp=2)
+    try:
+        train(model, steps=1, **PARITY_BATCH)
+        walk.append({"stale_model": None})
+    except RuntimeError as err:
+        walk.append({"stale_model": str(err)})
+    step()
+    step(ep=2)
+    for bad in (dict(tp=3), dict(cp=2)):
+        try:
+            apply_layout(ParallelConfig(**bad))
+            walk.append({"bad": bad, "error": None})
+        except ValueError as err:
+            walk.append({"bad": bad, "error": str(err)})
+    walk.append({"after_bad": current_layout().as_dict(), "rank": torch.distributed.get_rank()})
+    return walk
