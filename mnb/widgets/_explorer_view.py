@@ -130,14 +130,22 @@ def sync_controls(ex: "Explorer") -> None:
                 if control.value != getattr(ex, name):
                     control.value = getattr(ex, name)
         c["sequence_parallel"].disabled = ex.tp == 1
-        c["run"].disabled = ex.running
-        c["run"].description = "Running..." if ex.running else "Run on pool"
         _set(c["summary"], "value", summary_html(ex))
-        _set(c["status"], "value", f"<span style='color:#555'>{html.escape(ex.status)}</span>" if ex.status else "")
         _set(c["memory"], "value", ex.memory_png)
         _set(c["timeline"], "value", ex.timeline_png)
     finally:
         ex._syncing = False
+    sync_status(ex)
+
+
+def sync_status(ex: "Explorer") -> None:
+    """The status line and the run button (also called from the background run)."""
+    c = getattr(ex, "controls", None)
+    if c is None:
+        return
+    _set(c["run"], "disabled", ex.running)
+    _set(c["run"], "description", "Running..." if ex.running else "Run on pool")
+    _set(c["status"], "value", f"<span style='color:#555'>{html.escape(ex.status)}</span>" if ex.status else "")
 
 
 def _set(widget: widgets.Widget, name: str, value: Any) -> None:

@@ -52,23 +52,36 @@ def candidates(axis: str, model: ModelConfig, gpus: int) -> list[int]:
 
 
 def check_layout(
-    model: ModelConfig, parallel: ParallelConfig, gpus: int, train: TrainConfig | None = None
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    gpus: int,
+    train: TrainConfig | None = None,
+    *,
+    batch: bool = True,
 ) -> ParallelConfig:
-    """Resolve ``parallel`` on ``gpus`` and check it against the model (and batch, if given).
+    """Resolve ``parallel`` on ``gpus`` and check it against the model (and ``train``, if given).
 
-    Returns the resolved layout; raises ValueError with the numbers otherwise.
+    With ``batch=False`` the global batch only counts for the interleaving rule
+    (rounded up to whole microbatches), not for its own divisibility: the
+    explorer rounds the batch after the layout changes.  Returns the resolved
+    layout; raises ValueError with the numbers otherwise.
     """
     resolved = parallel.resolve(gpus)
     model.check_parallel(resolved)
     if resolved.sequence_parallel and resolved.tp == 1:
         raise ValueError("sequence parallel needs tp > 1 (it splits activations over the tp ranks)")
     if train is not None:
-        m = train.num_microbatches(resolved.dp or 1)
+        dp = resolved.dp or 1
+        if batch:
+            m = train.num_microbatches(dp)
+        else:
+            per = train.micro_batch_size * dp
+            m = -(-(train.global_batch_size or per) // per)
         if (resolved.vpp or 1) > 1 and m < resolved.pp:
             raise ValueError(
                 f"the interleaved schedule (vpp={resolved.vpp}) needs num_microbatches({m}) >= "
                 f"pp({resolved.pp}); raise global_batch_size to at least "
-                f"{resolved.pp * train.micro_batch_size * (resolved.dp or 1)}"
+                f"{resolved.pp * train.micro_batch_size * dp}"
             )
     return resolved
 
@@ -86,7 +99,7 @@ def axis_options(
             trial = replace(parallel, dp=None, **{axis: _as_field(axis, value)})
             if axis == "tp" and value == 1 and trial.sequence_parallel:
                 trial = replace(trial, sequence_parallel=False)
-            check_layout(model, trial, gpus, train if axis in ("vpp", "pp") else None)
+            check_layout(model, trial, gpus, train if axis in ("vpp", "pp") else None, batch=False)
         except ValueError as err:
             refused[value] = str(err)
         else:

@@ -192,7 +192,7 @@ class Explorer(widgets.VBox):
             if name == "tp" and value == 1:
                 trial = replace(trial, sequence_parallel=False)
             check_layout(self.model_config(), trial, self.gpus,
-                         self._train_or_none() if name in ("pp", "vpp") else None)
+                         self._train_or_none() if name in ("pp", "vpp") else None, batch=False)
         except ValueError as err:
             raise TraitError(str(err)) from None
         return value
@@ -234,6 +234,10 @@ class Explorer(widgets.VBox):
             self.measured = {}
             self._run = None
         self._refresh()
+
+    @observe("status", "running")
+    def _on_status(self, change) -> None:
+        view.sync_status(self)
 
     def _load_preset(self, name: str) -> None:
         preset = load_preset(name)

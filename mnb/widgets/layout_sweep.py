@@ -176,6 +176,10 @@ def _run_rows(result: SweepResult, points: list[dict[str, Any]], pool: Any, prog
                           timeout=timeout, on_event=progress.on_event, gpu=gpu)
         except KeyboardInterrupt:
             row.status, row.reason = "interrupted", "stopped by the user (KeyboardInterrupt)"
+            stuck = sorted(r for r, info in pool.ranks.items() if info.state == "stuck")
+            if stuck:
+                row.reason += (f"; rank(s) {stuck} did not stop (blocked in a collective): "
+                               "run %mnb restart (or pool.restart()) before the next cell")
             row.wall_s = time.perf_counter() - t0
             result.interrupted = True
             progress.row_done(row)

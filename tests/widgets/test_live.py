@@ -1,0 +1,83 @@
+"""Live training progress: the widget, its run boundaries, and its plain-text fallback."""
+
+from __future__ import annotations
+
+import types
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from mnb.widgets.live import LiveHandler, LiveProgress, attach, detach, progress_text
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+def _event(step, steps, loss=5.0):
+    return {"step": step, "steps": steps, "loss": loss, "tokens_per_s": 1000.0 + step, "step_time_s": 0.05}
+
+
+def test_attach_is_a_no_op_outside_a_kernel():
+    pool = types.SimpleNamespace(event_handlers=[])
+    assert attach(pool) is None
+    assert pool.event_handlers == []  # the controller keeps its text progress line
+    pool.event_handlers.append(LiveHandler())
+    detach(pool)
+    assert pool.event_handlers == []
+
+
+def test_progress_widget_updates_one_figure_in_place():
+    live = LiveProgress(steps=3)
+    live.update(_event(0, 3, 5.5))
+    fig, first_png = live._fig, bytes(live._image.value)
+    assert first_png.startswith(b"\x89PNG") and live.done == 1
+    live.update(_event(1, 3, 5.2))
+    live.update(_event(2, 3, 5.0))
+    assert live._fig is fig  # the same figure, redrawn
+    assert live.finished and live._bar.value == 3 and live._bar.bar_style == "success"
+    assert live.losses == [5.5, 5.2, 5.0] and live.global_steps == [0, 1, 2]
+    assert bytes(live._image.value) != first_png
+    assert live.text.startswith("step 3/3 [") and "loss 5.0000" in live.text
+    bundle = live._repr_mimebundle_()
+    assert WIDGET_MIME in bundle and bundle["text/plain"] == live.text
+    assert live.get_state()["losses"] == [5.5, 5.2, 5.0]
+
+
+def test_handler_starts_one_widget_per_training_run():
+    handler = LiveHandler()
+    handler(1, "progress", _event(0, 2))
+    first = handler.current
+    handler(1, "progress", _event(1, 2))
+    assert handler.current is first and first.finished
+    handler(1, "other", {})
+    handler(1, "progress", _event(2, 2))  # a second mnb.train on the same model
+    assert handler.current is not first and handler.current.done == 1
+    second = handler.current
+    handler(1, "progress", _event(0, 2))  # a new model: its step counter starts again
+    assert handler.current is not second
+
+
+def test_progress_text_matches_the_controller_line():
+    assert progress_text(1, 2, _event(0, 2)) == (
+        "step 1/2 [###############...............]  loss 5.0000  1,000 tok/s  50 ms/step")
+
+
+@pytest.mark.slow
+def test_headless_notebook_keeps_a_text_line(tmp_path):
+    """nbclient cannot render widgets: the stored output still reads as the progress line."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext mnb\n%mnb start -n 2 --device cpu"),
+        nbformat.v4.new_code_cell("%%megatron --pp 2\nm = mnb.gpt('tiny')\n"
+                                  "_ = mnb.train(m, steps=3, micro_batch_size=2, global_batch_size=8)"),
+        nbformat.v4.new_code_cell("%mnb stop"),
+    ]
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = nb.cells[1].outputs
+    assert not [o for o in outputs if o.output_type == "error"]
+    widgets = [o for o in outputs if WIDGET_MIME in o.get("data", {})]
+    assert len(widgets) == 1, outputs
+    assert widgets[0]["data"]["text/plain"].startswith("step 3/3 [######")
+    streams = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "step 1/3" not in streams  # no duplicate text line beside the widget
