@@ -88,7 +88,7 @@ def _build_in_child(files, prefix, queue):
 def test_concurrent_builders_agree(corpus, tmp_path):
     files = data.resolve_text_files(corpus)
     prefix = str(tmp_path / "shared" / "c")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")  # the parent has imported Megatron already
     queue = ctx.Queue()
     procs = [ctx.Process(target=_build_in_child, args=(files, prefix, queue)) for _ in range(3)]
     for p in procs:
@@ -135,7 +135,8 @@ def test_stdlib_corpus_and_dataset_items():
 
 
 def test_mock_dataset_fits_model_vocab():
-    ds = data.dataset_for("mock", model_config("tiny"), seq_length=16, num_samples=20, seed=1)
+    ds = data.dataset_for("mock", model_config("tiny", vocab_size=256), seq_length=16,
+                          num_samples=20, seed=1)
     assert len(ds) >= 20
     assert int(max(ds[i]["tokens"].max() for i in range(20))) < 256
 
@@ -160,6 +161,6 @@ def test_clear_errors(corpus, tmp_path):
     with pytest.raises(ValueError, match="has no text"):
         data.dataset_for(str(empty), cfg, 8, 4, 0)
     with pytest.raises(ValueError, match=r"token ids up to 256 .* vocab_size is 256.*>= 257"):
-        data.dataset_for(str(corpus), model_config("tiny"), 8, 4, 0)
+        data.dataset_for(str(corpus), model_config("tiny", vocab_size=256), 8, 4, 0)
     with pytest.raises(ValueError, match="num_samples must be a positive integer"):
         data.dataset_for("mock", cfg, 8, 0, 0)
