@@ -247,6 +247,33 @@ def rank_mismatch(path: str) -> dict:
     return {"error": None}
 
 
+def rank_without_cpu_mode(path: str) -> dict:
+    """No mnb.megatron.cpu.install(): checkpoint.py's own CUDA fallback must carry the save."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from mnb.megatron import checkpoint, cpu
+
+    assert not cpu.installed()
+    ps.initialize_model_parallel(1, 1)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    class Sharded(torch.nn.Module):  # one weight, split over the ranks along dim 0
+        def __init__(self, value):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((2, 3), float(value)))
+
+        def sharded_state_dict(self, prefix=""):
+            return {"w": ShardedTensor.from_rank_offsets(prefix + "w", self.w.detach(),
+                                                         (0, rank, world), replica_id=0)}
+
+    checkpoint.save(path, Sharded(rank + 1))
+    fresh = Sharded(-1)
+    checkpoint.load(path, fresh)
+    return {"ok": bool(torch.equal(fresh.w, torch.full((2, 3), float(rank + 1))))}
+
+
 # -- tests (parent side) -----------------------------------------------------------------
 
 
@@ -303,6 +330,11 @@ def test_load_into_a_different_model_says_what_differs(tmp_path):
         assert "num_layers: checkpoint 4, model 2" in r["error"]
 
 
+def test_save_without_cpu_mode_uses_the_local_fallback(tmp_path):
+    results = _run("rank_without_cpu_mode", 2, tmp_path, path=str(tmp_path / "ckpt" / "w"))
+    assert [r["ok"] for r in results] == [True, True]
+
+
 def test_find_checkpoint_after_a_crash_between_renames(tmp_path):
     from mnb.megatron.checkpoint import find_checkpoint
 
@@ -332,12 +364,10 @@ def _rank_entry() -> None:
         import torch
 
         torch.set_num_threads(1)
-        try:
+        if not fn.endswith("_without_cpu_mode"):
             from mnb.megatron import cpu
 
             cpu.install()
-        except ImportError:
-            pass
         torch.distributed.init_process_group("gloo")
         result = globals()[fn](**json.loads((out / "kwargs.json").read_text()))
         (out / f"rank{rank}.json").write_text(json.dumps(result))
