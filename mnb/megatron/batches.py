@@ -6,8 +6,9 @@ samples ``[c + i*G, c + (i+1)*G)`` of the dataset, ``G`` = global batch size,
 ``MegatronPretrainingSampler``, microbatch ``j`` of data-parallel rank ``d``
 reads ``mbs`` samples starting at ``c + i*G + j*mbs*dp + d*mbs``.  So every
 layout sees the same samples in each global batch (only their split over dp
-ranks and microbatches changes); tp ranks read the same batch; only the first
-and last pipeline stages read data at all.
+ranks and microbatches changes); tp ranks read the same batch; cp ranks read
+their chunks of its sequences; only the first and last pipeline stages read
+data at all.
 """
 
 from __future__ import annotations
@@ -93,8 +94,14 @@ def _collate(dataset, indices: range, device) -> dict[str, torch.Tensor]:
 
 
 def _microbatches(dataset, plan: BatchPlan, step: int, device):
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    cp = ps.get_context_parallel_world_size()
     for j in range(plan.num_microbatches):
-        yield _collate(dataset, plan.indices(step, j), device)
+        batch = _collate(dataset, plan.indices(step, j), device)
+        # Context parallelism: this rank's 2 of the 2*cp sequence chunks (Megatron's split).
+        yield get_batch_on_this_cp_rank(batch) if cp > 1 else batch
 
 
 def microbatch_iterators(dataset, plan: BatchPlan, step: int, chunks, device) -> list:

@@ -5,9 +5,12 @@ given lives on the CPU.  :func:`install` redirects those calls, **only in the
 rank process that calls it** (the worker calls it when the pool was started
 with ``--device cpu``).  Nothing is changed on GPU ranks.
 
-Checked against megatron-core 0.16.1 and 0.19.2 (see ``SUPPORTED``); outside
-that range :func:`install` still runs but warns, because new CUDA-only call
-sites may have appeared.  The redirections, and why each one is needed:
+Written and tested against megatron-core 0.16.1 (Python 3.11 here); the
+0.19.2 call sites listed in shared/MEGATRON_NOTES.md (``current_stream`` in grad
+sync, ...) go through the same proxy, but 0.19 needs Python >= 3.12 and was not
+run here.  Outside ``SUPPORTED`` :func:`install` still runs but warns, because
+new CUDA-only call sites may have appeared.  The redirections, and why each one
+is needed:
 
 1. **Megatron's own view of ``torch``** (one mechanism, most call sites).
    Every ``megatron.*`` module's global name ``torch`` is replaced by a thin
@@ -66,7 +69,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SUPPORTED = (">=0.16", "<0.20")
-"""megatron-core versions whose CUDA call sites were checked (0.16.1, 0.19.2)."""
+"""megatron-core versions this module is meant for (tested: 0.16.1)."""
 
 _REAL_TORCH = torch
 _INSTALLED = False

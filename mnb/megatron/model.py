@@ -184,6 +184,11 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         parallel = dataclasses.replace(parallel, sequence_parallel=bool(overrides.pop("sequence_parallel")))
     cfg = model_config(preset_or_config, **overrides)
     cfg.check_parallel(parallel)
+    if cfg.is_moe and parallel.tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            f"Megatron-Core trains MoE models with tp({parallel.tp}) > 1 only under sequence "
+            "parallelism: use %%megatron --sp, or mnb.gpt(..., sequence_parallel=True)"
+        )
     if init not in ("layout_invariant", "megatron"):
         raise ValueError(f"init must be 'layout_invariant' or 'megatron', got {init!r}")
     seed = 1234 if seed is None else seed

@@ -181,14 +181,14 @@ def _forward_step(data_iterator, model):
 
 
 def _holds_loss() -> bool:
-    """True on the ranks that report the loss: last stage, first tp and cp rank (any dp)."""
+    """True on the ranks whose loss sums make up the global batch: last stage, first tp rank.
+
+    Every dp rank and every cp rank there holds the loss of a disjoint part of
+    the global batch's tokens; tp ranks hold copies.
+    """
     from megatron.core import parallel_state as ps
 
-    return (
-        ps.is_pipeline_last_stage()
-        and ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_context_parallel_rank() == 0
-    )
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
 
 
 def _global_loss(losses_reduced: list[dict], device) -> float:
@@ -277,7 +277,8 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device):
     forward_backward = get_forward_backward_func()
     seq = model.config.seq_length
     tokens_per_step = plan.global_batch_size * seq
-    reports = _holds_loss() and ps.get_data_parallel_rank() == 0
+    reports = (_holds_loss() and ps.get_data_parallel_rank() == 0
+               and ps.get_context_parallel_rank() == 0)
     step_rows, timeline = [], []
     for i in range(tc.steps):
         step = model.steps_done
