@@ -13,16 +13,25 @@ import traceback
 PARITY_STEPS = 10
 PARITY_BATCH = dict(micro_batch_size=1, global_batch_size=4, lr=1e-3)
 
-# name -> (model preset, ParallelConfig kwargs, gpt overrides, extra train kwargs)
+# GPT-2-shaped variant of the tiny preset: LayerNorm with biases, GELU, learned
+# positions, tied input/output embeddings (with pp > 1: Megatron's embedding group).
+GPT_STYLE = dict(normalization="LayerNorm", gated_linear_unit=False, activation="gelu",
+                 position_embedding_type="learned_absolute", add_bias_linear=True,
+                 share_embeddings_and_output_weights=True)
+REFERENCES = {"tiny": ("tiny", {}), "moe-tiny": ("moe-tiny", {}), "gpt-style": ("tiny", GPT_STYLE)}
+
+# name -> (reference name, ParallelConfig kwargs, extra train kwargs); models from REFERENCES
 WORLD2_LAYOUTS = {
-    "tp2": ("tiny", dict(tp=2), {}, {}),
-    "tp2-sp": ("tiny", dict(tp=2, sequence_parallel=True), {}, {}),
-    "pp2": ("tiny", dict(pp=2), {}, {}),
-    "dp2": ("tiny", dict(), {}, {}),
-    "dp2-distopt": ("tiny", dict(), {}, dict(use_distributed_optimizer=True)),
-    "pp2-vpp2": ("tiny", dict(pp=2, vpp=2), {}, {}),
-    "moe-ep2": ("moe-tiny", dict(ep=2), {}, {}),
-    "moe-tp2-sp": ("moe-tiny", dict(tp=2, sequence_parallel=True), {}, {}),
+    "tp2": ("tiny", dict(tp=2), {}),
+    "tp2-sp": ("tiny", dict(tp=2, sequence_parallel=True), {}),
+    "pp2": ("tiny", dict(pp=2), {}),
+    "dp2": ("tiny", dict(), {}),
+    "dp2-distopt": ("tiny", dict(), dict(use_distributed_optimizer=True)),
+    "pp2-vpp2": ("tiny", dict(pp=2, vpp=2), {}),
+    "moe-ep2": ("moe-tiny", dict(ep=2), {}),
+    "moe-tp2-sp": ("moe-tiny", dict(tp=2, sequence_parallel=True), {}),
+    "gpt-style-pp2-tied": ("gpt-style", dict(pp=2), {}),
+    "gpt-style-tp2-sp": ("gpt-style", dict(tp=2, sequence_parallel=True), {}),
 }
 
 
@@ -56,8 +65,8 @@ def world1(tmp: str) -> dict:
     _guard(results, "cpu", cpu_checks)
     _guard(results, "checkpoint", lambda: checkpoint_roundtrip(tmp))
     _guard(results, "sdpa", sdpa_vs_megatron)
-    _guard(results, "ref-tiny", lambda: _losses(_train("tiny", {})))
-    _guard(results, "ref-moe-tiny", lambda: _losses(_train("moe-tiny", {})))
+    for name, (preset, gpt_kw) in REFERENCES.items():
+        _guard(results, f"ref-{name}", lambda: _losses(_train(preset, {}, gpt_kw)))
     _guard(results, "recompute-full", lambda: _losses(_train("tiny", {}, recompute="full")))
     _guard(results, "recompute-selective", lambda: _losses(_train("tiny", {}, recompute="selective")))
     _guard(results, "continue", continue_training)
@@ -280,7 +289,8 @@ def oom_message() -> dict:
 def world2() -> dict:
     results: dict = {}
     _guard(results, "layout_walk", layout_walk)
-    for name, (preset, parallel_kw, gpt_kw, train_kw) in WORLD2_LAYOUTS.items():
+    for name, (reference, parallel_kw, train_kw) in WORLD2_LAYOUTS.items():
+        preset, gpt_kw = REFERENCES[reference]
         _guard(results, name, lambda: _train(preset, parallel_kw, gpt_kw, **train_kw))
     return results
 
