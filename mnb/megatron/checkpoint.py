@@ -2,24 +2,32 @@
 
 Inside ``%%megatron`` cells (every rank runs the same line)::
 
-    mnb.save("ckpt/run1", model)            # model weights + optimizer + step + rng
+    model = mnb.gpt("tiny"); mnb.train(model, steps=20, data="stdlib")
+    mnb.save("ckpt/run1", model)            # weights + optimizer + progress + rng
     ...                                     # later, possibly under another layout:
+    model = mnb.gpt("tiny")
     info = mnb.load("ckpt/run1", model)     # {'step': 20, 'optimizer_loaded': True, ...}
+    mnb.train(model, steps=20)              # continues: same optimizer state, next samples
 
 The checkpoint is a Megatron distributed checkpoint (``torch_dist`` format) of
 ``chunk.sharded_state_dict()`` for every model chunk, plus the Megatron
 optimizer's ``sharded_state_dict``, so it loads into any other tp/pp/vpp/dp
-layout: Megatron reshards tensors by their global keys. Beside it, ``mnb.json``
-(written last) records the step, the layout it was saved under, the model
-config and a user ``extra`` dict (e.g. the data position).
+layout: Megatron reshards tensors by their global keys (the distributed
+optimizer is saved in its ``fully_reshardable`` format). Beside it, ``mnb.json``
+(written last) records the model's ``steps_done`` and ``consumed_samples`` (the
+data position ``mnb.train`` resumes from), the layout it was saved under, the
+model and optimizer settings and a user ``extra`` dict. Losses continue exactly
+across layouts as long as the padded vocabulary is the same (it is a multiple
+of 128 * tp; the tiny preset's 512 is the same for tp 1, 2 and 4): padding rows
+are real logits.
 
 Atomic: ranks write into ``<path>.tmp-<id>``; after every rank finished (barrier)
 rank 0 moves the previous checkpoint aside, renames the new one into place, then
 deletes the old one. A save interrupted at any point leaves the last complete
 checkpoint loadable (:func:`load` also finds it if the process died between the
-two renames). Stale ``.tmp-*`` folders are removed by the next save. The
+two renames; the next save completes that swap and deletes leftovers). The
 checkpoint folder must be on storage that every rank sees (one host, or a
-shared filesystem).
+shared filesystem). Both functions are collectives: call them on every rank.
 
 RNG states are saved per (pp, tp) rank and restored only under the same layout.
 """
@@ -90,17 +98,14 @@ def _layout() -> dict[str, Any]:
 
 
 def _current_model():
-    try:
-        from mnb.megatron import model as model_module
-    except ImportError:
-        model_module = None
-    for name in ("current_model", "current", "last_model"):
-        getter = getattr(model_module, name, None)
-        if callable(getter):
-            found = getter()
-            if found is not None:
-                return found
-    raise ValueError("no model given and none built yet on this rank: pass model=mnb.gpt(...)")
+    """``mnb.megatron.model.current_model()`` if model.py keeps one, else a clear error."""
+    from mnb.megatron import model as model_module
+
+    getter = getattr(model_module, "current_model", None)
+    found = getter() if callable(getter) else None
+    if found is None:
+        raise ValueError("no model given: pass the model, e.g. mnb.save(path, model)")
+    return found
 
 
 def _chunks(model) -> list[torch.nn.Module]:
@@ -245,6 +250,17 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     return max(complete, key=lambda p: (p.name.startswith(path.name + ".tmp-"), read_meta(p).get("time", 0)))
 
 
+def _recover(path: Path) -> None:
+    """Finish a swap a crash interrupted, then delete what interrupted saves left behind."""
+    if not path.exists():
+        found = find_checkpoint(path)
+        if found is not None and found != path:
+            os.replace(found, path)
+            logger.warning("restored %s from %s (a save stopped mid-swap)", path, found.name)
+    for stale in [*path.parent.glob(path.name + ".tmp-*"), *path.parent.glob(path.name + ".old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 # -- save / load -------------------------------------------------------------------
 
 
@@ -252,9 +268,10 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
          extra: dict | None = None) -> Path:
     """Write a distributed checkpoint of ``model`` (and its optimizer) to ``path``; collective.
 
-    ``model``: the wrapper from ``mnb.gpt`` (its ``.chunks``; ``.optimizer`` when
-    ``optimizer`` is None), a module, or a list of chunks; None = the current model.
-    ``step`` and ``extra`` (JSON-serialisable) go into ``mnb.json``. Returns the path.
+    ``model``: the model from ``mnb.gpt`` (its ``.chunks``; its ``.optimizer`` when
+    ``optimizer`` is None), a Megatron module, or a list of chunks. ``step`` (default
+    ``model.steps_done``) and ``extra`` (JSON-serialisable) go into ``mnb.json``.
+    Returns the checkpoint's absolute path.
     """
     from megatron.core import dist_checkpointing
 
@@ -272,8 +289,7 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
 
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(path.name + ".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted save
+        _recover(path)
         tmp.mkdir()
     dist.barrier()
 
@@ -406,6 +422,17 @@ def _check_same_shape(meta: dict, model) -> None:
                          "the model with the checkpoint's settings, e.g. mnb.gpt(preset, **settings)")
 
 
+def _check_same_optimizer(meta: dict, optimizer) -> None:
+    saved = (meta.get("optimizer_config") or {}).get("use_distributed_optimizer")
+    mine = (_optimizer_config(optimizer) or {}).get("use_distributed_optimizer")
+    if saved is not None and mine is not None and bool(saved) != bool(mine):
+        raise ValueError(
+            f"the checkpoint's optimizer state was saved with use_distributed_optimizer={saved}, "
+            f"this model's optimizer has {mine}: train with the same setting, or load the "
+            "weights only with mnb.load(path, model, load_optimizer=False)"
+        )
+
+
 def _ensure_optimizer(model, meta: dict):
     """Give a never-trained mnb model its DDP wrappers and optimizer, as mnb.train would.
 
@@ -432,10 +459,13 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
          load_rng: bool = True, strict: bool = True) -> dict:
     """Load a checkpoint written by :func:`save` into ``model`` (any layout); collective.
 
-    Model weights always; optimizer state when the checkpoint has it, an optimizer
-    is present and ``load_optimizer``; RNG states when the layout is unchanged and
-    ``load_rng``. Returns ``mnb.json`` plus ``optimizer_loaded`` / ``rng_loaded``.
-    ``strict``: every model tensor must be in the checkpoint.
+    Model weights always; optimizer state when the checkpoint has it and
+    ``load_optimizer`` (a never-trained ``mnb.gpt`` model first gets its DDP wrappers
+    and optimizer, built as ``mnb.train`` would with the saved settings); RNG
+    states when the layout is unchanged and ``load_rng``. Sets ``model.steps_done``
+    and ``model.consumed_samples``. Returns ``mnb.json`` plus ``path``,
+    ``optimizer_loaded`` and ``rng_loaded``. ``strict``: every model tensor must be
+    in the checkpoint. A model of another shape raises ValueError naming the fields.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -466,6 +496,7 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     state = _model_sharded_state_dict(chunks)
     use_optimizer = bool(load_optimizer and optimizer is not None and meta.get("optimizer"))
     if use_optimizer:
+        _check_same_optimizer(meta, optimizer)
         _init_empty_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
                                                          metadata=dict(OPTIMIZER_METADATA))
