@@ -177,7 +177,11 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         init: ``"layout_invariant"`` (same initial model under every layout) or
             ``"megatron"`` (Megatron's own per-rank initialisation).
         **overrides: ModelConfig or Megatron TransformerConfig fields, e.g.
-            ``num_layers=8``, ``sequence_parallel=True``, ``hidden_dropout=0.1``.
+            ``num_layers=8``, ``hidden_dropout=0.1``.  ``sequence_parallel``
+            defaults to the layout's (``%%megatron --sp``); dropout defaults to 0.
+
+    Raises RuntimeError without a layout, ValueError when the model cannot be
+    split as the layout says (numbers in the message).
     """
     parallel = _layout.require_layout()
     if "sequence_parallel" in overrides:

@@ -11,8 +11,8 @@ The path is Megatron-LM's: ``get_forward_backward_func`` (1F1B, interleaved
 for vpp), Megatron ``DistributedDataParallel`` (grads in ``main_grad``),
 ``get_megatron_optimizer`` (Adam; distributed optimizer optional),
 ``finalize_model_grads``, ``OptimizerParamScheduler`` (warmup, then constant
-/ linear / cosine decay over the steps of this call), ``Float16Module`` for
-bf16.  The loss is the average per-token loss over the global batch
+/ linear / cosine decay over the steps of this call; as in Megatron-LM the
+first warmup step runs at lr 0), ``Float16Module`` for bf16.  The loss is the average per-token loss over the global batch
 (``calculate_per_token_loss``): independent of how the batch is split across
 dp ranks and microbatches, so layouts can be compared step by step.
 

@@ -17,6 +17,11 @@ same model.  Distributions match Megatron's: ``N(0, init_method_std)``;
 ``linear_proj`` and ``linear_fc2`` (attention and MLP output layers)
 ``N(0, init_method_std / sqrt(2 * num_layers))``; norms and biases keep
 Megatron's constant init.
+
+Cost: each rank generates the full (unsharded) tensor of every weight it holds
+a slice of, one tensor at a time, on the weight's device (for a 128k x 8k
+embedding, a 4 GiB fp32 temporary).  ``mnb.gpt(..., init="megatron")`` keeps
+Megatron's own initialisation instead.
 """
 
 from __future__ import annotations
