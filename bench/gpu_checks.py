@@ -121,6 +121,7 @@ class Checks:
             try:
                 self.cell(flags(layout), base.format(train=train))
             except Exception as exc:  # a failed case is a row with its reason; the others still run
+                print("\n".join(getattr(exc, "_render_traceback_", lambda: [str(exc)])()), flush=True)
                 self.add("memory", {"layout": flags(layout), "train": train, "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue
             self.add("memory", run_row(mnb.last_run, train))
@@ -209,7 +210,8 @@ def main() -> None:
         t = time.perf_counter()
         try:
             getattr(checks, name)()
-        except Exception:
+        except Exception as exc:
+            print("\n".join(getattr(exc, "_render_traceback_", lambda: [])()), flush=True)
             checks.add(name, {"error": traceback.format_exc()[-1500:]})
         print(f"== {name} took {time.perf_counter() - t:.1f} s", flush=True)
     checks.shell.run_line_magic("mnb", "stop")

@@ -161,7 +161,7 @@ class MegatronMagics(Magics):
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         set_current_pool(pool)
-        from mnb.widgets.live import attach; attach(pool)  # noqa: E702 - live widget in a kernel only; text line elsewhere
+        attach_live_progress(pool)
         print(format_table(
             ["rank", "pid", "host", "device", "backend"],
             [[i.rank, i.pid, i.host, i.device, i.backend] for i in sorted(pool.ranks.values(), key=lambda i: i.rank)],
@@ -251,6 +251,15 @@ class MegatronMagics(Magics):
             raise UsageError(str(exc)) from None
         if pool.last_cell_records:
             print(last_run().summary())
+
+
+def attach_live_progress(pool: Pool) -> None:
+    """The live training widget in a kernel; elsewhere the controller's text progress line stays."""
+    try:
+        from mnb.widgets.live import attach
+    except ImportError:  # ipywidgets missing (a bare GPU image): keep the text line
+        return
+    attach(pool)
 
 
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
