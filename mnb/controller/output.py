@@ -130,7 +130,7 @@ class ProgressLine:
         self._last_print = 0.0
 
     def update(self, payload: dict[str, Any]) -> None:
-        step, steps = payload.get("step", 0) + 1, payload.get("steps") or 0  # payload's step is 0-based
+        step, steps = payload.get("step", 0), payload.get("steps") or 0  # step counts from 1
         width = 30
         done = int(width * step / steps) if steps else 0
         bar = "#" * done + "." * (width - done)

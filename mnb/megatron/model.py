@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mnb.config import ModelConfig, ParallelConfig, model_config
 from mnb.megatron import layout as _layout
+from mnb.megatron.record import device_of
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +231,13 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
             vp_stage=vp_stage,
         )
         chunks.append(chunk)
+    device = device_of()
+    if device.type == "cuda":
+        # Megatron's parallel layers allocate on the GPU themselves, but plain torch modules
+        # of the local spec (norms) start on the CPU: move whole chunks, as Megatron-LM's
+        # training loop does right after building.
+        for chunk in chunks:
+            chunk.cuda(device)
     if init == "layout_invariant":
         init_layout_invariant(chunks, tconfig, seed)
     global _last_model
