@@ -105,7 +105,10 @@ class Checks:
                                 "rel_diff_vs_" + base_name.replace(" ", "_"): round(abs(values[-1] - base[-1]) / base[-1], 4)})
 
     def memory(self) -> None:
-        base = "model = mnb.gpt('llama-1b', seq_length=2048)\nmnb.train(model, steps=6, bf16=True, {train});"
+        # `model = None` first: a rebuilt model under the same layout would otherwise
+        # coexist with the previous one while it is built (a layout change frees it anyway).
+        base = ("model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+                "model = mnb.gpt('llama-1b', seq_length=2048)\nmnb.train(model, steps=6, bf16=True, {train});")
         cases = [
             ({"tp": 1, "pp": 1}, "micro_batch_size=1, global_batch_size=8"),
             ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, use_distributed_optimizer=True"),

@@ -70,6 +70,46 @@ def _call_filtered(fn, **kwargs):
     return fn(**accepted)
 
 
+_before_change: list = []
+"""Callbacks ``fn(old, new)`` run before the groups of ``old`` are destroyed (model.py
+releases the models built for them)."""
+
+
+def on_layout_change(callback) -> None:
+    """Register ``callback(old_layout, new_layout)``, called before a layout change."""
+    if callback not in _before_change:
+        _before_change.append(callback)
+
+
+def _destroy_communicators(ps) -> int:
+    """Destroy the NCCL/gloo groups that ``destroy_model_parallel`` only forgets.
+
+    megatron-core (checked 0.16.1 and 0.19.2) sets its group globals to None and
+    destroys only its *_GLOO groups; the NCCL communicators stay alive and keep
+    their buffers, so every re-layout of a live pool would leak GPU memory.
+    Destroying a group is local to the rank; all ranks do it in the same order.
+    """
+    from torch.distributed import GroupMember, ProcessGroup
+
+    seen: set[int] = set()
+    destroyed = 0
+    for name in sorted(vars(ps)):
+        if not name.startswith("_") or name.endswith("_GLOO"):
+            continue  # Megatron destroys its gloo groups itself
+        value = getattr(ps, name)
+        groups = value if isinstance(value, (list, tuple)) else [value]
+        for group in groups:
+            if not isinstance(group, ProcessGroup) or group is GroupMember.WORLD or id(group) in seen:
+                continue
+            seen.add(id(group))
+            try:
+                torch.distributed.destroy_process_group(group)
+                destroyed += 1
+            except (ValueError, RuntimeError) as exc:  # already gone: nothing to free
+                logger.debug("group %s: %s", name, exc)
+    return destroyed
+
+
 def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
     """Make Megatron's process groups match ``parallel``; True if they were rebuilt.
 
@@ -99,6 +139,9 @@ def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
         return False
     ps = _parallel_state()
     if ps.model_parallel_is_initialized():
+        for callback in list(_before_change):
+            callback(now, resolved)
+        _destroy_communicators(ps)
         ps.destroy_model_parallel()
     _call_filtered(
         ps.initialize_model_parallel,

@@ -43,7 +43,7 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: models are tracked in a WeakSet
 class MegatronModel:
     """This rank's model chunks plus everything train/save need.
 
@@ -73,6 +73,8 @@ class MegatronModel:
     steps_done: int = 0
     consumed_samples: int = 0
     history: list[dict] = field(default_factory=list)
+    released: str | None = None
+    """Why this model's memory was freed (its layout was replaced), or None."""
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -83,8 +85,21 @@ class MegatronModel:
         """Parameters held by this rank (its shard of every chunk)."""
         return sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
 
+    def release(self, reason: str) -> None:
+        """Drop parameters, DDP buffers and optimizer state; the model cannot be used after."""
+        self.wrapped = None
+        self.optimizer = None
+        self.chunks = []
+        self.released = reason
+
     def check_layout(self) -> None:
         """Raise if the process groups were rebuilt since this model was built."""
+        if self.released:
+            raise RuntimeError(
+                f"this model ({self.config.name}, {self.parallel.describe()}) was released because "
+                f"{self.released}; build it again with mnb.gpt(...) (or mnb.save before the change "
+                "and mnb.load after it)"
+            )
         now = _layout.require_layout()
         if _layout.generation() != self.layout_generation:
             raise RuntimeError(
@@ -101,6 +116,26 @@ class MegatronModel:
 
 _ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 _last_model: "weakref.ref[MegatronModel] | None" = None
+_built: "weakref.WeakSet[MegatronModel]" = weakref.WeakSet()
+
+
+def _release_models(old: ParallelConfig | None, new: ParallelConfig) -> None:
+    """Free the memory of every model built for the layout being replaced.
+
+    Their process groups are about to be destroyed, so they can never run again;
+    the notebook's names may still point at them, so the parameters, DDP buffers
+    and optimizer state are dropped here rather than when the names go.
+    """
+    for model in list(_built):
+        model.release(f"the layout changed from '{old.describe() if old else '?'}' to '{new.describe()}'")
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+_layout.on_layout_change(_release_models)
 
 
 def current_model() -> MegatronModel | None:
@@ -251,4 +286,5 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         layout_generation=_layout.generation(),
     )
     _last_model = weakref.ref(model)
+    _built.add(model)
     return model

@@ -1,0 +1,34 @@
+"""Megatron training through a live pool: layouts change in place, old models are released."""
+
+from __future__ import annotations
+
+import pytest
+
+import mnb
+from mnb.config import ParallelConfig
+from mnb.errors import CompositeRankError
+
+pytestmark = pytest.mark.slow
+
+
+def test_relayout_releases_old_model_and_destroys_its_groups(cpu_pool):
+    cpu_pool.run("model = mnb.gpt('tiny')\nmnb.train(model, steps=2, micro_batch_size=2, global_batch_size=4)",
+                 layout=ParallelConfig(tp=2))
+    run = mnb.last_run
+    assert run is not None and run.layout.tp == 2 and len(run.losses) == 2
+    cpu_pool.run("import torch.distributed.distributed_c10d as c10d\ngroups_before = len(c10d._world.pg_map)")
+    cpu_pool.run("pass", layout=ParallelConfig(pp=2))
+    # The tp=2 model's memory is gone and using it says why.
+    with pytest.raises(CompositeRankError, match="released because the layout changed from 'tp2 pp1 dp1' to 'tp1 pp2 dp1'"):
+        cpu_pool.run("mnb.train(model, steps=1, micro_batch_size=2, global_batch_size=4)")
+    assert cpu_pool.run("len(model.chunks)") == {0: 0, 1: 0}
+    # Megatron forgets its groups on destroy_model_parallel; mnb destroys them, so
+    # the number of live groups does not grow with every re-layout.
+    counts = []
+    for layout in (ParallelConfig(tp=2), ParallelConfig(pp=2), ParallelConfig(tp=2), ParallelConfig(pp=2)):
+        cpu_pool.run("pass", layout=layout)
+        counts.append(cpu_pool.run("len(c10d._world.pg_map)")[0])
+    assert counts[2] == counts[0] and counts[3] == counts[1], counts
+    cpu_pool.run("model = mnb.gpt('tiny')\nmnb.train(model, steps=2, micro_batch_size=2, global_batch_size=4)")
+    assert mnb.last_run.layout.pp == 2
+    cpu_pool.run("pass", layout=ParallelConfig())
