@@ -120,6 +120,7 @@ class Pool:
         t0 = time.perf_counter()
         key = new_key()
         self._transport = Transport(key, ip=self.bind_ip)
+        self._transport.expect(self.spec.world_size)
         ConnectionInfo(
             address=self._transport.address,
             key=key,

@@ -46,6 +46,10 @@ class Transport:
         self._thread = threading.Thread(target=self._loop, name="mnb-controller-io", daemon=True)
         self._thread.start()
 
+    def expect(self, world_size: int) -> None:
+        """Heartbeat every rank of the pool from the start, before its hello arrives."""
+        self.known_ranks.update(range(world_size))
+
     def send(self, rank: int, message: Message) -> None:
         frames = [f"rank-{rank}".encode(), *self._signer.encode(message)]
         with self._push_lock:

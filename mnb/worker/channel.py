@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAIN_THREAD_TYPES = frozenset({"execute", "push", "pull", "shutdown"})
 HEARTBEAT_INTERVAL_S = 1.0
+FIRST_CONTACT_TIMEOUT_S = 600.0
 
 
 class Channel:
@@ -62,6 +63,7 @@ class Channel:
         self._pull.bind(self._outbox_addr)
         self._local = threading.local()
         self._last_heard = time.monotonic()
+        self._heard_once = False
         self._thread = threading.Thread(target=self._loop, name="mnb-io", daemon=True)
         self._thread.start()
 
@@ -118,6 +120,7 @@ class Channel:
             log.warning("rank %d dropped a message: %s", self.rank, exc)
             return
         self._last_heard = time.monotonic()
+        self._heard_once = True
         kind = message.type
         if kind == "heartbeat":
             return
@@ -147,7 +150,10 @@ class Channel:
     def _controller_gone(self, now: float) -> bool:
         if self._controller_pid is not None and not _pid_alive(self._controller_pid):
             return True
-        return now - self._last_heard > self._controller_timeout_s
+        # Until the first message arrives (imports and NCCL set-up can take a while
+        # and hold the GIL) allow the controller's whole start-up timeout.
+        limit = self._controller_timeout_s if self._heard_once else FIRST_CONTACT_TIMEOUT_S
+        return now - self._last_heard > limit
 
     def _exit_orphaned(self) -> None:
         print(f"mnb rank {self.rank}: controller is gone, exiting", file=sys.__stderr__, flush=True)
