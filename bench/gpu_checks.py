@@ -83,9 +83,17 @@ class Checks:
                             "print('pp2 stage', ps.get_pipeline_model_parallel_rank())")
         self.add("magics", {"check": "re-layout tp2 -> pp2 in place", "seconds": round(seconds, 3)})
         # Layout change to the first finished step, against a cold torchrun launch of the same job.
-        job = "model = mnb.gpt('llama-1b', seq_length=2048)\nmnb.train(model, steps=1, micro_batch_size=1, global_batch_size=2, bf16=True);"
-        self.cell("--tp 1 --pp 1", "pass")
-        warm = self.cell("--tp 2", job)
+        job = ("import time\nt0 = time.perf_counter()\nmodel = mnb.gpt('llama-1b', seq_length=2048)\n"
+               "t1 = time.perf_counter()\nmnb.train(model, steps=1, micro_batch_size=1, global_batch_size=2, bf16=True)\n"
+               "t2 = time.perf_counter()\nmnb.train(model, steps=1, micro_batch_size=1, global_batch_size=2, bf16=True)\n"
+               "parts = (round(t1 - t0, 2), round(t2 - t1, 2), round(time.perf_counter() - t2, 2))")
+        self.cell("--tp 1 --pp 1", "model = None")
+        relayout = self.cell("--tp 2", "pass")
+        warm = relayout + self.cell("", job)
+        build_s, first_s, second_s = mnb.pool().pull("parts")[0]
+        warm -= second_s
+        self.add("magics", {"check": "breakdown (tp2)", "relayout_s": round(relayout, 3), "gpt_s": build_s,
+                            "first_step_s": first_s, "second_step_s": second_s})
         cold = plain_torchrun(self.out, nproc=2, layout="tp=2", steps=1, mbs=1, gbs=2)
         self.add("magics", {"check": "layout change -> first step (llama-1b, tp2)", "pool_s": round(warm, 2),
                             "cold_torchrun_s": cold.get("first_step_s"), "speedup":
@@ -114,9 +122,10 @@ class Checks:
             ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, use_distributed_optimizer=True"),
             ({"tp": 2, "pp": 1, "sp": False}, "micro_batch_size=1, global_batch_size=8"),
             ({"tp": 2, "pp": 1, "sp": True}, "micro_batch_size=2, global_batch_size=8"),
-            ({"tp": 1, "pp": 2, "sp": False}, "micro_batch_size=1, global_batch_size=4"),
+            ({"tp": 1, "pp": 2, "sp": False}, "micro_batch_size=4, global_batch_size=16"),
+            ({"tp": 1, "pp": 2}, "micro_batch_size=4, global_batch_size=32"),
+            ({"tp": 1, "pp": 2}, "micro_batch_size=4, global_batch_size=64"),
             ({"tp": 1, "pp": 2}, "micro_batch_size=1, global_batch_size=8"),
-            ({"tp": 1, "pp": 2}, "micro_batch_size=1, global_batch_size=16"),
             ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, recompute='selective'"),
             ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, recompute='full'"),
         ]
@@ -148,7 +157,7 @@ class Checks:
 
     def sweep(self) -> None:
         result = mnb.sweep({"tp": [1, 2], "pp": [1, 2], "micro_batch_size": [1, 2]}, steps=4,
-                           model="llama-1b", global_batch_size=8, bf16=True, seq_length=2048)
+                           model="llama-1b", global_batch_size=8, bf16=True, model_overrides={"seq_length": 2048})
         for row in getattr(result, "rows", []):
             self.add("sweep", {k: v for k, v in (row.items() if isinstance(row, dict) else vars(row).items())
                                if not isinstance(v, (list, dict))})

@@ -86,11 +86,13 @@ def _mock_dataset(vocab_size: int, seq_length: int, num_samples: int, seed: int)
 
 def _collate(dataset, indices: range, device) -> dict[str, torch.Tensor]:
     items = [dataset[i] for i in indices]
-    return {
-        key: torch.stack([torch.as_tensor(item[key]) for item in items]).to(device)
-        for key in KEYS
-        if key in items[0]
-    }
+    batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in KEYS if key in items[0]}
+    if device.type != "cuda":
+        return batch
+    # A copy from pageable host memory waits for the GPU to finish its queued work,
+    # which would stall the CPU once per microbatch and leave the GPU idle while the
+    # next forward is launched; pinned memory + non_blocking keeps the queue full.
+    return {key: value.pin_memory().to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def _microbatches(dataset, plan: BatchPlan, step: int, device):
@@ -98,10 +100,10 @@ def _microbatches(dataset, plan: BatchPlan, step: int, device):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     cp = ps.get_context_parallel_world_size()
-    for j in range(plan.num_microbatches):
-        batch = _collate(dataset, plan.indices(step, j), device)
-        # Context parallelism: this rank's 2 of the 2*cp sequence chunks (Megatron's split).
-        yield get_batch_on_this_cp_rank(batch) if cp > 1 else batch
+    # Every microbatch of the step is copied up front, before the schedule's first kernel.
+    batches = [_collate(dataset, plan.indices(step, j), device) for j in range(plan.num_microbatches)]
+    # Context parallelism: this rank's 2 of the 2*cp sequence chunks (Megatron's split).
+    return iter([get_batch_on_this_cp_rank(batch) if cp > 1 else batch for batch in batches])
 
 
 def microbatch_iterators(dataset, plan: BatchPlan, step: int, chunks, device) -> list:
