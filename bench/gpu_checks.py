@@ -161,7 +161,8 @@ class Checks:
         for row in getattr(result, "rows", []):
             self.add("sweep", {k: v for k, v in (row.items() if isinstance(row, dict) else vars(row).items())
                                if not isinstance(v, (list, dict))})
-        ax = result.plot() if hasattr(result, "plot") else None
+        (self.out / "sweep.txt").write_text(result.table())
+        ax = result.plot()
         if ax is not None:
             ax.figure.savefig(self.out / "sweep.png", dpi=110)
 
