@@ -84,7 +84,7 @@ class LiveProgress(widgets.VBox):
             self.tokens_per_s = [*self.tokens_per_s, payload.get("tokens_per_s")]
             self.text = progress_text(self.done, self.steps, payload)
             self._bar.value = min(self.done, self._bar.max)
-            self._label.value = f"<code>{self.text.split('] ', 1)[-1]}</code>"
+            self._label.value = f"<code>step {self.done}/{self.steps}  {self.text.split('] ', 1)[-1]}</code>"
             if self.finished:
                 self._bar.bar_style = "success"
         if self.finished or time.monotonic() - self._last_draw > REDRAW_S:
