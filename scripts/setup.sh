@@ -14,3 +14,15 @@ fi
 if ! "$PY" -c "import mnb, megatron.core, nbclient, pytest_timeout" 2>/dev/null || [ "${MNB_REINSTALL:-0}" = 1 ]; then
   "$PY" -m pip install -q -e ".[test]"
 fi
+
+# ---- browser test (tests/browser): Debian's Chromium + the playwright Python package ----
+# Never `playwright install` (it downloads its own browser); the test drives /usr/bin/chromium.
+# Best effort: without them the browser test installs them itself, or skips with the reason.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo -n"
+  ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium) >/dev/null 2>&1 \
+    || echo "setup: could not install chromium with apt-get; the browser test will be skipped" >&2
+fi
+if ! "$PY" -c "import playwright.sync_api" 2>/dev/null; then
+  "$PY" -m pip install -q playwright || echo "setup: could not pip install playwright" >&2
+fi

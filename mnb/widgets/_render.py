@@ -57,4 +57,7 @@ def on_main_thread() -> bool:
 
 
 def gib(nbytes: float | None) -> str:
-    return "n/a" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+    """Bytes as GiB, or MiB below 1 GiB (toy models on CPU)."""
+    if nbytes is None:
+        return "n/a"
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -39,6 +39,7 @@ from mnb.config import ModelConfig, ParallelConfig, TrainConfig, load_preset, mo
 from mnb.estimate import hardware
 
 from . import _explorer_view as view
+from ._render import gib
 from .choices import AXES, axis_options, check_layout, nearest
 from .measure import failure, measure, run_metrics
 
@@ -421,6 +422,31 @@ class Explorer(widgets.VBox):
             self._estimate()
             view.sync_controls(self)
         self.status = f"measured {metrics['steps']} steps of {metrics['layout']} on the pool"
+
+    def summary(self) -> str:
+        """The predictions (and measurements) as text: what a front-end without widgets shows."""
+        p, m = self.predicted, self.measured
+        if not p:
+            return f"mnb explorer: {self.model} on {self.gpus} x {self.gpu}: cannot estimate: {self.error}"
+        lines = [f"mnb explorer: {self.model} on {self.gpus} x {self.gpu} | {p['layout']} | "
+                 f"m={p['num_microbatches']} global batch {p['global_batch_size']}"]
+        cap = p.get("capacity_bytes")
+        lines.append(f"  predicted: peak {gib(p['peak_bytes'])}/rank"
+                     + (f" of {gib(cap)} ({'fits' if p['fits'] else 'does not fit'})" if cap else "")
+                     + f", bubble {p['bubble']:.1%}, step {p['step_time_s']:.3g} s, "
+                     f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%}")
+        if m:
+            mfu = "n/a (CPU)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
+            lines.append(f"  measured ({m['steps']} steps on the pool): peak "
+                         f"{gib(m.get('peak_memory_bytes'))}/rank ({m.get('memory_source')}), "
+                         f"bubble {m['bubble'] if m.get('bubble') is None else format(m['bubble'], '.1%')}, "
+                         f"step {m['step_time_s']:.3g} s, {m['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
+        return "\n".join(lines)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        bundle["text/plain"] = self.summary()
+        return bundle
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the background run (if any) has finished."""

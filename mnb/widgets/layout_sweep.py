@@ -229,7 +229,14 @@ class _Progress:
             self.chart = widgets.Image(format="png")
             self.widget = widgets.VBox([widgets.HBox([self.bar, self.label]), self.table, self.chart])
             self.widget.add_class("mnb-sweep-progress")
-            display(self.widget)
+            self.handle = display(self._bundle(f"sweep of {len(result.rows)} layouts: running"), raw=True,
+                                  display_id=True)
+
+    def _bundle(self, text: str) -> dict[str, Any]:
+        """The widget, with a text line for front-ends that cannot render widgets."""
+        bundle = self.widget._repr_mimebundle_() or {}
+        bundle["text/plain"] = text
+        return bundle
 
     def row_started(self, row: SweepRow) -> None:
         self._current = f"[{row.index + 1}/{len(self.result.rows)}] {row.label}"
@@ -261,3 +268,4 @@ class _Progress:
         if self.widget is not None:
             self.bar.bar_style = "warning" if self.result.interrupted else "success"
             self.label.value = f"<code>{self.result._footer()}</code>"
+            self.handle.update(self._bundle(self.result._footer()), raw=True)
