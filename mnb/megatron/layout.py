@@ -16,9 +16,11 @@ after a layout change (``mnb.gpt`` checks this).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
+from typing import Any
 
 import torch
 
@@ -81,33 +83,41 @@ def on_layout_change(callback) -> None:
         _before_change.append(callback)
 
 
-def _destroy_communicators(ps) -> int:
-    """Destroy the NCCL/gloo groups that ``destroy_model_parallel`` only forgets.
+_group_cache: dict[tuple, Any] = {}
+"""Process groups by (ranks, backend, options): reused when a later layout asks for the same
+ranks, so a live pool holds one communicator per distinct rank set however often it re-lays out."""
 
-    megatron-core (checked 0.16.1 and 0.19.2) sets its group globals to None and
-    destroys only its *_GLOO groups; the NCCL communicators stay alive and keep
-    their buffers, so every re-layout of a live pool would leak GPU memory.
-    Destroying a group is local to the rank; all ranks do it in the same order.
+
+@contextlib.contextmanager
+def _reuse_groups():
+    """Make ``torch.distributed.new_group`` return the cached group for a rank set seen before.
+
+    megatron-core (checked 0.16.1 and 0.19.2) forgets its groups on
+    ``destroy_model_parallel`` and destroys only its explicit *gloo* groups; the
+    NCCL communicators stay alive with their buffers, so every re-layout of a live
+    pool leaked GPU memory.  Destroying them instead costs seconds per re-layout on
+    NCCL; reusing them makes switching back to a layout nearly free.  Explicit gloo
+    groups are not cached because Megatron destroys those itself.  Every rank takes
+    the same cache decisions in the same order, so the collective ``new_group``
+    calls stay matched.
     """
-    from torch.distributed import GroupMember, ProcessGroup
+    original = torch.distributed.new_group
 
-    seen: set[int] = set()
-    destroyed = 0
-    for name in sorted(vars(ps)):
-        if not name.startswith("_") or name.endswith("_GLOO"):
-            continue  # Megatron destroys its gloo groups itself
-        value = getattr(ps, name)
-        groups = value if isinstance(value, (list, tuple)) else [value]
-        for group in groups:
-            if not isinstance(group, ProcessGroup) or group is GroupMember.WORLD or id(group) in seen:
-                continue
-            seen.add(id(group))
-            try:
-                torch.distributed.destroy_process_group(group)
-                destroyed += 1
-            except (ValueError, RuntimeError) as exc:  # already gone: nothing to free
-                logger.debug("group %s: %s", name, exc)
-    return destroyed
+    def cached_new_group(ranks=None, timeout=None, backend=None, pg_options=None, **kwargs):
+        if backend == "gloo" or ranks is None:
+            return original(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options, **kwargs)
+        key = (tuple(sorted(ranks)), backend, repr(pg_options), repr(timeout),
+               kwargs.get("use_local_synchronization", False))
+        if key not in _group_cache:
+            _group_cache[key] = original(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                                         **kwargs)
+        return _group_cache[key]
+
+    torch.distributed.new_group = cached_new_group
+    try:
+        yield
+    finally:
+        torch.distributed.new_group = original
 
 
 def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
@@ -141,18 +151,18 @@ def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
     if ps.model_parallel_is_initialized():
         for callback in list(_before_change):
             callback(now, resolved)
-        _destroy_communicators(ps)
         ps.destroy_model_parallel()
-    _call_filtered(
-        ps.initialize_model_parallel,
-        tensor_model_parallel_size=resolved.tp,
-        pipeline_model_parallel_size=resolved.pp,
-        virtual_pipeline_model_parallel_size=(
-            resolved.vpp if resolved.vpp and resolved.vpp > 1 else None
-        ),
-        context_parallel_size=resolved.cp,
-        expert_model_parallel_size=resolved.ep,
-    )
+    with _reuse_groups():
+        _call_filtered(
+            ps.initialize_model_parallel,
+            tensor_model_parallel_size=resolved.tp,
+            pipeline_model_parallel_size=resolved.pp,
+            virtual_pipeline_model_parallel_size=(
+                resolved.vpp if resolved.vpp and resolved.vpp > 1 else None
+            ),
+            context_parallel_size=resolved.cp,
+            expert_model_parallel_size=resolved.ep,
+        )
     seed_ranks(seed)
     _current = resolved
     _generation += 1
