@@ -15,7 +15,13 @@ memory   >= 6 layouts of llama-1b (tp, pp, dp, sp, recompute, distributed optimi
 mfu      llama-1b on 1 GPU through the pool: MFU against the measured bf16 GEMM
          peak (790 TFLOP/s), tokens/s, peak memory; the same run in a plain
          torchrun script: throughput ratio pool / plain.
+bubble   pp=2 with equal stages (uneven layer split balancing the output layer):
+         measured bubble against (p-1)/m for m = 4, 8, 16.
 sweep    mnb.sweep over tp/pp/micro batch on 2 GPUs (table and chart).
+
+Environment knobs to fit a short device budget: MNB_COLD_S (reuse a measured cold
+torchrun time instead of launching one), MNB_SKIP_PLAIN, MNB_MFU_MBS / MNB_MFU_GBS,
+MNB_MFU_LAST (do not restart the 2-GPU pool after the 1-GPU MFU run).
 """
 
 from __future__ import annotations
@@ -94,7 +100,8 @@ class Checks:
         warm -= second_s
         self.add("magics", {"check": "breakdown (tp2)", "relayout_s": round(relayout, 3), "gpt_s": build_s,
                             "first_step_s": first_s, "second_step_s": second_s})
-        cold = plain_torchrun(self.out, nproc=2, layout="tp=2", steps=1, mbs=1, gbs=2)
+        cold = ({"first_step_s": float(os.environ["MNB_COLD_S"])} if os.environ.get("MNB_COLD_S") else
+                plain_torchrun(self.out, nproc=2, layout="tp=2", steps=1, mbs=1, gbs=2))
         self.add("magics", {"check": "layout change -> first step (llama-1b, tp2)", "pool_s": round(warm, 2),
                             "cold_torchrun_s": cold.get("first_step_s"), "speedup":
                             round(cold["first_step_s"] / warm, 1) if cold.get("first_step_s") else None})
@@ -123,8 +130,6 @@ class Checks:
             ({"tp": 2, "pp": 1, "sp": False}, "micro_batch_size=1, global_batch_size=8"),
             ({"tp": 2, "pp": 1, "sp": True}, "micro_batch_size=2, global_batch_size=8"),
             ({"tp": 1, "pp": 2, "sp": False}, "micro_batch_size=4, global_batch_size=16"),
-            ({"tp": 1, "pp": 2}, "micro_batch_size=4, global_batch_size=32"),
-            ({"tp": 1, "pp": 2}, "micro_batch_size=4, global_batch_size=64"),
             ({"tp": 1, "pp": 2}, "micro_batch_size=1, global_batch_size=8"),
             ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, recompute='selective'"),
             ({"tp": 1, "pp": 1}, "micro_batch_size=2, global_batch_size=8, recompute='full'"),
@@ -138,22 +143,44 @@ class Checks:
                 continue
             self.add("memory", run_row(mnb.last_run, train))
 
+    def bubble(self) -> None:
+        """pp=2 with equal stages: llama-1b's 128k-vocabulary output layer weighs about four
+        decoder layers, so the first stage gets 10 layers and the last 6 (+ output layer)."""
+        for gbs in (16, 32, 64):
+            self.cell("--tp 1 --pp 2", "model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+                      "model = mnb.gpt('llama-1b', seq_length=2048, num_layers_in_first_pipeline_stage=10, "
+                      "num_layers_in_last_pipeline_stage=6)\n"
+                      f"mnb.train(model, steps=5, micro_batch_size=4, global_batch_size={gbs}, bf16=True);")
+            run = mnb.last_run
+            stages = {}
+            for ev in run.timeline(run.timeline_steps()[-1]):
+                if ev["kind"] in ("forward", "backward"):
+                    stages.setdefault((ev["stage"], ev["kind"]), []).append(ev["end_s"] - ev["start_s"])
+            self.add("bubble", {"layout": "tp1 pp2 (10+6 layers)", "m": run.num_microbatches,
+                                "bubble_measured": round(run.measured_bubble, 3),
+                                "bubble_theory": round(run.theoretical_bubble, 3),
+                                "tokens_per_s": round(sum(run.tokens_per_s[1:]) / len(run.tokens_per_s[1:])),
+                                **{f"s{st}_{kind[0]}_ms": round(1000 * sum(v) / len(v), 1)
+                                   for (st, kind), v in sorted(stages.items())}})
+
     def mfu(self) -> None:
         self.shell.run_line_magic("mnb", "stop")
         self.shell.run_line_magic("mnb", "start -n 1 --gpus 0")
-        job = dict(steps=12, mbs=4, gbs=32)
+        job = dict(steps=12, mbs=int(os.environ.get("MNB_MFU_MBS", 4)), gbs=int(os.environ.get("MNB_MFU_GBS", 32)))
         self.cell("", "model = mnb.gpt('llama-1b', seq_length=2048)\n"
                   f"mnb.train(model, steps={job['steps']}, micro_batch_size={job['mbs']}, "
                   f"global_batch_size={job['gbs']}, bf16=True);")
         run = mnb.last_run
-        row = run_row(run, "mbs 4, gbs 32, 1 GPU")
-        plain = plain_torchrun(self.out, nproc=1, layout="tp=1", steps=job["steps"], mbs=job["mbs"], gbs=job["gbs"])
+        row = run_row(run, f"mbs {job['mbs']}, gbs {job['gbs']}, 1 GPU")
+        plain = ({} if os.environ.get("MNB_SKIP_PLAIN") else
+                 plain_torchrun(self.out, nproc=1, layout="tp=1", steps=job["steps"], mbs=job["mbs"], gbs=job["gbs"]))
         row["plain_tokens_per_s"] = plain.get("tokens_per_s")
         if plain.get("tokens_per_s"):
             row["pool/plain"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3)
         self.add("mfu", row)
         self.shell.run_line_magic("mnb", "stop")
-        self.shell.run_line_magic("mnb", "start --device cuda")
+        if os.environ.get("MNB_MFU_LAST") is None:
+            self.shell.run_line_magic("mnb", "start --device cuda")
 
     def sweep(self) -> None:
         result = mnb.sweep({"tp": [1, 2], "pp": [1, 2], "micro_batch_size": [1, 2]}, steps=4,
@@ -211,7 +238,7 @@ def _fmt(value) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "artifacts"))
-    parser.add_argument("--sections", default="magics,parity,memory,mfu,sweep")
+    parser.add_argument("--sections", default="magics,parity,memory,bubble,mfu,sweep")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,7 +254,8 @@ def main() -> None:
             print("\n".join(getattr(exc, "_render_traceback_", lambda: [])()), flush=True)
             checks.add(name, {"error": traceback.format_exc()[-1500:]})
         print(f"== {name} took {time.perf_counter() - t:.1f} s", flush=True)
-    checks.shell.run_line_magic("mnb", "stop")
+    if mnb.controller.current_pool(required=False) is not None:
+        checks.shell.run_line_magic("mnb", "stop")
 
 
 if __name__ == "__main__":
