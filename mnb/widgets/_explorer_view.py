@@ -210,6 +210,27 @@ def summary_html(ex: "Explorer") -> str:
     return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}"
 
 
+def summary_text(ex: "Explorer") -> str:
+    """The predictions (and measurements) as plain text."""
+    p, m = ex.predicted, ex.measured
+    if not p:
+        return f"mnb explorer: {ex.model} on {ex.gpus} x {ex.gpu}: cannot estimate: {ex.error}"
+    lines = [f"mnb explorer: {ex.model} on {ex.gpus} x {ex.gpu} | {p['layout']} | "
+             f"m={p['num_microbatches']} global batch {p['global_batch_size']}"]
+    cap = p.get("capacity_bytes")
+    lines.append(f"  predicted: peak {gib(p['peak_bytes'])}/rank"
+                 + (f" of {gib(cap)} ({'fits' if p['fits'] else 'does not fit'})" if cap else "")
+                 + f", bubble {p['bubble']:.1%}, step {p['step_time_s']:.3g} s, "
+                 f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%}")
+    if m:
+        mfu = "n/a (CPU)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
+        lines.append(f"  measured ({m['steps']} steps on the pool): peak "
+                     f"{gib(m.get('peak_memory_bytes'))}/rank ({m.get('memory_source')}), "
+                     f"bubble {_fmt(m.get('bubble'), 'pct')}, "
+                     f"step {m['step_time_s']:.3g} s, {m['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
+    return "\n".join(lines)
+
+
 def message(text: str) -> bytes:
     return message_png(text)
 

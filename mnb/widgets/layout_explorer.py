@@ -21,7 +21,10 @@ the state lives in the kernel and the views are rebuilt from it.
 "Run on pool" (or :meth:`Explorer.run_on_pool`) trains a few steps with the
 current layout on the running pool, re-laid-out in place, in a background
 thread: the kernel stays free, and the plots gain the measured memory,
-timeline and MFU (tokens/s on CPU) when the ranks are done.
+timeline and MFU (tokens/s on CPU) when the ranks are done.  Widget updates
+from that thread are comm messages, which ipykernel sends from any thread.
+The pool runs one request at a time: wait for the run (the button says
+"Running...") before sending other cells to the ranks.
 """
 
 from __future__ import annotations
@@ -39,9 +42,8 @@ from mnb.config import ModelConfig, ParallelConfig, TrainConfig, load_preset, mo
 from mnb.estimate import hardware
 
 from . import _explorer_view as view
-from ._render import gib
 from .choices import AXES, axis_options, check_layout, nearest
-from .measure import failure, measure, run_metrics
+from .explorer_pool import PoolRunMixin
 
 _PAR = ParallelConfig()
 _TRAIN = TrainConfig()
@@ -55,7 +57,7 @@ CONFIG_TRAITS = ("model", *MODEL_DIMS, "gpu", "gpus", *AXES, "sequence_parallel"
 """The traits that define a configuration (what get_state() round-trips)."""
 
 
-class Explorer(widgets.VBox):
+class Explorer(PoolRunMixin, widgets.VBox):
     """Parallel layouts of a model on N GPUs: predicted (and measured) memory, bubble, step time, MFU."""
 
     # ----- model ------------------------------------------------------------------
@@ -144,6 +146,11 @@ class Explorer(widgets.VBox):
         values.update(proposed)
         values["global_batch_size"] = values["global_batch_size"] or None
         return TrainConfig(**values)
+
+    def _train_args(self) -> dict[str, Any]:
+        """The TrainConfig fields a measured run passes to ``mnb.train``."""
+        train = self.train_config()
+        return {k: getattr(train, k) for k in TRAIN_TRAITS}
 
     def config(self) -> dict[str, Any]:
         """The settings as plain data: ``Explorer(**ex.config())`` rebuilds the same explorer."""
@@ -271,8 +278,8 @@ class Explorer(widgets.VBox):
             self._dirty = True
             return
         self._busy = True
+        self._lock.acquire()
         try:
-            self._lock.acquire()
             self._dirty = True
             rounds = 0
             while self._dirty and rounds < 10:
@@ -352,106 +359,15 @@ class Explorer(widgets.VBox):
         self.memory_png = view.memory_png(mem, self._run)
         self.timeline_png = view.timeline_png(resolved, m, self._run)
 
-    # ----- measured run on the pool -------------------------------------------------------
-    def pool_problem(self, pool: Any = None) -> str:
-        """Why "Run on pool" cannot run now ('' when it can)."""
-        from mnb.controller import current_pool
-
-        pool = pool if pool is not None else current_pool(required=False)
-        if pool is None or not pool.running:
-            return "no pool is running: start one with %mnb start -n 2 --device cpu"
-        if self.running:
-            return "a measured run is already in progress"
-        if self.gpus != pool.world_size:
-            return (f"the explorer plans {self.gpus} GPUs but the pool has {pool.world_size} ranks; "
-                    f"set gpus to {pool.world_size} to run this layout")
-        if self.error:
-            return f"this layout cannot run: {self.error}"
-        return ""
-
-    def run_on_pool(self, pool: Any = None, *, wait: bool = False, timeout: float = 600.0) -> threading.Thread | None:
-        """Train ``run_steps`` steps of this layout on the pool in a background thread.
-
-        Returns the thread (``wait=True`` joins it).  The kernel stays free; the
-        measured memory, timeline and MFU/tokens/s appear when the ranks finish.
-        Returns None, with the reason in ``status``, when the pool cannot run it.
-        """
-        from mnb.controller import current_pool
-
-        pool = pool if pool is not None else current_pool(required=False)
-        problem = self.pool_problem(pool)
-        if problem:
-            self.status = problem
-            return None
-        self.running = True
-        args = dict(model=self.model, parallel=self.parallel_config(), train=self._train_args(),
-                    steps=self.run_steps, model_overrides=self._model_overrides())
-        self.status = f"running {self.run_steps} steps of {args['parallel'].resolve(pool.world_size).describe()} on the pool..."
-        thread = threading.Thread(target=self._measure, args=(pool, args, timeout), daemon=True,
-                                  name="mnb-explorer-run")
-        self._thread = thread
-        thread.start()
-        if wait:
-            thread.join()
-        return thread
-
-    def _train_args(self) -> dict[str, Any]:
-        train = self.train_config()
-        return {k: getattr(train, k) for k in TRAIN_TRAITS}
-
-    def _on_progress(self, rank: int, kind: str, payload: dict) -> None:
-        if kind == "progress":
-            step, steps = payload.get("step", 0) + 1, payload.get("steps") or self.run_steps
-            self.status = f"running on the pool: step {step}/{steps}"
-
-    def _measure(self, pool: Any, args: dict[str, Any], timeout: float) -> None:
-        try:
-            run = measure(pool, args["model"], args["parallel"], args["train"], steps=args["steps"],
-                          model_overrides=args["model_overrides"], timeout=timeout,
-                          on_event=self._on_progress, gpu=self.gpu)
-        except Exception as err:  # shown to the user in the widget; the thread must not die silently
-            status, reason = failure(err)
-            self.status = f"run failed ({status}): {reason}"
-            self.running = False
-            return
-        metrics = run_metrics(run)
-        with self._lock:
-            self._run = run
-            self.measured = metrics
-            self.running = False
-            self._estimate()
-            view.sync_controls(self)
-        self.status = f"measured {metrics['steps']} steps of {metrics['layout']} on the pool"
-
+    # ----- text ---------------------------------------------------------------------------
     def summary(self) -> str:
         """The predictions (and measurements) as text: what a front-end without widgets shows."""
-        p, m = self.predicted, self.measured
-        if not p:
-            return f"mnb explorer: {self.model} on {self.gpus} x {self.gpu}: cannot estimate: {self.error}"
-        lines = [f"mnb explorer: {self.model} on {self.gpus} x {self.gpu} | {p['layout']} | "
-                 f"m={p['num_microbatches']} global batch {p['global_batch_size']}"]
-        cap = p.get("capacity_bytes")
-        lines.append(f"  predicted: peak {gib(p['peak_bytes'])}/rank"
-                     + (f" of {gib(cap)} ({'fits' if p['fits'] else 'does not fit'})" if cap else "")
-                     + f", bubble {p['bubble']:.1%}, step {p['step_time_s']:.3g} s, "
-                     f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%}")
-        if m:
-            mfu = "n/a (CPU)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
-            lines.append(f"  measured ({m['steps']} steps on the pool): peak "
-                         f"{gib(m.get('peak_memory_bytes'))}/rank ({m.get('memory_source')}), "
-                         f"bubble {m['bubble'] if m.get('bubble') is None else format(m['bubble'], '.1%')}, "
-                         f"step {m['step_time_s']:.3g} s, {m['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
-        return "\n".join(lines)
+        return view.summary_text(self)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = super()._repr_mimebundle_(**kwargs) or {}
         bundle["text/plain"] = self.summary()
         return bundle
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the background run (if any) has finished."""
-        if self._thread is not None:
-            self._thread.join(timeout)
 
 
 def explorer(model: str = "llama-8b", gpus: int = 8, gpu: str = "h200", **settings: Any) -> Explorer:

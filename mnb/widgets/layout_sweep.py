@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import ipywidgets as widgets
 
 from mnb.config import ParallelConfig, TrainConfig, model_config
-from mnb.errors import PoolError, RankDiedError
+from mnb.errors import RankDiedError
 
 from ._render import in_kernel, new_figure, png_bytes
 from .choices import check_layout
@@ -186,7 +186,7 @@ def _run_rows(result: SweepResult, points: list[dict[str, Any]], pool: Any, prog
             for later in result.rows[row.index + 1:]:
                 later.reason = later.reason or "not run: the sweep was interrupted"
             return
-        except (PoolError, Exception) as err:  # every failure is a row; the sweep goes on
+        except Exception as err:  # every failure (PoolError, rank errors, OOM) is a row; the sweep goes on
             row.status, row.reason = failure(err)
             row.wall_s = time.perf_counter() - t0
             if isinstance(err, RankDiedError):
