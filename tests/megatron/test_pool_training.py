@@ -32,3 +32,29 @@ def test_relayout_releases_old_model_and_destroys_its_groups(cpu_pool):
     cpu_pool.run("model = mnb.gpt('tiny')\nmnb.train(model, steps=2, micro_batch_size=2, global_batch_size=4)")
     assert mnb.last_run.layout.pp == 2
     cpu_pool.run("pass", layout=ParallelConfig())
+
+
+def test_measured_bubble_of_equal_stages_is_near_theory(cpu_pool):
+    """pp=2, m=4 on CPU: 4 forward + 4 backward per stage in 1F1B order; bubble near (p-1)/m.
+
+    Two equal stages (one decoder layer each, small vocabulary) so compute, not the
+    embedding or the output layer, decides each stage's time.
+    """
+    cpu_pool.run("model = mnb.gpt('tiny', num_layers=2, hidden_size=256, ffn_hidden_size=1024, seq_length=128)\n"
+                 "mnb.train(model, steps=4, micro_batch_size=8, global_batch_size=32)",
+                 layout=ParallelConfig(pp=2), quiet=True)
+    run = mnb.last_run
+    assert run.num_microbatches == 4 and run.theoretical_bubble == pytest.approx(0.25)
+    for stage in (0, 1):
+        compute = [e for e in sorted(run.timeline(3), key=lambda e: e["start_s"])
+                   if e["stage"] == stage and e["kind"] in ("forward", "backward")]
+        order = [(e["kind"][0], e["microbatch"]) for e in compute]
+        warmup = 1 - stage  # 1F1B: p - r - 1 forwards before the first backward
+        expected = [("f", i) for i in range(warmup + 1)]
+        for i in range(4):
+            expected.append(("b", i))
+            if warmup + 1 + i < 4:
+                expected.append(("f", warmup + 1 + i))
+        assert order == expected, (stage, order)
+    assert abs(run.measured_bubble - 0.25) <= 0.10, run.measured_bubble_per_step
+    cpu_pool.run("pass", layout=ParallelConfig())
