@@ -240,6 +240,14 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
     from mnb.megatron.weights import init_layout_invariant
 
     compat.apply()
+    # A model dropped by the previous cell (DDP hooks and the optimizer form reference
+    # cycles) is only freed by a collection: do it before allocating the next one, so a
+    # rebuilt model does not briefly need twice the memory.
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
     tconfig = transformer_config(cfg, parallel)
     vocab = padded_vocab_size(cfg.vocab_size, parallel.tp)
