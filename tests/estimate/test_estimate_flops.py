@@ -9,8 +9,8 @@ from mnb.config import TrainConfig, load_preset
 
 
 def test_tiny_by_hand():
-    # tiny: L=4, h=64, 4 heads of 16, 2 query groups, SwiGLU ffn 176, vocab 256, seq 64
-    L, h, q, kv, ffn, V, s = 4, 64, 64, 32, 176, 256, 64
+    # tiny: L=4, h=64, 4 heads of 16, 2 query groups, SwiGLU ffn 176, vocab 512, seq 64
+    L, h, q, kv, ffn, V, s = 4, 64, 64, 32, 176, 512, 64
     per_token = (
         6 * h * ffn * 3 * L  # SwiGLU MLP: 3 GEMMs of h x ffn
         + L * 6 * (h * (q + 2 * kv) + q * h)  # QKV + proj, GQA
