@@ -19,10 +19,12 @@ and Jupyter's interrupt is forwarded to the ranks as a message.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import queue
 import socket
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -60,6 +62,29 @@ class RankInfo:
         return coords_label(self.rank, self.coords, layout)
 
 
+def _exclusive(method: Callable) -> Callable:
+    """One request at a time: replies are read from one queue, so a second thread
+    (the explorer's background "Run on pool", a sweep) must not wait on it concurrently.
+    A request from another thread while one runs is refused at once, never queued
+    behind a long training run."""
+
+    @functools.wraps(method)
+    def guarded(self: "Pool", *args: Any, **kwargs: Any) -> Any:
+        if not self._lock.acquire(blocking=False):
+            raise PoolError(
+                f"the pool is busy with a request from another thread ({self._lock_holder}); "
+                "wait for it to finish (a background 'Run on pool' or a sweep), then run this again"
+            )
+        previous, self._lock_holder = self._lock_holder, f"{method.__name__} in {threading.current_thread().name}"
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._lock_holder = previous
+            self._lock.release()
+
+    return guarded
+
+
 class Pool:
     """A running set of ranks.  Create with :meth:`Pool.start`."""
 
@@ -74,6 +99,8 @@ class Pool:
         self.event_handlers: list[Callable[[int, str, dict], None]] = []
         self.last_cell_records: list[dict[str, Any]] = []
         self._broken: str | None = None
+        self._lock = threading.RLock()
+        self._lock_holder = ""
         self._transport: Transport | None = None
         self._launcher: Launcher | None = None
 
@@ -223,6 +250,7 @@ class Pool:
         return self.spec.connection_file.parent
 
     # ------------------------------------------------------------ requests
+    @_exclusive
     def run(
         self,
         code: str,
@@ -284,12 +312,14 @@ class Pool:
             raise CompositeRankError(errors, cell_ranks=targets)
         return values
 
+    @_exclusive
     def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks: ``pool.push({"lr": 1e-3})``."""
         if not isinstance(namespace, dict):
             raise TypeError("push takes a dict of {name: value}")
         self._raise_errors(self._request("push", self._targets(ranks), {}, payload=namespace, timeout=60))
 
+    @_exclusive
     def pull(self, name: str | list[str], ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """Read a name (or names) from the ranks: ``{rank: value}`` (tensors arrive as numpy)."""
         names = [name] if isinstance(name, str) else list(name)
@@ -299,6 +329,7 @@ class Pool:
             return {rank: reply.payload[name] for rank, reply in sorted(replies.items())}
         return {rank: reply.payload for rank, reply in sorted(replies.items())}
 
+    @_exclusive
     def status(self) -> list[dict[str, Any]]:
         """Per rank: pid, host, state, device, memory in use and layout (answered even while busy)."""
         self._drain()
@@ -319,6 +350,7 @@ class Pool:
             })
         return rows
 
+    @_exclusive
     def stacks(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
         """Each rank's current Python stack (main thread), e.g. to see where a cell hangs."""
         targets = [r for r in (ranks or self.ranks) if self.ranks[r].state != "dead"]

@@ -157,3 +157,19 @@ def test_segfault_is_reported_with_its_signal(tmp_path):
         pids = pool.pids()
         pool.stop()
     assert_no_orphans(pids)
+
+
+def test_second_thread_is_refused_while_a_request_runs(cpu_pool):
+    import threading
+
+    errors = []
+    worker = threading.Thread(target=lambda: cpu_pool.run("import time\ntime.sleep(1.5)", quiet=True), name="bg")
+    worker.start()
+    time.sleep(0.5)
+    try:
+        cpu_pool.run("1")
+    except PoolError as exc:
+        errors.append(str(exc))
+    worker.join()
+    assert errors and "busy with a request from another thread (run in bg)" in errors[0]
+    assert cpu_pool.run("rank") == {0: 0, 1: 1}
