@@ -11,7 +11,10 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-if ! "$PY" -c "import mnb, megatron.core, nbclient, pytest_timeout" 2>/dev/null || [ "${MNB_REINSTALL:-0}" = 1 ]; then
+# Reinstall when anything is missing, or when `mnb` resolves to another checkout.
+if ! "$PY" -I -c "import mnb, megatron.core, nbclient, pytest_timeout, os, sys; \
+sys.exit(os.path.dirname(os.path.abspath(mnb.__file__)) != os.path.abspath('mnb'))" 2>/dev/null \
+   || [ "${MNB_REINSTALL:-0}" = 1 ]; then
   "$PY" -m pip install -q -e ".[test]"
 fi
 
