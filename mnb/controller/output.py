@@ -121,6 +121,20 @@ def _ipython() -> Any:
     return get_ipython() if get_ipython else None
 
 
+def progress_text(done: int, steps: int, payload: dict[str, Any]) -> str:
+    """'step 3/10 [#########....]  loss 5.1234  8,035 tok/s  64 ms/step'."""
+    width = 30
+    filled = int(width * done / steps) if steps else 0
+    parts = [f"step {done}/{steps} [{'#' * filled}{'.' * (width - filled)}]"]
+    if payload.get("loss") is not None:
+        parts.append(f"loss {payload['loss']:.4f}")
+    if payload.get("tokens_per_s"):
+        parts.append(f"{payload['tokens_per_s']:,.0f} tok/s")
+    if payload.get("step_time_s"):
+        parts.append(f"{payload['step_time_s'] * 1000:.0f} ms/step")
+    return "  ".join(parts)
+
+
 class ProgressLine:
     """A training progress line updated in place (text where there is no notebook)."""
 
@@ -131,17 +145,7 @@ class ProgressLine:
 
     def update(self, payload: dict[str, Any]) -> None:
         step, steps = payload.get("step", 0), payload.get("steps") or 0  # step counts from 1
-        width = 30
-        done = int(width * step / steps) if steps else 0
-        bar = "#" * done + "." * (width - done)
-        parts = [f"step {step}/{steps} [{bar}]"]
-        if payload.get("loss") is not None:
-            parts.append(f"loss {payload['loss']:.4f}")
-        if payload.get("tokens_per_s"):
-            parts.append(f"{payload['tokens_per_s']:,.0f} tok/s")
-        if payload.get("step_time_s"):
-            parts.append(f"{payload['step_time_s'] * 1000:.0f} ms/step")
-        text = "  ".join(parts)
+        text = progress_text(step, steps, payload)
         ipython = _ipython()
         if ipython is not None and hasattr(ipython, "kernel"):
             from IPython.display import display

@@ -26,26 +26,14 @@ from typing import Any
 import ipywidgets as widgets
 from traitlets import Float, Int, List, Unicode
 
+from mnb.controller.output import progress_text
+
 from ._render import in_kernel, new_figure, on_main_thread, png_bytes
 
 REDRAW_S = 0.4
 """Least time between two redraws of the plot (the bar and the text update every step)."""
 NEW_RUN_GAP_S = 30.0
 """Progress events further apart than this start a new widget."""
-
-
-def progress_text(done: int, steps: int, payload: dict[str, Any]) -> str:
-    """The progress line, as the controller prints it where there are no widgets."""
-    width = 30
-    filled = int(width * done / steps) if steps else 0
-    parts = [f"step {done}/{steps} [{'#' * filled}{'.' * (width - filled)}]"]
-    if payload.get("loss") is not None:
-        parts.append(f"loss {payload['loss']:.4f}")
-    if payload.get("tokens_per_s"):
-        parts.append(f"{payload['tokens_per_s']:,.0f} tok/s")
-    if payload.get("step_time_s"):
-        parts.append(f"{payload['step_time_s'] * 1000:.0f} ms/step")
-    return "  ".join(parts)
 
 
 class LiveProgress(widgets.VBox):
