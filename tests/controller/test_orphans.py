@@ -1,0 +1,64 @@
+"""No worker outlives its notebook: normal exit, and a kernel killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+START = (
+    "import json, sys\n"
+    "from mnb.controller import Pool\n"
+    "pool = Pool.start(2, device='cpu', timeout=180)\n"
+    "print(json.dumps(pool.pids()), flush=True)\n"
+)
+
+
+def launch(tail: str) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen([sys.executable, "-c", START + tail], stdout=subprocess.PIPE, text=True)
+    pids = json.loads(proc.stdout.readline())
+    assert len(pids) == 3  # two ranks and their torchrun
+    return proc, pids
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)
+
+
+def test_interpreter_exit_stops_the_pool():
+    proc, pids = launch("")  # the script ends: atexit stops the pool (as on kernel shutdown/restart)
+    proc.wait(timeout=60)
+    assert wait_gone(pids, 10) == []
+
+
+def test_killed_kernel_leaves_no_worker_behind():
+    proc, pids = launch("import time\ntime.sleep(600)\n")
+    assert alive(pids) == pids
+    os.kill(proc.pid, signal.SIGKILL)  # no atexit, no goodbye: the ranks notice on their own
+    proc.wait(timeout=10)
+    left = wait_gone(pids, 15)
+    for pid in left:  # clean up before failing, so one bad run does not leak into others
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
