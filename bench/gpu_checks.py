@@ -217,14 +217,18 @@ def run_row(run, train: str) -> dict:
     return row
 
 
-def plain_torchrun(out: Path, *, nproc: int, layout: str, steps: int, mbs: int, gbs: int) -> dict:
+def plain_torchrun(out: Path, *, nproc: int, layout: str, steps: int, mbs: int, gbs: int,
+                   preset: str = "llama-1b", seq: int = 2048, device: str = "cuda", bf16: bool = True) -> dict:
     """Launch bench/plain_torchrun.py cold and read its JSON result."""
-    result = out / f"plain_{nproc}_{layout}_{steps}.json"
+    result = out / f"plain_{nproc}_{layout.replace('=', '').replace(',', '_')}_{steps}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(HERE / "plain_torchrun.py"), "--layout", layout, "--steps", str(steps), "--mbs", str(mbs),
-           "--gbs", str(gbs), "--result", str(result)]
+           "--gbs", str(gbs), "--preset", preset, "--seq", str(seq), "--device", device,
+           "--result", str(result)] + ([] if bf16 else ["--fp32"])
     env = dict(os.environ, MNB_LAUNCH_T=repr(time.time()))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    if device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode or not result.exists():
         print(proc.stdout[-3000:], proc.stderr[-3000:])
         return {"error": f"exit {proc.returncode}"}

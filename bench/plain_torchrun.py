@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--mbs", type=int, default=1)
     parser.add_argument("--gbs", type=int, default=8)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--fp32", action="store_true", help="train in fp32 (CPU ranks)")
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
     launched = float(os.environ.get("MNB_LAUNCH_T", time.time()))
@@ -38,17 +40,25 @@ def main() -> None:
     from mnb.megatron.train import train
 
     local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        from mnb.megatron import cpu
+
+        cpu.install()
+        dist.init_process_group("gloo")
     layout = {k: int(v) for k, v in (item.split("=") for item in args.layout.split(","))}
     apply_layout(ParallelConfig(**layout))
     model = gpt(args.preset, seq_length=args.seq)
-    record = train(model, steps=1, micro_batch_size=args.mbs, global_batch_size=args.gbs, bf16=True)
-    torch.cuda.synchronize()
+    bf16 = not args.fp32
+    record = train(model, steps=1, micro_batch_size=args.mbs, global_batch_size=args.gbs, bf16=bf16)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     first_step_s = time.time() - launched
     result = {"first_step_s": round(first_step_s, 2)}
     if args.steps > 1:
-        record = train(model, steps=args.steps, micro_batch_size=args.mbs, global_batch_size=args.gbs, bf16=True)
+        record = train(model, steps=args.steps, micro_batch_size=args.mbs, global_batch_size=args.gbs, bf16=bf16)
         tokens = [s["tokens_per_s"] for s in record["steps"][1:]]
         result["tokens_per_s"] = round(sum(tokens) / len(tokens))
     if dist.get_rank() == 0:
