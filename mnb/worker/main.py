@@ -266,11 +266,11 @@ class Rank:
 
 
 def _megatron_version() -> str:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version("megatron-core")
-    except Exception:
+    except PackageNotFoundError:  # e.g. Megatron-LM on PYTHONPATH instead of the wheel
         return "unknown"
 
 
