@@ -284,10 +284,9 @@ class Run:
     # ----- text ----------------------------------------------------------------------
     def summary(self) -> str:
         """A few lines: loss, tokens/s, MFU, bubble, peak memory vs predicted."""
-        lines = [
-            f"{self.model.name} | {self.layout.describe()} | {self.world_size} ranks on "
-            f"{self.device_name or self._first.get('device', '?')} | m={self.num_microbatches}"
-        ]
+        where = "CPU" if self.on_cpu else (self.device_name or self._first.get("device", "?"))
+        lines = [f"{self.model.name} | {self.layout.describe()} | {self.world_size} ranks on {where} | "
+                 f"m={self.num_microbatches}"]
         losses = [x for x in self.losses if x is not None]
         if losses:
             lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(self.steps)} steps")
@@ -301,7 +300,13 @@ class Run:
         if self.measured_bubble is not None:
             lines.append(f"bubble measured {self.measured_bubble:.1%} vs theoretical {self.theoretical_bubble:.1%}")
         peaks = self.peak_memory_bytes
-        if peaks:
+        if peaks and self.memory_source == "rss":
+            # A CPU rank's resident set holds the Python runtime, torch and Megatron too:
+            # there is no device allocator to compare the model's prediction with.
+            rank = max(peaks, key=peaks.get)
+            lines.append(f"peak resident memory {peaks[rank] / GIB:.2f} GiB (rank {rank}; "
+                         "CPU ranks: process memory, not compared with the prediction)")
+        elif peaks:
             rank = max(peaks, key=peaks.get)
             text = f"peak memory {peaks[rank] / GIB:.2f} GiB (rank {rank}, {self.memory_source})"
             try:

@@ -43,6 +43,9 @@ QUIET_WARNINGS = (
     r"(Transformer Engine and )?Apex (is|are) not installed",
     r"full scope is deprecated",
     r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    # torch deprecations inside Megatron's dist_checkpointing (mnb.save / mnb.load)
+    r"`load_state_dict` is deprecated and will be removed",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
 )
 
 
