@@ -101,6 +101,7 @@ def test_mfu_uses_device_peak():
     cpu = Run(make_records(device="cpu", device_name="cpu"))
     assert cpu.mfu == [None, None]
     assert "MFU n/a" in cpu.summary()
+    assert "ranks on CPU" in cpu.summary() and "not compared with the prediction" in cpu.summary()
     given = Run(make_records(device="cpu", device_name="cpu"), peak_flops=1e12)
     assert given.mfu == pytest.approx([1 / 34, 1 / 36])
     assert Run(make_records(device="cpu", device_name="cpu"), gpu="cpu").mfu[0] > 0
