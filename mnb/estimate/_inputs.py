@@ -30,7 +30,7 @@ def as_train(train: TrainConfig | dict | None) -> TrainConfig:
 
 
 def as_parallel(parallel: ParallelConfig | dict | None, gpus: int | None = None) -> ParallelConfig:
-    """A ParallelConfig with dp filled in; ``gpus`` (the world size) resolves dp."""
+    """A ParallelConfig with dp filled in; ``gpus`` (the world size) resolves dp, else dp = 1."""
     if parallel is None:
         parallel = ParallelConfig()
     elif isinstance(parallel, dict):
@@ -41,10 +41,10 @@ def as_parallel(parallel: ParallelConfig | dict | None, gpus: int | None = None)
     if gpus is not None:
         return parallel.resolve(gpus)
     if parallel.dp is None:
-        raise ValueError(
-            f"dp is not known for {parallel.describe()}: pass gpus=N (the world size) or "
-            "ParallelConfig(dp=...)"
-        )
+        # No world size given: the fewest replicas the layout allows (dp = 1 unless
+        # expert parallelism needs ep to divide dp * cp).
+        dp = parallel.ep // math.gcd(parallel.ep, parallel.cp)
+        return parallel.resolve(dp * parallel.model_parallel_size)
     return parallel.resolve(parallel.dp * parallel.model_parallel_size)
 
 
