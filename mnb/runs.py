@@ -278,6 +278,36 @@ class Run:
         return sum(per) / len(per)
 
     @property
+    def expected_bubble(self) -> float | None:
+        """The schedule's bubble for the *measured* per-stage forward/backward times.
+
+        (p-1)/m assumes equal stages; real stages differ (the first holds the
+        embedding, the last the output layer and loss), and the faster stage waits
+        for the slower one.  This replays Megatron's 1F1B order with each stage's
+        mean measured microbatch times (``estimate.simulate_schedule``), so
+        measured minus expected is what communication and host overhead cost.
+        """
+        steps = self.timeline_steps()
+        if self.layout.pp < 2 or not steps:
+            return None
+        use = steps[1:] or steps
+        durations: dict[tuple[int, str], list[float]] = {}
+        for step in use:
+            for ev in self.timeline(step):
+                if ev["kind"] in ("forward", "backward"):
+                    durations.setdefault((int(ev["stage"]), ev["kind"]), []).append(ev["end_s"] - ev["start_s"])
+        vpp = self.layout.vpp or 1
+        try:
+            per_stage = {kind: [vpp * sum(durations[(s, kind)]) / len(durations[(s, kind)])
+                                for s in range(self.layout.pp)] for kind in ("forward", "backward")}
+        except KeyError:
+            return None
+        events = estimate.simulate_schedule(self.layout, self.num_microbatches,
+                                            forward_s=per_stage["forward"], backward_s=per_stage["backward"])
+        result = estimate.timeline_bubble(events)
+        return None if result is None else result["bubble"]
+
+    @property
     def theoretical_bubble(self) -> float:
         return estimate.bubble(self.layout, self.num_microbatches)
 
@@ -298,7 +328,11 @@ class Run:
         perf.append(f"MFU {sum(mfus) / len(mfus):.1%}" if mfus else "MFU n/a (no peak for this device)")
         lines.append(", ".join(perf))
         if self.measured_bubble is not None:
-            lines.append(f"bubble measured {self.measured_bubble:.1%} vs theoretical {self.theoretical_bubble:.1%}")
+            text = f"bubble measured {self.measured_bubble:.1%} vs theoretical {self.theoretical_bubble:.1%}"
+            expected = self.expected_bubble
+            if expected is not None:
+                text += f" ({expected:.1%} for the measured stage times)"
+            lines.append(text)
         peaks = self.peak_memory_bytes
         if peaks and self.memory_source == "rss":
             # A CPU rank's resident set holds the Python runtime, torch and Megatron too:

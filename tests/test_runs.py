@@ -142,3 +142,20 @@ def test_tolerates_missing_optional_keys():
     assert "loss" in run.summary()
     with pytest.raises(ValueError, match="at least one rank record"):
         Run([])
+
+
+def test_expected_bubble_replays_measured_stage_times():
+    from mnb.estimate import simulate_schedule
+
+    records = make_records()
+    layout = ParallelConfig(pp=2).resolve(2)
+    for step in (1, 2):  # a timeline whose stage 1 is 1.5x slower than stage 0
+        events = simulate_schedule(layout, 4, forward_s=[1.0, 1.5], backward_s=[2.0, 3.0], step=step)
+        for rank, record in enumerate(records):
+            record["timeline"] = [e for e in record["timeline"] if e["step"] != step] + [
+                e for e in events if e["stage"] == rank]
+    run = Run(records)
+    assert run.theoretical_bubble == pytest.approx(0.25)
+    assert run.measured_bubble > 0.3  # the faster stage waits for the slower one
+    assert run.expected_bubble == pytest.approx(run.measured_bubble)
+    assert "for the measured stage times" in run.summary()

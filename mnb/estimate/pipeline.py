@@ -17,7 +17,7 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Sequence, Iterable
 
 from mnb.config import ParallelConfig
 
@@ -81,14 +81,15 @@ def simulate_schedule(
     parallel: ParallelConfig,
     num_microbatches: int,
     *,
-    forward_s: float = 1.0,
-    backward_s: float = 2.0,
+    forward_s: float | Sequence[float] = 1.0,
+    backward_s: float | Sequence[float] = 2.0,
     step: int = 0,
 ) -> list[dict[str, Any]]:
     """Predicted timeline of one step: events shaped like measured timeline entries.
 
     ``forward_s``/``backward_s`` are the times of one microbatch through one
-    stage's full set of layers; with vpp each chunk takes 1/vpp of that.  Each
+    stage's full set of layers (one number for equal stages, or one per stage,
+    e.g. measured ones); with vpp each chunk takes 1/vpp of that.  Each
     stage runs Megatron's op order (warm-up forwards, 1F1B steady state,
     cool-down backwards); an op starts when its stage is free and its input
     (previous stage's forward, next stage's backward) has arrived.  Transfers
@@ -103,7 +104,8 @@ def simulate_schedule(
         )
     fwd_order = _chunk_order(pp, m, v)
     bwd_order = [(v - 1 - c, mb) for c, mb in fwd_order]
-    tf, tb = forward_s / v, backward_s / v
+    tf = [t / v for t in _per_stage(forward_s, pp, "forward_s")]
+    tb = [t / v for t in _per_stage(backward_s, pp, "backward_s")]
     ops: list[list[tuple[str, int, int]]] = []
     for stage in range(pp):
         warm = warmup_microbatches(pp, stage, m, parallel.vpp) if pp > 1 else 0
@@ -137,7 +139,7 @@ def simulate_schedule(
                 if dep is not None and dep not in done:
                     break
                 start = max(free[stage], done[dep] if dep is not None else 0.0)
-                end = start + (tf if kind == "forward" else tb)
+                end = start + (tf[stage] if kind == "forward" else tb[stage])
                 done[(kind, stage, chunk, mb)] = end
                 free[stage] = end
                 events.append(
@@ -150,6 +152,15 @@ def simulate_schedule(
         if not progressed:  # pragma: no cover - guards a schedule bug, not user input
             raise RuntimeError("pipeline schedule simulation deadlocked")
     return events
+
+
+def _per_stage(value: float | Sequence[float], pp: int, name: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * pp
+    values = [float(x) for x in value]
+    if len(values) != pp:
+        raise ValueError(f"{name} has {len(values)} values for pp({pp}) stages")
+    return values
 
 
 def _dependency(kind: str, stage: int, chunk: int, mb: int, pp: int, v: int):

@@ -45,3 +45,17 @@ def test_bubble_errors():
         est.bubble(ParallelConfig(pp=2, dp=1), 0)
     with pytest.raises(ValueError, match=r"num_microbatches\(2\) >= pp\(4\)"):
         est.simulate_schedule(ParallelConfig(pp=4, vpp=2, dp=1), 2)
+
+
+def test_simulation_with_measured_stage_times():
+    from mnb.estimate import simulate_schedule, timeline_bubble
+
+    pp2 = ParallelConfig(pp=2)
+    equal = timeline_bubble(simulate_schedule(pp2, 8, forward_s=[1.0, 1.0], backward_s=[2.0, 2.0]))["bubble"]
+    assert equal == pytest.approx(1 / 8)  # (p-1)/m when the stages are equal
+    # Stage 1 takes 1.5x as long: the steady state runs at its pace and stage 0 idles
+    # 1.5 - 1 = 0.5 of its own work per microbatch on top of the fill and drain.
+    slow = timeline_bubble(simulate_schedule(pp2, 8, forward_s=[1.0, 1.5], backward_s=[2.0, 3.0]))
+    assert slow["by_stage"][0] > slow["by_stage"][1] and slow["bubble"] > equal
+    with pytest.raises(ValueError, match=r"forward_s has 3 values for pp\(2\) stages"):
+        simulate_schedule(pp2, 4, forward_s=[1, 1, 1])

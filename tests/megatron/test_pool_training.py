@@ -57,4 +57,5 @@ def test_measured_bubble_of_equal_stages_is_near_theory(cpu_pool):
                 expected.append(("f", warmup + 1 + i))
         assert order == expected, (stage, order)
     assert abs(run.measured_bubble - 0.25) <= 0.10, run.measured_bubble_per_step
+    assert run.expected_bubble is not None and abs(run.measured_bubble - run.expected_bubble) <= 0.10
     cpu_pool.run("pass", layout=ParallelConfig())
