@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,12 +238,3 @@ def visible_gpu_count() -> int:
         ids = [x for x in env.split(",") if x.strip() and x.strip() != "-1"]
         return min(len(ids), physical)
     return physical
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
