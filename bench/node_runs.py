@@ -8,8 +8,8 @@
 One ``%mnb start`` of N ranks; every layout is applied in place between runs.
 For each layout: tokens/s per rank, MFU (GPUs), peak memory per rank against the
 prediction, measured bubble against (p-1)/m (or (p-1)/(v*m)) and, for MoE, the
-share of step time in the token dispatcher's all-to-all (from the timeline, when
-Megatron times it).  Then the time from a layout change to the first finished
+share of step time in the token dispatcher's forward dispatch + combine (the
+all-to-all; mnb times it on the timeline, the backward direction is not timed).  Then the time from a layout change to the first finished
 step against a cold ``torchrun`` launch (bench/plain_torchrun.py) of the same job.
 Layouts that do not fit the world size are rows with the reason.
 """
@@ -67,9 +67,9 @@ def row_of(run, label: str) -> dict:
         row["bubble_theory"] = round(run.theoretical_bubble, 3)
     step = run.timeline_steps()[-1]
     events = run.timeline(step)
-    a2a = sum(e["end_s"] - e["start_s"] for e in events if "all-to-all" in e["kind"] or "alltoall" in e["kind"])
-    if run.model.is_moe:
-        row["all_to_all_share"] = round(a2a / max(times[-1], 1e-9), 3) if a2a else "not timed"
+    a2a = sum(e["end_s"] - e["start_s"] for e in events if e["kind"] in ("moe-dispatch", "moe-combine"))
+    if run.model.is_moe:  # forward dispatch + combine; the backward all-to-all is not timed
+        row["fwd_all_to_all_share"] = round(a2a / max(times[-1], 1e-9), 3)
     return row
 
 

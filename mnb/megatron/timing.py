@@ -180,3 +180,43 @@ class TimelineRecorder:
         if not forward:
             chunk = self.num_chunks - 1 - chunk
         return microbatch, chunk
+
+
+DISPATCH_METHODS = {"token_dispatch": "moe-dispatch", "token_combine": "moe-combine"}
+"""MoE token-dispatcher methods that hold the expert all-to-all (forward direction), and
+the timeline kind each one is recorded as."""
+
+
+@contextlib.contextmanager
+def time_token_dispatch(chunks, recorder: "TimelineRecorder"):
+    """Record every MoE layer's forward dispatch and combine (the all-to-all) on the timeline.
+
+    Megatron's token dispatchers do not go through ``config.timers``, so without this
+    the expert all-to-all is invisible.  The dispatcher is a plain attribute of each
+    MoE layer (not a module), so its bound methods are wrapped per instance for the
+    duration of a ``train`` call and restored afterwards.  The backward all-to-all
+    runs inside autograd and is not timed; it moves the same bytes.
+    """
+    wrapped: list[tuple[object, str]] = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if dispatcher is None:
+                continue
+            for method, kind in DISPATCH_METHODS.items():
+                original = getattr(dispatcher, method, None)
+                if original is None or method in vars(dispatcher):
+                    continue
+
+                def timed(*args, _original=original, _kind=kind, **kwargs):
+                    with recorder.span(_kind):
+                        return _original(*args, **kwargs)
+
+                setattr(dispatcher, method, timed)
+                wrapped.append((dispatcher, method))
+    try:
+        yield len(wrapped)
+    finally:
+        for dispatcher, method in wrapped:
+            delattr(dispatcher, method)  # the class method shows through again
+

@@ -36,7 +36,7 @@ from mnb.megatron.batches import BatchPlan, microbatch_iterators
 from mnb.megatron.memory import MemoryMeter
 from mnb.megatron.model import MegatronModel
 from mnb.megatron.record import build_record, device_of, model_flops_per_step
-from mnb.megatron.timing import TimelineRecorder
+from mnb.megatron.timing import TimelineRecorder, time_token_dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,8 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
     dataset = plan.dataset(tc, model, steps=tc.steps)
     config.timers = recorder
     try:
-        step_rows, timeline = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device)
+        with time_token_dispatch(model.chunks, recorder):
+            step_rows, timeline = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device)
     finally:
         config.timers = None
     record = build_record(

@@ -59,3 +59,16 @@ def test_measured_bubble_of_equal_stages_is_near_theory(cpu_pool):
     assert abs(run.measured_bubble - 0.25) <= 0.10, run.measured_bubble_per_step
     assert run.expected_bubble is not None and abs(run.measured_bubble - run.expected_bubble) <= 0.10
     cpu_pool.run("pass", layout=ParallelConfig())
+
+
+def test_moe_dispatch_and_combine_are_on_the_timeline(cpu_pool):
+    cpu_pool.run("model = mnb.gpt('moe-tiny')\nmnb.train(model, steps=2, micro_batch_size=2, global_batch_size=8)",
+                 layout=ParallelConfig(ep=2), quiet=True)
+    run = mnb.last_run
+    kinds = [e["kind"] for e in run.timeline(1)]
+    layers, microbatches = run.model.num_layers, run.num_microbatches
+    assert kinds.count("moe-dispatch") == kinds.count("moe-combine") == layers * microbatches
+    # The timing wrappers are gone after train(): the dispatcher's own methods run again.
+    assert cpu_pool.run("'token_dispatch' in vars(model.chunks[0].decoder.layers[0].mlp.token_dispatcher)") \
+        == {0: False, 1: False}
+    cpu_pool.run("pass", layout=ParallelConfig())
