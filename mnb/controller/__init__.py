@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mnb.controller.pool import Pool, current_pool, last_run, set_current_pool
+from mnb.controller.pool import Pool
+from mnb.controller.registry import current_pool, last_run, set_current_pool
 
 __all__ = ["Pool", "pool", "last_run", "current_pool", "set_current_pool"]
 

@@ -238,3 +238,39 @@ def visible_gpu_count() -> int:
         ids = [x for x in env.split(",") if x.strip() and x.strip() != "-1"]
         return min(len(ids), physical)
     return physical
+
+
+def resolve_device(device: str, nproc: int | None, gpus: list[int] | None) -> tuple[str, int]:
+    """Check --device/-n/--gpus against what this machine has; return (device, nproc)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"-n must be at least 1, got {nproc}")
+    visible = visible_gpu_count() if (device != "cpu" or gpus) else 0
+    if gpus is not None:
+        if device == "cpu":
+            raise ValueError("--gpus was given with --device cpu; drop one of them")
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"--gpus lists a GPU twice: {gpus}")
+        unknown = [g for g in gpus if g < 0 or g >= visible]
+        if unknown:
+            raise ValueError(
+                f"unknown GPU id(s) {unknown}: this machine shows {visible} GPU(s)"
+                + (f" (ids 0-{visible - 1})" if visible else "")
+            )
+        device = "cuda"
+        if nproc is None:
+            nproc = len(gpus)
+        elif nproc != len(gpus):
+            raise ValueError(f"-n {nproc} does not match the {len(gpus)} GPU(s) given by --gpus {gpus}")
+        return device, nproc
+    if device == "auto":
+        device = "cuda" if visible else "cpu"
+    if device == "cuda":
+        if not visible:
+            raise ValueError("--device cuda but no GPU is visible here (nvidia-smi found none); use --device cpu")
+        nproc = visible if nproc is None else nproc
+        if nproc > visible:
+            raise ValueError(f"-n {nproc} is larger than the {visible} visible GPU(s); use -n {visible} or fewer")
+        return device, nproc
+    return "cpu", 2 if nproc is None else nproc

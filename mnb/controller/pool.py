@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import queue
 import socket
 import tempfile
@@ -32,9 +33,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mnb.config import ParallelConfig
-from mnb.controller.launcher import LaunchSpec, Launcher, visible_gpu_count
+from mnb.controller.launcher import LaunchSpec, Launcher, resolve_device
 from mnb.controller.collector import Collector
 from mnb.controller.output import coords_label
+from mnb.controller.registry import set_last_run
 from mnb.controller.transport import Transport
 from mnb.errors import CompositeRankError, PoolError, RankError
 from mnb.protocol import ConnectionInfo, Message, new_key
@@ -152,7 +154,7 @@ class Pool:
             address=self._transport.address,
             key=key,
             world_size=self.spec.world_size,
-            controller_pid=_os_getpid(),
+            controller_pid=os.getpid(),
             controller_host=socket.gethostname(),
         ).write(self.spec.connection_file)
         self._launcher = Launcher(self.spec)
@@ -307,7 +309,7 @@ class Pool:
                 )
         self.last_cell_records = records
         if records:
-            _set_last_run(records)
+            set_last_run(records)
         if errors:
             raise CompositeRankError(errors, cell_ranks=targets)
         return values
@@ -449,76 +451,6 @@ class Pool:
         return f"<mnb.Pool {self.world_size} x {self.spec.device} ranks, {self.layout.describe()}, {state}>"
 
 
-def resolve_device(device: str, nproc: int | None, gpus: list[int] | None) -> tuple[str, int]:
-    """Check --device/-n/--gpus against what this machine has; return (device, nproc)."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
-    if nproc is not None and nproc < 1:
-        raise ValueError(f"-n must be at least 1, got {nproc}")
-    visible = visible_gpu_count() if (device != "cpu" or gpus) else 0
-    if gpus is not None:
-        if device == "cpu":
-            raise ValueError("--gpus was given with --device cpu; drop one of them")
-        if len(set(gpus)) != len(gpus):
-            raise ValueError(f"--gpus lists a GPU twice: {gpus}")
-        unknown = [g for g in gpus if g < 0 or g >= visible]
-        if unknown:
-            raise ValueError(
-                f"unknown GPU id(s) {unknown}: this machine shows {visible} GPU(s)"
-                + (f" (ids 0-{visible - 1})" if visible else "")
-            )
-        device = "cuda"
-        if nproc is None:
-            nproc = len(gpus)
-        elif nproc != len(gpus):
-            raise ValueError(f"-n {nproc} does not match the {len(gpus)} GPU(s) given by --gpus {gpus}")
-        return device, nproc
-    if device == "auto":
-        device = "cuda" if visible else "cpu"
-    if device == "cuda":
-        if not visible:
-            raise ValueError("--device cuda but no GPU is visible here (nvidia-smi found none); use --device cpu")
-        nproc = visible if nproc is None else nproc
-        if nproc > visible:
-            raise ValueError(f"-n {nproc} is larger than the {visible} visible GPU(s); use -n {visible} or fewer")
-        return device, nproc
-    return "cpu", 2 if nproc is None else nproc
-
-
-# ---------------------------------------------------------------- registry
-_CURRENT: list[Pool] = []
-_LAST_RUN: list[Any] = []
-
-
-def current_pool(required: bool = True) -> Pool | None:
-    if _CURRENT:
-        return _CURRENT[-1]
-    if required:
-        raise PoolError("no pool is running; start one with %mnb start (or mnb.controller.Pool.start())")
-    return None
-
-
-def set_current_pool(pool: Pool | None) -> None:
-    _CURRENT.clear()
-    if pool is not None:
-        _CURRENT.append(pool)
-
-
-def _set_last_run(records: list[dict[str, Any]]) -> None:
-    from mnb.runs import Run
-
-    _LAST_RUN.clear()
-    _LAST_RUN.append(Run(records))
-
-
-def last_run() -> Any:
-    return _LAST_RUN[-1] if _LAST_RUN else None
-
-
-def _os_getpid() -> int:
-    import os
-
-    return os.getpid()
 
 
 @atexit.register
@@ -528,5 +460,3 @@ def _stop_all() -> None:
             pool._teardown()
         except Exception as exc:  # interpreter is exiting; say what could not be cleaned
             log.warning("could not stop %r: %s", pool, exc)
-
-

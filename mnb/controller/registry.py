@@ -1,0 +1,43 @@
+"""What the notebook side remembers between cells: the current pool and the last run.
+
+Behind ``mnb.pool()`` and ``mnb.last_run``; plain module state of the notebook kernel
+(no process groups, no torch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mnb.errors import PoolError
+
+if TYPE_CHECKING:
+    from mnb.controller.pool import Pool
+
+_CURRENT: list["Pool"] = []
+_LAST_RUN: list[Any] = []
+
+
+def current_pool(required: bool = True) -> "Pool | None":
+    if _CURRENT:
+        return _CURRENT[-1]
+    if required:
+        raise PoolError("no pool is running; start one with %mnb start (or mnb.controller.Pool.start())")
+    return None
+
+
+def set_current_pool(pool: "Pool | None") -> None:
+    _CURRENT.clear()
+    if pool is not None:
+        _CURRENT.append(pool)
+
+
+def set_last_run(records: list[dict[str, Any]]) -> None:
+    """Gather the ranks' run records of the last training cell into ``mnb.last_run``."""
+    from mnb.runs import Run
+
+    _LAST_RUN.clear()
+    _LAST_RUN.append(Run(records))
+
+
+def last_run() -> Any:
+    return _LAST_RUN[-1] if _LAST_RUN else None
