@@ -116,11 +116,14 @@ class Collector:
             deaths.setdefault(r, f"no heartbeat for {REMOTE_SILENCE_S:.0f} s (host {pool.ranks[r].host})")
         if not deaths and torchrun_gone:
             deaths = {r: "stopped with torchrun" for r in pool.ranks}
-        lines = [f"rank {r} ({pool.ranks[r].label(pool.layout.as_dict())}) died: {why}" for r, why in deaths.items()]
+        # The rank(s) that failed first, then those torchrun tore down after them.
+        ordered = sorted(deaths.items(), key=lambda item: ("torn down" in item[1], item[0]))
+        lines = [f"rank {r} ({pool.ranks[r].label(pool.layout.as_dict())}) died: {why}" for r, why in ordered]
         survivors = [r for r in pool.ranks if r not in deaths]
         if self.folder:
             self.folder.flush()
-        pool._mark_broken(f"rank(s) {sorted(deaths)} died")
+        first = [r for r, why in ordered if "torn down" not in why] or sorted(deaths)
+        pool._mark_broken(f"rank(s) {first} died")
         pool._teardown()
         lines.append(
             f"The other ranks {survivors} were torn down; run %mnb restart (or mnb.pool().restart()) "
