@@ -123,6 +123,21 @@ class Signer:
         return Message(type=kind, id=msg_id, header=header, payload=value)
 
 
+def drain(socket: Any, handle: Any) -> None:
+    """Pass every multipart message waiting on a ZeroMQ ``socket`` to ``handle``, without blocking.
+
+    Both sides' I/O threads wake from a poll and empty each ready socket with this.
+    """
+    import zmq
+
+    while True:
+        try:
+            frames = socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        handle(frames)
+
+
 @dataclass(frozen=True)
 class ConnectionInfo:
     """What a rank needs to join a pool: the controller's address and the key."""

@@ -18,7 +18,8 @@ def cpu_pool():
     assert_no_orphans(pids)
 
 
-def assert_no_orphans(pids: list[int]) -> None:
+def alive_pids(pids: list[int]) -> list[int]:
+    """The pids that still name a running (not zombie) process."""
     alive = []
     for pid in pids:
         try:
@@ -26,4 +27,9 @@ def assert_no_orphans(pids: list[int]) -> None:
                 alive.append(pid)
         except psutil.NoSuchProcess:
             pass
-    assert not alive, f"processes left behind: {alive}"
+    return alive
+
+
+def assert_no_orphans(pids: list[int]) -> None:
+    left = alive_pids(pids)
+    assert not left, f"processes left behind: {left}"

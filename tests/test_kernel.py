@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import time
 
-import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
+
+from tests.conftest import alive_pids
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,6 @@ def test_interrupt_from_jupyter_and_no_orphans_after_shutdown():
         manager.shutdown_kernel(now=False)
         client.stop_channels()
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                              for p in pids):
+    while time.monotonic() < deadline and alive_pids(pids):
         time.sleep(0.2)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert alive_pids(pids) == []

@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from mnb.protocol import Message, ProtocolError, Signer
+from mnb.protocol import Message, ProtocolError, Signer, drain
 
 log = logging.getLogger(__name__)
 
@@ -66,26 +66,21 @@ class Transport:
             except zmq.ZMQError:
                 break
             if self._pull in events:
-                while True:
-                    try:
-                        self._router.send_multipart(self._pull.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    except zmq.ZMQError as exc:  # e.g. host unreachable: the rank is gone
-                        log.debug("send failed: %s", exc)
+                drain(self._pull, self._forward)
             if self._router in events:
-                while True:
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._receive(frames)
+                drain(self._router, self._receive)
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_INTERVAL_S
                 beat = self._signer.encode(Message("heartbeat"))
                 for rank in list(self.known_ranks):
                     self._router.send_multipart([f"rank-{rank}".encode(), *beat])
+
+    def _forward(self, frames: list[bytes]) -> None:
+        try:
+            self._router.send_multipart(frames)
+        except zmq.ZMQError as exc:  # e.g. host unreachable: the rank is gone, its death is reported elsewhere
+            log.debug("send failed: %s", exc)
 
     def _receive(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import zmq
 
-from mnb.protocol import ConnectionInfo, Message, ProtocolError, Signer
+from mnb.protocol import ConnectionInfo, Message, ProtocolError, Signer, drain
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +90,9 @@ class Channel:
         while not self.closing.is_set():
             events = dict(poller.poll(200))
             if self._pull in events:
-                while True:
-                    try:
-                        self._socket.send_multipart(self._pull.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
+                drain(self._pull, self._socket.send_multipart)
             if self._socket in events:
-                while True:
-                    try:
-                        frames = self._socket.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
+                drain(self._socket, self._handle)
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_INTERVAL_S

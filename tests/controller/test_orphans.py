@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+
+from tests.conftest import alive_pids
 
 pytestmark = pytest.mark.slow
 
@@ -29,22 +30,11 @@ def launch(tail: str) -> tuple[subprocess.Popen, list[int]]:
     return proc, pids
 
 
-def alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def wait_gone(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while alive(pids) and time.monotonic() < deadline:
+    while alive_pids(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return alive(pids)
+    return alive_pids(pids)
 
 
 def test_interpreter_exit_stops_the_pool():
@@ -55,7 +45,7 @@ def test_interpreter_exit_stops_the_pool():
 
 def test_killed_kernel_leaves_no_worker_behind():
     proc, pids = launch("import time\ntime.sleep(600)\n")
-    assert alive(pids) == pids
+    assert alive_pids(pids) == pids
     os.kill(proc.pid, signal.SIGKILL)  # no atexit, no goodbye: the ranks notice on their own
     proc.wait(timeout=10)
     left = wait_gone(pids, 15)
