@@ -15,7 +15,10 @@ def clean():
 
 
 def test_emit_without_sink_is_a_noop():
-    events.emit("progress", {"step": 1})
+    events.set_sink(None)
+    events.take_records()
+    assert events.emit("progress", {"step": 1}) is None
+    assert events.take_records() == []  # progress events are not stored as records
 
 
 def test_sink_receives_events_and_records():
