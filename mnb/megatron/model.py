@@ -16,6 +16,7 @@ from the same model, so their losses can be compared step by step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class MegatronModel:
     optimizer: Any = None
     precision: str | None = None
     use_distributed_optimizer: bool | None = None
+    fusions: bool = False
+    """Whether mnb's compiled fusions (loss, RoPE, activation) run in this model."""
     steps_done: int = 0
     consumed_samples: int = 0
     history: list[dict] = field(default_factory=list)
@@ -143,8 +146,12 @@ def current_model() -> MegatronModel | None:
     return _last_model() if _last_model is not None else None
 
 
-def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
-    """Megatron ``TransformerConfig`` for ``cfg`` under ``parallel`` (fp32 params)."""
+def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, fusions: bool = False):
+    """Megatron ``TransformerConfig`` for ``cfg`` under ``parallel`` (fp32 params).
+
+    ``fusions`` switches on Megatron's activation and RoPE fusions backed by
+    :mod:`mnb.megatron.fusions`; explicit TransformerConfig overrides still win.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from mnb.megatron import cpu
@@ -198,12 +205,18 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         # interleaving is unbatched, overlapped p2p, which posts the two directions on
         # different groups.
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    if fusions:
+        from mnb.megatron import fusions as _fusions
+
+        rope = cfg.position_embedding_type == "rope" and _fusions.install_rope()
+        kwargs.update(_fusions.transformer_overrides(cfg, rope=rope))
     kwargs.update(extra)
     return TransformerConfig(**kwargs)
 
 
 def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None = None,
-        init: str = "layout_invariant", **overrides: Any) -> MegatronModel:
+        init: str = "layout_invariant", fusions: bool | str = "auto",
+        **overrides: Any) -> MegatronModel:
     """Build this rank's part of a GPT for the current layout.
 
     Args:
@@ -212,6 +225,10 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         seed: seed of the initial weights (default: the layout's seed, 1234).
         init: ``"layout_invariant"`` (same initial model under every layout) or
             ``"megatron"`` (Megatron's own per-rank initialisation).
+        fusions: ``"auto"`` (compiled loss, RoPE and activation kernels on CUDA
+            ranks with Triton, Megatron's unfused ops on CPU ranks), ``True``
+            (refused where they cannot run) or ``False``.  See
+            :mod:`mnb.megatron.fusions`.
         **overrides: ModelConfig or Megatron TransformerConfig fields, e.g.
             ``num_layers=8``, ``hidden_dropout=0.1``.  ``sequence_parallel``
             defaults to the layout's (``%%megatron --sp``); dropout defaults to 0.
@@ -233,9 +250,9 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         raise ValueError(f"init must be 'layout_invariant' or 'megatron', got {init!r}")
     seed = 1234 if seed is None else seed
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
 
     from mnb.megatron import compat
+    from mnb.megatron import fusions as _fusions
     from mnb.megatron.spec import block_spec
     from mnb.megatron.weights import init_layout_invariant
 
@@ -249,7 +266,10 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
-    tconfig = transformer_config(cfg, parallel)
+    device = device_of()
+    fused = _fusions.resolve(fusions, device)
+    tconfig = transformer_config(cfg, parallel, fusions=fused)
+    model_class = _gpt_class(fused_loss=fused and not tconfig.cross_entropy_loss_fusion)
     vocab = padded_vocab_size(cfg.vocab_size, parallel.tp)
     vpp = parallel.vpp if (parallel.vpp or 1) > 1 else None
     torch.manual_seed(seed)
@@ -261,9 +281,9 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
             last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         else:
             first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        chunk = GPTModel(
+        chunk = model_class(
             config=tconfig,
-            transformer_layer_spec=block_spec(cfg, tconfig, vp_stage=vp_stage),
+            transformer_layer_spec=block_spec(cfg, tconfig, vp_stage=vp_stage, fused=fused),
             vocab_size=vocab,
             max_sequence_length=cfg.max_position_embeddings,
             pre_process=first,
@@ -274,7 +294,6 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
             vp_stage=vp_stage,
         )
         chunks.append(chunk)
-    device = device_of()
     if device.type == "cuda":
         # Megatron's parallel layers allocate on the GPU themselves, but plain torch modules
         # of the local spec (norms) start on the CPU: move whole chunks, as Megatron-LM's
@@ -283,6 +302,9 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
             chunk.cuda(device)
     if init == "layout_invariant":
         init_layout_invariant(chunks, tconfig, seed)
+    if fused:
+        # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own)
+        _fusions.warm_up(device, swiglu_width=2 * tconfig.ffn_hidden_size // parallel.tp)
     global _last_model
     model = MegatronModel(
         chunks=chunks,
@@ -292,7 +314,31 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         padded_vocab_size=vocab,
         seed=seed,
         layout_generation=_layout.generation(),
+        fusions=fused,
     )
     _last_model = weakref.ref(model)
     _built.add(model)
     return model
+
+
+@functools.lru_cache(maxsize=2)
+def _gpt_class(*, fused_loss: bool):
+    """Megatron's ``GPTModel``, or a subclass whose loss is mnb's fused cross entropy."""
+    from megatron.core.models.gpt import GPTModel
+
+    if not fused_loss:
+        return GPTModel
+
+    from mnb.megatron.fusions import language_model_loss
+
+    class FusedLossGPTModel(GPTModel):
+        """GPTModel with :func:`mnb.megatron.fusions.language_model_loss` as its loss.
+
+        Same arithmetic as Megatron's unfused loss; parameters, state dicts and
+        checkpoints are GPTModel's.
+        """
+
+        def compute_language_model_loss(self, labels, logits):
+            return language_model_loss(labels, logits, self.pg_collection.tp)
+
+    return FusedLossGPTModel

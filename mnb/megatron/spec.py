@@ -142,8 +142,54 @@ class LocalNorm(torch.nn.Module):
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
 
-def layer_spec(model: ModelConfig, transformer_config, *, use_te: bool | None = None):
-    """The ModuleSpec of one transformer layer (TE when available, else local)."""
+@functools.lru_cache(maxsize=1)
+def _fused_mlp_class():
+    from megatron.core.transformer.mlp import MLP
+
+    from mnb.megatron.fusions import swiglu, swiglu_applies
+
+    class FusedSwiGLUMLP(MLP):
+        """Megatron's MLP with its SwiGLU as one compiled kernel each way (mnb.megatron.fusions).
+
+        Anything but a plain bias-free SwiGLU (per-token scales, TE activations,
+        clamping) goes through Megatron's own forward.  Other keyword arguments
+        (0.19 passes ``padding_mask``) are unused by Megatron's dense MLP too.
+        """
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            if per_token_scale is not None or not swiglu_applies(self.config):
+                return super().forward(hidden_states, per_token_scale, **kwargs)
+            intermediate, _ = self.linear_fc1(hidden_states)
+            return self.linear_fc2(swiglu(intermediate))
+
+    return FusedSwiGLUMLP
+
+
+def _with_mlp_class(mlp, cls):
+    """The dense-MLP entry of a layer spec, building ``cls`` instead of Megatron's ``MLP``.
+
+    megatron-core 0.16 writes it as ``ModuleSpec(module=MLP, ...)``; 0.19 as
+    ``functools.partial(MLP.as_mlp_submodule, submodules=...)``.  Anything else
+    is returned unchanged.
+    """
+    from megatron.core.transformer.mlp import MLP
+
+    if isinstance(mlp, functools.partial):
+        func = mlp.func
+        if getattr(func, "__self__", None) is MLP and func.__name__ == "as_mlp_submodule":
+            return functools.partial(cls.as_mlp_submodule, *mlp.args, **mlp.keywords)
+        return mlp
+    if getattr(mlp, "module", None) is MLP:
+        return dataclasses.replace(mlp, module=cls)
+    return mlp
+
+
+def layer_spec(model: ModelConfig, transformer_config, *, use_te: bool | None = None,
+               fused: bool = False):
+    """The ModuleSpec of one transformer layer (TE when available, else local).
+
+    ``fused``: the local spec's dense SwiGLU MLP runs mnb's compiled SwiGLU.
+    """
     use_te = have_te() if use_te is None else use_te
     if transformer_config.context_parallel_size > 1 and not use_te:
         raise ValueError(
@@ -165,6 +211,12 @@ def layer_spec(model: ModelConfig, transformer_config, *, use_te: bool | None = 
         normalization=model.normalization,
     )
     sub = spec.submodules
+    mlp = sub.mlp
+    if fused and not model.num_moe_experts:
+        from mnb.megatron.fusions import swiglu_applies
+
+        if swiglu_applies(transformer_config):
+            mlp = _with_mlp_class(mlp, _fused_mlp_class())
     attention = dataclasses.replace(
         sub.self_attention,
         submodules=dataclasses.replace(sub.self_attention.submodules, core_attention=SDPAttention),
@@ -172,12 +224,14 @@ def layer_spec(model: ModelConfig, transformer_config, *, use_te: bool | None = 
     return dataclasses.replace(
         spec,
         submodules=dataclasses.replace(
-            sub, input_layernorm=LocalNorm, pre_mlp_layernorm=LocalNorm, self_attention=attention
+            sub, input_layernorm=LocalNorm, pre_mlp_layernorm=LocalNorm, self_attention=attention,
+            mlp=mlp,
         ),
     )
 
 
-def block_spec(model: ModelConfig, transformer_config, *, vp_stage: int | None = None):
+def block_spec(model: ModelConfig, transformer_config, *, vp_stage: int | None = None,
+               fused: bool = False):
     """Spec of this rank's transformer block (its layers and the final norm)."""
     if have_te():
         return layer_spec(model, transformer_config, use_te=True)
@@ -186,6 +240,6 @@ def block_spec(model: ModelConfig, transformer_config, *, vp_stage: int | None =
         get_num_layers_to_build,
     )
 
-    layer = layer_spec(model, transformer_config, use_te=False)
+    layer = layer_spec(model, transformer_config, use_te=False, fused=fused)
     num_layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalNorm)

@@ -65,6 +65,7 @@ def world1(tmp: str) -> dict:
     _guard(results, "cpu", cpu_checks)
     _guard(results, "checkpoint", lambda: checkpoint_roundtrip(tmp))
     _guard(results, "sdpa", sdpa_vs_megatron)
+    _guard(results, "fusions", fusions_vs_megatron)
     for name, (preset, gpt_kw) in REFERENCES.items():
         _guard(results, f"ref-{name}", lambda: _losses(_train(preset, {}, gpt_kw)))
     _guard(results, "recompute-full", lambda: _losses(_train("tiny", {}, recompute="full")))
@@ -222,6 +223,114 @@ def sdpa_vs_megatron() -> dict:
     }
 
 
+def _loss_and_grad(loss_fn, logits, target):
+    leaf = logits.detach().clone().requires_grad_(True)
+    loss = loss_fn(leaf, target)
+    # A non-uniform upstream gradient, as the loss mask and averaging give.
+    weights = torch_arange_like(loss)
+    (loss * weights).sum().backward()
+    return loss.detach().float(), leaf.grad
+
+
+def torch_arange_like(t):
+    import torch
+
+    return torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) / t.numel()
+
+
+def fusions_vs_megatron() -> dict:
+    """mnb's loss and RoPE (eager, as they run before compiling) against Megatron's own."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron import fusions
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+
+    apply_layout(ParallelConfig())
+    gen = torch.Generator().manual_seed(3)
+    out: dict = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (4 * torch.randn(12, 3, 512, generator=gen)).to(dtype)
+        target = torch.randint(0, 512, (12, 3), generator=gen)
+        ref_loss, ref_grad = _loss_and_grad(
+            lambda x, t: tensor_parallel.vocab_parallel_cross_entropy(x.clone(), t), logits, target)
+        loss, grad = _loss_and_grad(
+            lambda x, t: fusions.vocab_parallel_cross_entropy(
+                x, t, ps.get_tensor_model_parallel_group(), compiled=False), logits, target)
+        name = str(dtype).split(".")[-1]
+        out[f"loss_diff_{name}"] = float((loss - ref_loss).abs().max())
+        out[f"grad_diff_{name}"] = float((grad.float() - ref_grad.float()).abs().max())
+        out[f"grad_scale_{name}"] = float(ref_grad.float().abs().max())
+        out[f"grad_dtype_{name}"] = str(grad.dtype)
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000)
+    freqs = rope(12)
+    t = torch.randn(12, 3, 4, 16, generator=gen)
+    out["rope_diff"] = float((fusions._rope(t, freqs) - _apply_rotary_pos_emb_bshd(t, freqs)).abs().max())
+    partial = RotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_base=10000)(12)
+    out["rope_partial_diff"] = float(
+        (fusions._rope(t, partial) - _apply_rotary_pos_emb_bshd(t, partial)).abs().max())
+    x = torch.randn(6, 2, 32, generator=gen, requires_grad=True)
+    gate, up = x.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up  # Megatron's unfused glu
+    got = fusions.swiglu(x, compiled=False)
+    out["swiglu_diff"] = float((got - expected).abs().max())
+    weights = torch.randn(6, 2, 16, generator=gen)
+    (g_expected,) = torch.autograd.grad((expected * weights).sum(), x)
+    (g_got,) = torch.autograd.grad((got * weights).sum(), x)
+    out["swiglu_grad_diff"] = float((g_got - g_expected).abs().max())
+    from mnb.config import model_config
+    from mnb.megatron.layout import current_layout
+    from mnb.megatron.model import transformer_config
+    from mnb.megatron.spec import layer_spec
+
+    tiny = model_config("tiny")
+    tconfig = transformer_config(tiny, current_layout())
+    def mlp_class(spec):
+        mlp = spec.submodules.mlp  # a ModuleSpec (0.16) or a partial of MLP.as_mlp_submodule (0.19)
+        return (mlp.func.__self__ if hasattr(mlp, "func") else mlp.module).__name__
+
+    out["fused_mlp"] = mlp_class(layer_spec(tiny, tconfig, use_te=False, fused=True))
+    out["plain_mlp"] = mlp_class(layer_spec(tiny, tconfig, use_te=False))
+    gelu = model_config("tiny", **GPT_STYLE)
+    out["gelu_mlp"] = mlp_class(layer_spec(gelu, transformer_config(gelu, current_layout()), use_te=False,
+                                           fused=True))
+    # The fused MLP built through Megatron's spec machinery computes what Megatron's MLP does.
+    from megatron.core.transformer.spec_utils import build_module
+    from mnb.megatron.spec import _fused_mlp_class, _with_mlp_class
+
+    plain_spec = layer_spec(tiny, tconfig, use_te=False).submodules.mlp
+    fused_spec = _with_mlp_class(plain_spec, _fused_mlp_class())
+
+    def build(spec):
+        if hasattr(spec, "func"):  # 0.19: TransformerLayer calls the partial itself
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            return spec(config=tconfig, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                        is_mtp_layer=False)
+        return build_module(spec, config=tconfig)
+
+    torch.manual_seed(0)
+    plain_mlp, fused_mlp = build(plain_spec), build(fused_spec)
+    fused_mlp.load_state_dict(plain_mlp.state_dict())
+    hidden = torch.randn(5, 2, tconfig.hidden_size, generator=gen)
+    out["fused_mlp_diff"] = float((fused_mlp(hidden)[0] - plain_mlp(hidden)[0]).abs().max())
+    try:
+        gpt("tiny", fusions=True)
+        out["forced_on_cpu"] = None
+    except ValueError as err:
+        out["forced_on_cpu"] = str(err)
+    model = gpt("tiny")
+    out["auto_on_cpu"] = model.fusions
+    out["auto_model_class"] = type(model.chunks[0]).__name__
+    out["auto_rope_fusion"] = model.transformer_config.apply_rope_fusion
+    return out
+
+
 def continue_training() -> dict:
     from mnb.config import ParallelConfig
     from mnb.megatron.layout import apply_layout
@@ -289,10 +398,39 @@ def oom_message() -> dict:
 def world2() -> dict:
     results: dict = {}
     _guard(results, "layout_walk", layout_walk)
+    _guard(results, "fused-loss-tp2", fused_loss_tp2)
     for name, (reference, parallel_kw, train_kw) in WORLD2_LAYOUTS.items():
         preset, gpt_kw = REFERENCES[reference]
         _guard(results, name, lambda: _train(preset, parallel_kw, gpt_kw, **train_kw))
     return results
+
+
+def fused_loss_tp2() -> dict:
+    """mnb's vocab-parallel loss against Megatron's with the vocabulary split over tp=2."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron import fusions
+    from mnb.megatron.layout import apply_layout
+
+    apply_layout(ParallelConfig(tp=2))
+    gen = torch.Generator().manual_seed(5)
+    full = 4 * torch.randn(10, 2, 256, generator=gen)
+    target = torch.randint(0, 256, (10, 2), generator=gen)
+    rank = ps.get_tensor_model_parallel_rank()
+    part = full[..., rank * 128:(rank + 1) * 128].contiguous()
+    group = ps.get_tensor_model_parallel_group()
+    ref_loss, ref_grad = _loss_and_grad(
+        lambda x, t: tensor_parallel.vocab_parallel_cross_entropy(x.clone(), t), part, target)
+    loss, grad = _loss_and_grad(
+        lambda x, t: fusions.vocab_parallel_cross_entropy(x, t, group, compiled=False), part, target)
+    unsplit = torch.nn.functional.cross_entropy(full.reshape(-1, 256), target.reshape(-1),
+                                                reduction="none").reshape(10, 2)
+    return {"loss_diff": float((loss - ref_loss).abs().max()),
+            "grad_diff": float((grad.float() - ref_grad.float()).abs().max()),
+            "unsplit_diff": float((loss - unsplit).abs().max())}
 
 
 def layout_walk() -> list:

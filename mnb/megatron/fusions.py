@@ -1,0 +1,316 @@
+"""Fused kernels for GPU ranks without Transformer Engine or apex, via ``torch.compile``.
+
+Why: with the local spec every elementwise step is its own kernel.  For a Llama
+shape the costly ones are memory-bound passes over large tensors:
+
+- the loss.  Megatron's ``vocab_parallel_cross_entropy`` upcasts the
+  ``[s, b, vocab]`` logits to fp32 and makes about ten passes over them, then
+  keeps an fp32 softmax for backward (8.4 GB at llama-1b, micro batch 8, seq 2048).
+  :func:`vocab_parallel_cross_entropy` here reads the bf16 logits twice forward
+  and once backward, keeps the bf16 logits instead of an fp32 copy, and does the
+  same fp32 arithmetic (max, sum of exp, target logit; all-reduced over tp).
+- RoPE.  Megatron's unfused RoPE is six kernels per tensor per direction;
+  Megatron leaves a slot for a fused one (``rope_utils.fused_apply_rotary_pos_emb``,
+  TE's) used when ``apply_rope_fusion`` is set.  Without TE :func:`install_rope`
+  fills that slot with a compiled equivalent.
+- SwiGLU.  :func:`swiglu`, one kernel each way, used by the local spec's dense
+  MLP (:class:`mnb.megatron.spec.FusedSwiGLUMLP`).
+
+``fusions="auto"`` (the default of ``mnb.gpt``) turns these on for CUDA ranks
+with Triton, and off on CPU ranks (where ``torch.compile`` would need a C++
+toolchain and minutes of compiling, and the parity tests want Megatron's own
+unfused arithmetic).  The first fused ``mnb.gpt`` in a rank process compiles the
+kernels (:func:`warm_up`, seconds); later models and layouts reuse them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import torch
+
+AUTO = "auto"
+_warm_seconds: float | None = None
+_warm_widths: set = set()
+
+
+def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
+            swiglu_width: int | None = None) -> float:
+    """Compile every fused kernel on small tensors; the seconds it took.
+
+    Dynamo guards on the shapes of views' bases and specialises size-1
+    dimensions, so the warm-up feeds the kernels exactly what Megatron does
+    (the fused-qkv view chain for RoPE, the ``[s, b, ...]`` tensors behind the
+    flattened loss and SwiGLU inputs), at micro batch 1 and 2, with sizes that
+    coincide nowhere.  The loss and RoPE compile with symbolic shapes, once per
+    process; SwiGLU once per width (``swiglu_width``: this rank's fc1 output).
+    Rank 0 says what it is doing, as the first time takes seconds.
+    """
+    global _warm_seconds
+    start = time.perf_counter()
+    widths = [] if not swiglu_width or (swiglu_width, dtype) in _warm_widths else [swiglu_width]
+    if _warm_seconds is None and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print("mnb: compiling the fused loss, RoPE and SwiGLU kernels (once per pool process; "
+              "mnb.gpt(..., fusions=False) skips them)", flush=True)
+    for seq, batch in ((11, 2), (13, 1)):
+        for width in widths:
+            x = torch.randn(seq, batch, width, device=device, dtype=dtype, requires_grad=True)
+            swiglu(x).float().sum().backward()
+        if _warm_seconds is not None:
+            continue
+        logits = torch.randn(seq, batch, 96, device=device, dtype=dtype, requires_grad=True)
+        labels = torch.randint(0, 96, (batch, seq), device=device)
+        language_model_loss(labels, logits, None).sum().backward()
+        # SelfAttention: fc output [s, b, ng * (np/ng + 2) * hn] -> view -> split; query reshaped.
+        groups, per_group, head = 3, 2, 8
+        mixed = torch.randn(seq, batch, groups * (per_group + 2) * head, device=device, dtype=dtype,
+                            requires_grad=True)
+        query, key, _ = mixed.view(seq, batch, groups, (per_group + 2) * head).split(
+            [per_group * head, head, head], dim=3)
+        query = query.reshape(seq, batch, -1, head)
+        freqs = torch.randn(seq, 1, 1, head, device=device)
+        rotated = fused_rope(query, freqs), fused_rope(key, freqs)
+        sum(r.float().sum() for r in rotated).backward()
+    _warm_widths.update((w, dtype) for w in widths)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    if _warm_seconds is None:
+        _warm_seconds = seconds
+    return seconds
+
+
+@functools.lru_cache(maxsize=1)
+def compile_available() -> bool:
+    """True when ``torch.compile`` can build GPU kernels here (CUDA and Triton)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return bool(has_triton())
+
+
+def resolve(fusions: bool | str, device: torch.device) -> bool:
+    """Turn ``mnb.gpt(fusions=...)`` into on/off for this rank, refusing the impossible."""
+    if fusions == AUTO:
+        return device.type == "cuda" and compile_available()
+    if not isinstance(fusions, bool):
+        raise ValueError(f"fusions must be 'auto', True or False, got {fusions!r}")
+    if fusions and not (device.type == "cuda" and compile_available()):
+        raise ValueError(
+            "fusions=True needs CUDA ranks with Triton (torch.compile's GPU backend); "
+            f"this rank runs on {device.type}"
+            + ("" if device.type != "cuda" else " without Triton")
+            + ": use fusions='auto' or False"
+        )
+    return fusions
+
+
+def transformer_overrides(model_config, *, rope: bool) -> dict[str, Any]:
+    """TransformerConfig fields that route Megatron through the fused kernels here."""
+    return {"apply_rope_fusion": True} if rope else {}
+
+
+def swiglu_applies(config) -> bool:
+    """True when a dense MLP's activation is exactly what :func:`swiglu` computes."""
+    return (
+        config.gated_linear_unit
+        and config.activation_func is torch.nn.functional.silu
+        and not config.add_bias_linear
+        and not getattr(config, "use_te_activation_func", False)
+        and getattr(config, "activation_func_clamp_value", None) is None
+        and not getattr(config, "glu_linear_offset", 0.0)
+    )
+
+
+# ----------------------------------------------------------------------------- loss
+
+def _logits_max(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().amax(dim=-1)
+
+
+def _sum_exp_and_target(logits, logits_max, local_target, in_range):
+    shifted = logits.float() - logits_max.unsqueeze(-1)
+    sum_exp = shifted.exp().sum(dim=-1)
+    picked = torch.gather(shifted, -1, local_target.unsqueeze(-1)).squeeze(-1)
+    return sum_exp, torch.where(in_range, picked, torch.zeros_like(picked))
+
+
+def _logits_grad(logits, logits_max, sum_exp, local_target, in_range, grad_loss):
+    softmax = (logits.float() - logits_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    target = (columns == local_target.unsqueeze(-1)) & in_range.unsqueeze(-1)
+    return ((softmax - target.float()) * grad_loss.unsqueeze(-1)).to(logits.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(compiled: bool):
+    """The three loss pieces, compiled (one kernel each on GPUs) or eager."""
+    pieces = (_logits_max, _sum_exp_and_target, _logits_grad)
+    if not compiled:
+        return pieces
+    return tuple(torch.compile(f, dynamic=True) for f in pieces)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Works on ``[tokens, vocab/tp]``: with micro batch 1 a ``[s, 1, v]`` shape would make
+    the compiled kernels specialise (and recompile) on the size-1 dimension."""
+
+    @staticmethod
+    def forward(ctx, logits, target, tp_group, compiled):
+        logits_max_fn, sum_exp_fn, _ = _kernels(compiled)
+        tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
+        logits_max = logits_max_fn(logits)
+        if tp_size > 1:
+            torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+        part = logits.shape[-1]
+        start = part * (torch.distributed.get_rank(tp_group) if tp_size > 1 else 0)
+        in_range = (target >= start) & (target < start + part)
+        local_target = torch.where(in_range, target - start, torch.zeros_like(target))
+        sum_exp, predicted = sum_exp_fn(logits, logits_max, local_target, in_range)
+        if tp_size > 1:
+            both = torch.stack((sum_exp, predicted))
+            torch.distributed.all_reduce(both, group=tp_group)
+            sum_exp, predicted = both[0], both[1]
+        ctx.compiled = compiled
+        ctx.save_for_backward(logits, logits_max, sum_exp, local_target, in_range)
+        return torch.log(sum_exp) - predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_fn = _kernels(ctx.compiled)[2]
+        grad = grad_fn(*ctx.saved_tensors, grad_loss.contiguous())
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
+                                 *, compiled: bool = True) -> torch.Tensor:
+    """Per-token cross entropy of ``logits [s, b, vocab/tp]`` against ``target [s, b]``.
+
+    The arithmetic of Megatron's ``vocab_parallel_cross_entropy`` (fp32 max,
+    sum of exp and target logit, all-reduced over the tp group), without its
+    fp32 copy of the logits.  Returns fp32 ``[s, b]``; the gradient has the
+    logits' dtype.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), tp_group, compiled)
+    return loss.view(target.shape)
+
+
+def language_model_loss(labels: torch.Tensor, logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """``GPTModel.compute_language_model_loss`` with :func:`vocab_parallel_cross_entropy`.
+
+    labels ``[b, s]``, logits ``[s, b, vocab/tp]``; returns ``[b, s]``, as Megatron's.
+    """
+    labels = labels.transpose(0, 1).contiguous()
+    loss = vocab_parallel_cross_entropy(logits, labels, tp_group)
+    return loss.transpose(0, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+
+def _swiglu(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _swiglu_grad(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.float().chunk(2, dim=-1)
+    grad = grad.float()
+    sig = torch.sigmoid(gate)
+    d_gate = grad * up * sig * (1 + gate * (1 - sig))
+    return torch.cat((d_gate, grad * gate * sig), dim=-1).to(y.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_kernels(compiled: bool):
+    if not compiled:
+        return _swiglu, _swiglu_grad
+    return torch.compile(_swiglu), torch.compile(_swiglu_grad)
+
+
+def _tokens_dynamic(*tensors: torch.Tensor) -> None:
+    """Compile once for every token count, but specialise on the width (fast indexing)."""
+    for t in tensors:
+        torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_static(t, 1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, compiled):
+        ctx.compiled = compiled
+        ctx.save_for_backward(y)
+        if compiled:
+            _tokens_dynamic(y)
+        return _swiglu_kernels(compiled)[0](y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        if ctx.compiled:
+            _tokens_dynamic(grad, y)
+        return _swiglu_kernels(ctx.compiled)[1](grad, y), None
+
+
+def swiglu(x: torch.Tensor, *, compiled: bool | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [..., 2f]`` (gate first, as Megatron's fc1 lays it out).
+
+    One kernel each way; the input is kept for backward, as Megatron's fused
+    SwiGLU does.  Megatron's own (``bias_activation_fusion``) is compiled with
+    automatic dynamic shapes: in a live pool the second layout or batch size
+    recompiles it with a symbolic width, and its backward then ran 3x slower
+    (measured on an H200).  Here the token count is symbolic and the width
+    fixed: one compile per width, full speed.  ``compiled`` defaults to
+    whether ``x`` is on a GPU.
+    """
+    shape = x.shape
+    compiled = x.is_cuda if compiled is None else compiled
+    out = _SwiGLU.apply(x.reshape(-1, shape[-1]), compiled)
+    return out.view(*shape[:-1], shape[-1] // 2)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Megatron's non-interleaved bshd RoPE (``_apply_rotary_pos_emb_bshd``, mscale 1)."""
+    rot = freqs.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x * cos + rotated * sin, rest), dim=-1)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_rope():
+    return torch.compile(_rope, dynamic=True)
+
+
+def fused_rope(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = False, **_: Any) -> torch.Tensor:
+    """Stand-in for TE's ``fused_apply_rotary_pos_emb(t, freqs, interleaved=...)`` (sbhd).
+
+    ``[s, b, n, d]`` runs as ``[s, b*n, d]`` (a view for Megatron's query and key
+    layouts), so micro batch 1 does not specialise the compiled kernel.
+    """
+    if interleaved:
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+        return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
+    s, b, n, d = t.shape
+    out = _compiled_rope()(t.reshape(s, b * n, d), freqs.reshape(freqs.shape[0], 1, freqs.shape[-1]))
+    return out.view(s, b, n, d)
+
+
+def install_rope() -> bool:
+    """Fill Megatron's fused-RoPE slot when Transformer Engine has not; True if a fused RoPE is there."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope
+    return rope_utils.fused_apply_rotary_pos_emb is not None

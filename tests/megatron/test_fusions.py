@@ -1,0 +1,104 @@
+"""mnb's fused loss and RoPE against Megatron-Core's own arithmetic, and when they switch on."""
+
+import shutil
+
+import pytest
+from conftest import ok
+
+pytestmark = pytest.mark.slow
+
+
+def test_loss_matches_megatron_fp32(world1):
+    result = ok(world1["fusions"])
+    assert result["loss_diff_float32"] < 1e-5
+    assert result["grad_diff_float32"] < 1e-6
+    assert result["grad_scale_float32"] > 1e-3  # the gradients compared are not all zero
+    assert result["grad_dtype_float32"] == "torch.float32"
+
+
+def test_loss_matches_megatron_bf16_and_keeps_bf16_grads(world1):
+    result = ok(world1["fusions"])
+    # Both compute in fp32 from the same bf16 logits; gradients differ by bf16 rounding only.
+    assert result["loss_diff_bfloat16"] < 1e-4
+    assert result["grad_diff_bfloat16"] <= result["grad_scale_bfloat16"] / 128
+    assert result["grad_dtype_bfloat16"] == "torch.bfloat16"
+
+
+def test_rope_matches_megatron(world1):
+    result = ok(world1["fusions"])
+    assert result["rope_diff"] == 0.0
+    assert result["rope_partial_diff"] == 0.0
+
+
+def test_swiglu_matches_megatrons_glu(world1):
+    result = ok(world1["fusions"])
+    assert result["swiglu_diff"] < 1e-6
+    assert result["swiglu_grad_diff"] < 1e-5
+
+
+def test_fused_spec_swaps_only_the_swiglu_mlp(world1):
+    result = ok(world1["fusions"])
+    assert result["fused_mlp"] == "FusedSwiGLUMLP"
+    assert result["plain_mlp"] == "MLP"
+    assert result["gelu_mlp"] == "MLP"  # GeLU MLPs keep Megatron's
+    assert result["fused_mlp_diff"] < 1e-5
+
+
+def test_cpu_ranks_run_megatrons_unfused_ops(world1):
+    result = ok(world1["fusions"])
+    assert result["auto_on_cpu"] is False
+    assert result["auto_model_class"] == "GPTModel"
+    assert result["auto_rope_fusion"] is False
+    assert "fusions=True needs CUDA ranks with Triton" in result["forced_on_cpu"]
+    assert "fusions='auto' or False" in result["forced_on_cpu"]
+
+
+def test_vocab_parallel_loss_over_tp2(world2):
+    for rank in world2:
+        result = ok(rank["fused-loss-tp2"])
+        assert result["loss_diff"] < 1e-5
+        assert result["grad_diff"] < 1e-6
+        assert result["unsplit_diff"] < 1e-5  # and equal to the loss over the whole vocabulary
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on CPU needs a C compiler")
+def test_compiled_pieces_match_eager(tmp_path, monkeypatch):
+    """The torch.compile'd kernels (the GPU path) compute what the eager pieces do.
+
+    Compiled here with Inductor's CPU backend, in this process (no process group: tp=1).
+    """
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    import torch
+
+    from mnb.megatron import fusions
+
+    gen = torch.Generator().manual_seed(11)
+    logits = (4 * torch.randn(6, 2, 384, generator=gen)).to(torch.bfloat16)
+    target = torch.randint(0, 384, (6, 2), generator=gen)
+    results = {}
+    for compiled in (False, True):
+        leaf = logits.clone().requires_grad_(True)
+        loss = fusions.vocab_parallel_cross_entropy(leaf, target, None, compiled=compiled)
+        loss.sum().backward()
+        results[compiled] = (loss.detach(), leaf.grad.float())
+    assert torch.allclose(results[True][0], results[False][0], atol=1e-5)
+    assert torch.allclose(results[True][1], results[False][1], atol=1e-3)
+
+    freqs = torch.randn(6, 1, 1, 16, generator=gen)
+    t = torch.randn(6, 2, 4, 16, generator=gen, requires_grad=True)
+    eager = fusions._rope(t, freqs)
+    compiled = fusions.fused_rope(t, freqs)
+    assert torch.allclose(compiled, eager, atol=1e-5)
+    (grad_eager,) = torch.autograd.grad(eager.sum(), t)
+    (grad_compiled,) = torch.autograd.grad(compiled.sum(), t)
+    assert torch.allclose(grad_compiled, grad_eager, atol=1e-5)
+
+    for tokens in (6, 10):  # one compile for every token count
+        x = torch.randn(tokens, 2, 32, generator=gen, requires_grad=True)
+        eager = fusions.swiglu(x, compiled=False)
+        compiled = fusions.swiglu(x, compiled=True)
+        assert torch.allclose(compiled, eager, atol=1e-5)
+        (grad_eager,) = torch.autograd.grad(eager.sum(), x)
+        (grad_compiled,) = torch.autograd.grad(compiled.sum(), x)
+        assert torch.allclose(grad_compiled, grad_eager, atol=1e-5)
