@@ -14,7 +14,7 @@ Record schema (optional keys may be missing): ``rank``, ``world_size``,
 ``coords`` {tp,pp,dp,cp,ep}, ``layout`` {tp,pp,vpp,cp,ep,dp,sequence_parallel},
 ``model`` (ModelConfig fields), ``train`` (TrainConfig fields), ``device``,
 ``device_name``, ``num_microbatches``, ``num_parameters_local``,
-``model_flops_per_step``, ``memory_source`` ('cuda'|'rss'), ``steps`` [{step,
+``model_flops_per_step``, ``fusions`` (bool), ``memory_source`` ('cuda'|'rss'), ``steps`` [{step,
 loss, grad_norm, lr, step_time_s, tokens_per_s, mem_allocated_bytes,
 mem_peak_bytes, mem_reserved_bytes}], ``timeline`` [{step, stage, chunk, kind,
 microbatch, start_s, end_s}], ``memory`` {peak_allocated_bytes,
@@ -214,13 +214,19 @@ class Run:
         return int(cap) if cap else None
 
     @property
+    def fusions(self) -> bool:
+        """Whether the ranks ran mnb's compiled fusions (``mnb.gpt(fusions=...)``)."""
+        return bool(self._first.get("fusions", False))
+
+    @property
     def memory_source(self) -> str:
         return self._first.get("memory_source") or ("rss" if self.on_cpu else "cuda")
 
     @cached_property
     def predicted_memory(self) -> estimate.MemoryEstimate:
         """mnb.estimate.memory for this run's model, layout and train settings."""
-        mem = estimate.memory(self.model, self.layout, self.train, num_microbatches=self.num_microbatches)
+        mem = estimate.memory(self.model, self.layout, self.train, num_microbatches=self.num_microbatches,
+                              fused_loss=self.fusions)
         if self.capacity_bytes:
             from dataclasses import replace
 

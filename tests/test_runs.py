@@ -120,6 +120,16 @@ def test_predicted_memory_and_summary():
     assert repr(run).startswith("<Run tiny")
 
 
+def test_predicted_memory_follows_the_ranks_fusions():
+    records = make_records()
+    plain = Run(records).predicted_memory.stages[1].logits_bytes
+    for rec in records:
+        rec["fusions"] = True
+    run = Run(records)
+    assert run.fusions is True and Run(make_records()).fusions is False
+    assert run.predicted_memory.stages[1].logits_bytes == pytest.approx(plain * 2 / 6)
+
+
 def test_json_round_trip():
     run = Run(make_records(), peak_flops=5e14)
     back = Run.from_dict(json.loads(json.dumps(run.to_dict())))

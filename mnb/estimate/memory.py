@@ -13,8 +13,8 @@ Sources:
   1F1B stage r holds min(pp - r, m); interleaving's factor 1 + (pp-1)/(pp*vpp)).
 
 Beyond Megatron-LM's estimator (first stage only): every stage, embedding on
-the first / output layer on the last, logits (fp32 softmax kept by the
-vocab-parallel cross entropy, s*b*V/tp on the last stage), MoE experts split by
+the first / output layer on the last, logits (s*b*V/tp on the last stage, plus
+the fp32 softmax Megatron's unfused vocab-parallel cross entropy keeps), MoE experts split by
 ep, full recompute, context parallelism, and a small allocator/workspace
 overhead ("other").
 
@@ -169,6 +169,7 @@ def memory(
     num_microbatches: int | None = None,
     gpu: str | None = None,
     fused_attention: bool = True,
+    fused_loss: bool = False,
     grad_bytes: int | None = None,
     overhead_fraction: float = 0.05,
 ) -> MemoryEstimate:
@@ -180,6 +181,8 @@ def memory(
     (micro batch, global batch -> microbatches, bf16, recompute, distributed
     optimizer).  ``gpu`` names a hardware-table entry for ``capacity_bytes``.
     ``fused_attention``: flash/SDPA attention (no s*s scores kept).
+    ``fused_loss``: the loss keeps only the logits (mnb's fused cross entropy,
+    on by default on CUDA ranks) instead of Megatron's fp32 softmax beside them.
     ``grad_bytes``: gradient bytes per param (default 4: fp32 main grads).
 
     Example::
@@ -232,8 +235,9 @@ def memory(
         logits = 0.0
         if stage == pp - 1:
             acts += 2 * s_local * b * h * e / sp_div  # final norm input, output layer input
-            # vocab-parallel cross entropy keeps fp32 softmax; bf16 logits alive alongside.
-            logits = s_local * b * vocab / tp * (4 + e)
+            # Megatron's vocab-parallel cross entropy keeps an fp32 softmax beside the
+            # logits; mnb's fused one keeps the logits only.
+            logits = s_local * b * vocab / tp * (e if fused_loss else 4 + e)
         stages.append(
             StageMemory(
                 stage=stage,
@@ -261,6 +265,7 @@ def memory(
         megatron_bytes=megatron_estimate_bytes(model, parallel, train, m),
         assumptions={
             "fused_attention": fused_attention,
+            "fused_loss": fused_loss,
             "hidden_dropout": dropout(model, "hidden_dropout"),
             "attention_dropout": dropout(model, "attention_dropout"),
             "padded_vocab_size": vocab,

@@ -12,6 +12,7 @@ Schema (JSON-able; the controller, ``mnb.runs`` and ``mnb.plot`` read it)::
       "global_batch_size": int, "seq_length": int,
       "num_parameters_local": int, "padded_vocab_size": int,
       "model_flops_per_step": float,                    # whole model, global batch, no recompute
+      "fusions": bool,                                  # mnb.gpt(fusions=...) resolved on this rank
       "steps": [{"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                  "mem_allocated_bytes", "mem_peak_bytes", "mem_reserved_bytes"}],
       "timeline": [{"step", "stage", "chunk", "kind", "microbatch", "start_s", "end_s"}],
@@ -94,6 +95,7 @@ def build_record(*, model, train, device: torch.device, num_microbatches: int, s
         "num_parameters_local": model.num_parameters_local(),
         "padded_vocab_size": model.padded_vocab_size,
         "model_flops_per_step": flops,
+        "fusions": bool(getattr(model, "fusions", False)),
         "steps": steps,
         "timeline": timeline,
         "memory": meter.summary(),

@@ -87,6 +87,16 @@ def test_llama_dp8_activations_and_logits():
     assert 60 * 2**30 < m.peak_bytes < 80 * 2**30
 
 
+def test_fused_loss_keeps_only_the_logits():
+    train = TrainConfig(bf16=True, global_batch_size=128)
+    plain = est.memory(LLAMA, ParallelConfig(tp=2), train, gpus=8).stages[0]
+    fused = est.memory(LLAMA, ParallelConfig(tp=2), train, gpus=8, fused_loss=True).stages[0]
+    s, b, V = 4096, 1, 32000
+    assert plain.logits_bytes == pytest.approx(s * b * V / 2 * (4 + 2))
+    assert fused.logits_bytes == pytest.approx(s * b * V / 2 * 2)  # bf16 logits, no fp32 softmax
+    assert fused.activations_bytes == plain.activations_bytes
+
+
 def test_stage_params_tp_pp():
     t, pp = 2, 4
     par = ParallelConfig(tp=t, pp=pp, dp=1, sequence_parallel=True)
