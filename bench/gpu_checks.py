@@ -5,13 +5,18 @@
 Sections (each writes its rows into OUTDIR/gpu_checks.json and .md):
 
 magics   ``%mnb start --device cuda`` (time to ready); NCCL all_reduce under
-         ``%%megatron --tp 2``; re-layout to ``--pp 2`` in the same processes; time
+         ``%%megatron --tp 2``; re-layout to ``--pp 2`` in the same processes; the
+         pool's first model (one-time costs: fused-kernel compile); then the time
          from a layout change to the first finished Megatron step, against a cold
          ``torchrun`` launch of the same step (bench/plain_torchrun.py).
 parity   bf16 loss after 20 steps under tp1·dp2, tp2 and pp2 (same seed, same data).
 memory   >= 6 layouts of llama-1b (tp, pp, dp, sp, recompute, distributed optimizer):
          predicted peak memory (mnb.estimate) against measured peak allocated, per
          rank; measured bubble against (p-1)/m; MFU per run.
+fusions  llama-1b on 1 GPU through the pool, Megatron's unfused ops against
+         Megatron's own fusions and against mnb's (``mnb.gpt(fusions=...)``): MFU,
+         memory, the loss after the same steps, and a kernel profile of one step
+         (bench/kernel_profile.py).  MNB_FUSION_VARIANTS picks variants by name.
 mfu      llama-1b on 1 GPU through the pool: MFU against the measured bf16 GEMM
          peak (790 TFLOP/s), tokens/s, peak memory; the same run in a plain
          torchrun script: throughput ratio pool / plain.
@@ -20,8 +25,9 @@ bubble   pp=2 with equal stages (uneven layer split balancing the output layer):
 sweep    mnb.sweep over tp/pp/micro batch on 2 GPUs (table and chart).
 
 Environment knobs to fit a short device budget: MNB_COLD_S (reuse a measured cold
-torchrun time instead of launching one), MNB_SKIP_PLAIN, MNB_MFU_MBS / MNB_MFU_GBS,
-MNB_MFU_LAST (do not restart the 2-GPU pool after the 1-GPU MFU run).
+torchrun time instead of launching one), MNB_SKIP_PLAIN, MNB_MFU_MBS / MNB_MFU_GBS.
+A pool is started only when a section needs a different one (2 GPUs, or 1 for
+fusions and mfu).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import mnb
 MEASURED_PEAK_FLOPS = 790e12  # bf16 GEMM peak measured on this H200 (8192^3 matmul)
 GIB = 2**30
 HERE = Path(__file__).resolve().parent
+TWO_GPU_SECTIONS = ("parity", "memory", "bubble", "sweep")
 
 
 def flags(layout: dict) -> str:
@@ -55,11 +62,20 @@ class Checks:
         self.rows: dict[str, list[dict]] = {}
         self.shell = InteractiveShell.instance()
         self.shell.run_line_magic("load_ext", "mnb")
+        self.pool_args: str | None = None
 
     def cell(self, line: str, code: str) -> float:
         t = time.perf_counter()
         self.shell.run_cell_magic("megatron", line, code)
         return time.perf_counter() - t
+
+    def pool(self, args: str, *, fresh: bool = False) -> None:
+        """Start the pool a section needs, unless the running one is already that."""
+        if fresh or args != self.pool_args:
+            if self.pool_args is not None:
+                self.shell.run_line_magic("mnb", "stop")
+            self.shell.run_line_magic("mnb", f"start {args}")
+            self.pool_args = args
 
     def add(self, section: str, row: dict) -> None:
         print(f"[{section}] {json.dumps(row, default=str)}", flush=True)
@@ -79,7 +95,7 @@ class Checks:
     # ------------------------------------------------------------------ sections
     def magics(self) -> None:
         t = time.perf_counter()
-        self.shell.run_line_magic("mnb", "start --device cuda")
+        self.pool("--device cuda", fresh=True)
         self.add("magics", {"check": "%mnb start --device cuda", "world": mnb.pool().world_size,
                             "seconds": round(time.perf_counter() - t, 2)})
         self.cell("--tp 2", "x = torch.ones(1, device=device) * (rank + 1)\ndist.all_reduce(x)\n"
@@ -89,17 +105,20 @@ class Checks:
                             "print('pp2 stage', ps.get_pipeline_model_parallel_rank())")
         self.add("magics", {"check": "re-layout tp2 -> pp2 in place", "seconds": round(seconds, 3)})
         # Layout change to the first finished step, against a cold torchrun launch of the same job.
-        job = ("import time\nt0 = time.perf_counter()\nmodel = mnb.gpt('llama-1b', seq_length=2048)\n"
+        # First a model at tp1 (dp2): the pool's first model pays the one-time costs of a rank
+        # process (fused-kernel compile); then the layout change the pool exists for.
+        job = ("import time\nmodel = None\nt0 = time.perf_counter()\nmodel = mnb.gpt('llama-1b', seq_length=2048)\n"
                "t1 = time.perf_counter()\nmnb.train(model, steps=1, micro_batch_size=1, global_batch_size=2, bf16=True)\n"
                "t2 = time.perf_counter()\nmnb.train(model, steps=1, micro_batch_size=1, global_batch_size=2, bf16=True)\n"
                "parts = (round(t1 - t0, 2), round(t2 - t1, 2), round(time.perf_counter() - t2, 2))")
-        self.cell("--tp 1 --pp 1", "model = None")
-        relayout = self.cell("--tp 2", "pass")
-        warm = relayout + self.cell("", job)
-        build_s, first_s, second_s = mnb.pool().pull("parts")[0]
-        warm -= second_s
-        self.add("magics", {"check": "breakdown (tp2)", "relayout_s": round(relayout, 3), "gpt_s": build_s,
-                            "first_step_s": first_s, "second_step_s": second_s})
+        for name, line in (("first model in new ranks (tp1 dp2)", "--tp 1 --pp 1"), ("after a layout change (tp2)", "--tp 2")):
+            relayout = self.cell(line, "pass")
+            total = relayout + self.cell("", job)
+            build_s, first_s, second_s = mnb.pool().pull("parts")[0]
+            self.add("magics", {"check": f"breakdown: {name}", "relayout_s": round(relayout, 3), "gpt_s": build_s,
+                                "first_step_s": first_s, "second_step_s": second_s,
+                                "to_first_step_s": round(total - second_s, 2)})
+        warm = total - second_s
         cold = ({"first_step_s": float(os.environ["MNB_COLD_S"])} if os.environ.get("MNB_COLD_S") else
                 plain_torchrun(self.out, nproc=2, layout="tp=2", steps=1, mbs=1, gbs=2))
         self.add("magics", {"check": "layout change -> first step (llama-1b, tp2)", "pool_s": round(warm, 2),
@@ -163,10 +182,41 @@ class Checks:
                                 **{f"s{st}_{kind[0]}_ms": round(1000 * sum(v) / len(v), 1)
                                    for (st, kind), v in sorted(stages.items())}})
 
+    def fusions(self) -> None:
+        self.pool("-n 1 --gpus 0")
+        mbs, gbs = int(os.environ.get("MNB_MFU_MBS", 8)), int(os.environ.get("MNB_MFU_GBS", 64))
+        variants = {
+            "unfused": "fusions=False",
+            "megatron-fusions": "fusions=False, bias_activation_fusion=True, "
+                                "cross_entropy_loss_fusion=True, cross_entropy_fusion_impl='native'",
+            "mnb-fusions": "fusions=True",
+            "mnb-fusions-mbs16": "fusions=True",
+        }
+        chosen = os.environ.get("MNB_FUSION_VARIANTS", ",".join(variants)).split(",")
+        for name in chosen:
+            b, g = (16, 2 * gbs) if name.endswith("mbs16") else (mbs, gbs)
+            train = f"micro_batch_size={b}, global_batch_size={g}, bf16=True"
+            try:
+                self.cell("", f"model = None\nmodel = mnb.gpt('llama-1b', seq_length=2048, {variants[name]})\n"
+                          f"mnb.train(model, steps=8, {train});")
+                run = mnb.last_run
+                row = {"variant": name, **run_row(run, f"mbs {b}, gbs {g}, 1 GPU"),
+                       "first_step_s": round(run.step_times_s[0], 2), "loss_step8": round(run.losses[-1], 4)}
+                self.cell("", f"import sys\nsys.path.insert(0, {str(HERE)!r})\n"
+                          "from kernel_profile import profile_step\n"
+                          f"profile = profile_step(model, {train})")
+                profile = mnb.pool().pull("profile")[0]
+                (self.out / f"profile_{name}.json").write_text(json.dumps(profile, indent=1))
+                row.update(busy_share=profile["busy_share"], step_wall_s=profile["wall_s"],
+                           **{f"{k}_s": v for k, v in profile["groups_s"].items()})
+            except Exception:
+                row = {"variant": name, "error": traceback.format_exc()[-1200:]}
+            self.add("fusions", row)
+        self.cell("", "model = None")
+
     def mfu(self) -> None:
-        self.shell.run_line_magic("mnb", "stop")
-        self.shell.run_line_magic("mnb", "start -n 1 --gpus 0")
-        job = dict(steps=12, mbs=int(os.environ.get("MNB_MFU_MBS", 4)), gbs=int(os.environ.get("MNB_MFU_GBS", 32)))
+        self.pool("-n 1 --gpus 0")
+        job = dict(steps=12, mbs=int(os.environ.get("MNB_MFU_MBS", 8)), gbs=int(os.environ.get("MNB_MFU_GBS", 64)))
         self.cell("", "model = mnb.gpt('llama-1b', seq_length=2048)\n"
                   f"mnb.train(model, steps={job['steps']}, micro_batch_size={job['mbs']}, "
                   f"global_batch_size={job['gbs']}, bf16=True);")
@@ -178,9 +228,6 @@ class Checks:
         if plain.get("tokens_per_s"):
             row["pool/plain"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3)
         self.add("mfu", row)
-        self.shell.run_line_magic("mnb", "stop")
-        if os.environ.get("MNB_MFU_LAST") is None:
-            self.shell.run_line_magic("mnb", "start --device cuda")
 
     def sweep(self) -> None:
         result = mnb.sweep({"tp": [1, 2], "pp": [1, 2], "micro_batch_size": [1, 2]}, steps=4,
@@ -248,10 +295,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     checks = Checks(out)
     sections = args.sections.split(",")
-    if "magics" not in sections:
-        checks.shell.run_line_magic("mnb", "start --device cuda")
     for name in sections:
         t = time.perf_counter()
+        if name in TWO_GPU_SECTIONS:
+            checks.pool("--device cuda")
         try:
             getattr(checks, name)()
         except Exception as exc:
