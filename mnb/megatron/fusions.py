@@ -32,6 +32,12 @@ from typing import Any
 import torch
 
 AUTO = "auto"
+COMPILE_ON_CPU = False
+"""Tests only: compile on CPU ranks too (Inductor's C++ backend), to exercise the GPU path."""
+
+
+def _compile_by_default(t: torch.Tensor) -> bool:
+    return t.is_cuda or COMPILE_ON_CPU
 _warm_seconds: float | None = None
 _warm_widths: set = set()
 
@@ -96,6 +102,8 @@ def compile_available() -> bool:
 
 def resolve(fusions: bool | str, device: torch.device) -> bool:
     """Turn ``mnb.gpt(fusions=...)`` into on/off for this rank, refusing the impossible."""
+    if COMPILE_ON_CPU and fusions is not False:
+        return True
     if fusions == AUTO:
         return device.type == "cuda" and compile_available()
     if not isinstance(fusions, bool):
@@ -128,6 +136,19 @@ def swiglu_applies(config) -> bool:
 
 
 # ----------------------------------------------------------------------------- loss
+
+def _not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a tensor that is not a view (no autograd; use inside Functions).
+
+    Dynamo guards on the shapes and strides of a view's base, which differ
+    between Megatron's tensors and any warm-up (and specialise size-1 micro
+    batches); a plain tensor over the same storage is guarded on its own shape.
+    """
+    if t._base is None:
+        return t
+    plain = torch.empty((0,), dtype=t.dtype, device=t.device)
+    return plain.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
 
 def _logits_max(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().amax(dim=-1)
@@ -163,6 +184,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, compiled):
         logits_max_fn, sum_exp_fn, _ = _kernels(compiled)
+        logits = _not_a_view(logits)
         tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
         logits_max = logits_max_fn(logits)
         if tp_size > 1:
@@ -183,19 +205,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_fn = _kernels(ctx.compiled)[2]
-        grad = grad_fn(*ctx.saved_tensors, grad_loss.contiguous())
+        grad = grad_fn(*(_not_a_view(t) for t in ctx.saved_tensors), _not_a_view(grad_loss.contiguous()))
         return grad, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
-                                 *, compiled: bool = True) -> torch.Tensor:
+                                 *, compiled: bool | None = None) -> torch.Tensor:
     """Per-token cross entropy of ``logits [s, b, vocab/tp]`` against ``target [s, b]``.
 
     The arithmetic of Megatron's ``vocab_parallel_cross_entropy`` (fp32 max,
     sum of exp and target logit, all-reduced over the tp group), without its
     fp32 copy of the logits.  Returns fp32 ``[s, b]``; the gradient has the
-    logits' dtype.
+    logits' dtype.  ``compiled`` defaults to whether the logits are on a GPU.
     """
+    compiled = _compile_by_default(logits) if compiled is None else compiled
     flat = logits.reshape(-1, logits.shape[-1])
     loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), tp_group, compiled)
     return loss.view(target.shape)
@@ -244,6 +267,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, compiled):
         ctx.compiled = compiled
+        y = _not_a_view(y)
         ctx.save_for_backward(y)
         if compiled:
             _tokens_dynamic(y)
@@ -252,7 +276,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
-        grad = grad.contiguous()
+        grad = _not_a_view(grad.contiguous())
         if ctx.compiled:
             _tokens_dynamic(grad, y)
         return _swiglu_kernels(ctx.compiled)[1](grad, y), None
@@ -270,7 +294,7 @@ def swiglu(x: torch.Tensor, *, compiled: bool | None = None) -> torch.Tensor:
     whether ``x`` is on a GPU.
     """
     shape = x.shape
-    compiled = x.is_cuda if compiled is None else compiled
+    compiled = _compile_by_default(x) if compiled is None else compiled
     out = _SwiGLU.apply(x.reshape(-1, shape[-1]), compiled)
     return out.view(*shape[:-1], shape[-1] // 2)
 
@@ -287,24 +311,53 @@ def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((x * cos + rotated * sin, rest), dim=-1)
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_rope():
-    return torch.compile(_rope, dynamic=True)
+def _rope_grad(grad: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`_rope` with respect to ``t`` (the rotation transposed)."""
+    rot = freqs.shape[-1]
+    g, rest = grad[..., :rot], grad[..., rot:]
+    cos, sin = freqs.cos().to(grad.dtype), freqs.sin().to(grad.dtype)
+    s1, s2 = (g * sin).chunk(2, dim=-1)
+    return torch.cat((g * cos + torch.cat((s2, -s1), dim=-1), rest), dim=-1)
 
 
-def fused_rope(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = False, **_: Any) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _rope_kernels(compiled: bool):
+    if not compiled:
+        return _rope, _rope_grad
+    return torch.compile(_rope, dynamic=True), torch.compile(_rope_grad, dynamic=True)
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, freqs, compiled):
+        freqs = _not_a_view(freqs)
+        ctx.compiled = compiled
+        ctx.save_for_backward(freqs)
+        return _rope_kernels(compiled)[0](_not_a_view(t), freqs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (freqs,) = ctx.saved_tensors
+        return _rope_kernels(ctx.compiled)[1](_not_a_view(grad.contiguous()), freqs), None, None
+
+
+def fused_rope(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = False,
+               compiled: bool | None = None, **_: Any) -> torch.Tensor:
     """Stand-in for TE's ``fused_apply_rotary_pos_emb(t, freqs, interleaved=...)`` (sbhd).
 
     ``[s, b, n, d]`` runs as ``[s, b*n, d]`` (a view for Megatron's query and key
-    layouts), so micro batch 1 does not specialise the compiled kernel.
+    layouts), so micro batch 1 does not specialise the compiled kernel.  Forward
+    and backward are one kernel each; ``compiled`` defaults to whether ``t`` is
+    on a GPU.
     """
     if interleaved:
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
     s, b, n, d = t.shape
-    out = _compiled_rope()(t.reshape(s, b * n, d), freqs.reshape(freqs.shape[0], 1, freqs.shape[-1]))
-    return out.view(s, b, n, d)
+    compiled = _compile_by_default(t) if compiled is None else compiled
+    flat_freqs = freqs.reshape(freqs.shape[0], 1, freqs.shape[-1])
+    return _RoPE.apply(t.reshape(s, b * n, d), flat_freqs, compiled).view(s, b, n, d)
 
 
 def install_rope() -> bool:

@@ -271,6 +271,16 @@ def fusions_vs_megatron() -> dict:
     freqs = rope(12)
     t = torch.randn(12, 3, 4, 16, generator=gen)
     out["rope_diff"] = float((fusions._rope(t, freqs) - _apply_rotary_pos_emb_bshd(t, freqs)).abs().max())
+    # Through fused_rope (mnb's own backward), on a strided slice like Megatron's key.
+    mixed = torch.randn(12, 3, 2, 48, generator=gen, requires_grad=True)
+    key = mixed[..., 16:32]
+    weights = torch.randn(12, 3, 2, 16, generator=gen)
+    ours = fusions.fused_rope(key, freqs, compiled=False)
+    (grad_ours,) = torch.autograd.grad((ours * weights).sum(), mixed)
+    theirs = _apply_rotary_pos_emb_bshd(key, freqs)
+    (grad_theirs,) = torch.autograd.grad((theirs * weights).sum(), mixed)
+    out["rope_strided_diff"] = float((ours - theirs).abs().max())
+    out["rope_grad_diff"] = float((grad_ours - grad_theirs).abs().max())
     partial = RotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_base=10000)(12)
     out["rope_partial_diff"] = float(
         (fusions._rope(t, partial) - _apply_rotary_pos_emb_bshd(t, partial)).abs().max())
@@ -329,6 +339,39 @@ def fusions_vs_megatron() -> dict:
     out["auto_model_class"] = type(model.chunks[0]).__name__
     out["auto_rope_fusion"] = model.transformer_config.apply_rope_fusion
     return out
+
+
+def fused_first_steps() -> dict:
+    """The compiled path end to end (Inductor's CPU backend): warm-up covers the real steps.
+
+    Dynamo's frame counter must not move after ``mnb.gpt`` (whose warm-up compiles
+    every fused kernel) through a micro-batch-1 step and a micro-batch-2 step.
+    """
+    import torch._dynamo.utils as dynamo_utils
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron import fusions
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    fusions.COMPILE_ON_CPU = True
+    apply_layout(ParallelConfig())
+    model = gpt("tiny")
+    frames = {"after_gpt": dynamo_utils.counters["frames"]["total"]}
+    losses = {}
+    for mbs in (1, 2):
+        record = train(model, steps=1, micro_batch_size=mbs, global_batch_size=2, bf16=True)
+        frames[f"after_mbs{mbs}"] = dynamo_utils.counters["frames"]["total"]
+        losses[f"fused_mbs{mbs}"] = _losses(record)[0]
+    fusions.COMPILE_ON_CPU = False
+    apply_layout(ParallelConfig(tp=1))
+    plain = gpt("tiny", fusions=False)
+    for mbs in (1, 2):
+        losses[f"plain_mbs{mbs}"] = _losses(train(plain, steps=1, micro_batch_size=mbs,
+                                                  global_batch_size=2, bf16=True))[0]
+    return {"frames": frames, "losses": losses, "fused_class": type(model.chunks[0]).__name__,
+            "rope_fusion": model.transformer_config.apply_rope_fusion}
 
 
 def continue_training() -> dict:

@@ -28,6 +28,8 @@ def test_rope_matches_megatron(world1):
     result = ok(world1["fusions"])
     assert result["rope_diff"] == 0.0
     assert result["rope_partial_diff"] == 0.0
+    assert result["rope_strided_diff"] == 0.0
+    assert result["rope_grad_diff"] < 1e-6
 
 
 def test_swiglu_matches_megatrons_glu(world1):
@@ -61,8 +63,28 @@ def test_vocab_parallel_loss_over_tp2(world2):
         assert result["unsplit_diff"] < 1e-5  # and equal to the loss over the whole vocabulary
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                    reason="torch.compile on CPU needs a C compiler")
+NEEDS_COMPILER = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                    reason="torch.compile on CPU needs a C compiler")
+
+
+@NEEDS_COMPILER
+def test_warm_up_covers_the_first_steps(tmp_path):
+    """No compile after mnb.gpt: Megatron's view chains and micro batch 1 and 2 are all warmed."""
+    from ranks import run_ranks
+    from scenarios import fused_first_steps
+
+    result = run_ranks(fused_first_steps, 1, tmp_path, timeout_s=600)[0]
+    assert result["fused_class"] == "FusedLossGPTModel" and result["rope_fusion"] is True
+    frames = result["frames"]
+    assert frames["after_gpt"] > 0
+    assert frames["after_mbs1"] == frames["after_gpt"], frames
+    assert frames["after_mbs2"] == frames["after_gpt"], frames
+    losses = result["losses"]
+    for mbs in (1, 2):  # same initial weights and data: the fused loss is the same loss (bf16)
+        assert losses[f"fused_mbs{mbs}"] == pytest.approx(losses[f"plain_mbs{mbs}"], rel=1e-2)
+
+
+@NEEDS_COMPILER
 def test_compiled_pieces_match_eager(tmp_path, monkeypatch):
     """The torch.compile'd kernels (the GPU path) compute what the eager pieces do.
 
@@ -88,7 +110,7 @@ def test_compiled_pieces_match_eager(tmp_path, monkeypatch):
     freqs = torch.randn(6, 1, 1, 16, generator=gen)
     t = torch.randn(6, 2, 4, 16, generator=gen, requires_grad=True)
     eager = fusions._rope(t, freqs)
-    compiled = fusions.fused_rope(t, freqs)
+    compiled = fusions.fused_rope(t, freqs, compiled=True)
     assert torch.allclose(compiled, eager, atol=1e-5)
     (grad_eager,) = torch.autograd.grad(eager.sum(), t)
     (grad_compiled,) = torch.autograd.grad(compiled.sum(), t)
