@@ -304,7 +304,10 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         init_layout_invariant(chunks, tconfig, seed)
     if fused:
         # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own)
-        _fusions.warm_up(device, swiglu_width=2 * tconfig.ffn_hidden_size // parallel.tp)
+        from mnb.megatron.spec import have_te
+
+        dense_swiglu = not cfg.is_moe and not have_te() and _fusions.swiglu_applies(tconfig)
+        _fusions.warm_up(device, swiglu_width=2 * tconfig.ffn_hidden_size // parallel.tp if dense_swiglu else None)
     global _last_model
     model = MegatronModel(
         chunks=chunks,
