@@ -35,11 +35,14 @@ AUTO = "auto"
 COMPILE_ON_CPU = False
 """Tests only: compile on CPU ranks too (Inductor's C++ backend), to exercise the GPU path."""
 
+_warm_seconds: float | None = None
+"""How long this process's first :func:`warm_up` took (None: not warmed yet)."""
+_warm_widths: set = set()
+"""(SwiGLU width, dtype) pairs compiled in this process."""
+
 
 def _compile_by_default(t: torch.Tensor) -> bool:
     return t.is_cuda or COMPILE_ON_CPU
-_warm_seconds: float | None = None
-_warm_widths: set = set()
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
@@ -118,7 +121,7 @@ def resolve(fusions: bool | str, device: torch.device) -> bool:
     return fusions
 
 
-def transformer_overrides(model_config, *, rope: bool) -> dict[str, Any]:
+def transformer_overrides(*, rope: bool) -> dict[str, Any]:
     """TransformerConfig fields that route Megatron through the fused kernels here."""
     return {"apply_rope_fusion": True} if rope else {}
 

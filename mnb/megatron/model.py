@@ -209,7 +209,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, fusions: b
         from mnb.megatron import fusions as _fusions
 
         rope = cfg.position_embedding_type == "rope" and _fusions.install_rope()
-        kwargs.update(_fusions.transformer_overrides(cfg, rope=rope))
+        kwargs.update(_fusions.transformer_overrides(rope=rope))
     kwargs.update(extra)
     return TransformerConfig(**kwargs)
 
