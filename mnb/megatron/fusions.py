@@ -138,8 +138,6 @@ def swiglu_applies(config) -> bool:
     )
 
 
-# ----------------------------------------------------------------------------- loss
-
 def _not_a_view(t: torch.Tensor) -> torch.Tensor:
     """``t``'s memory as a tensor that is not a view (no autograd; use inside Functions).
 
@@ -152,6 +150,8 @@ def _not_a_view(t: torch.Tensor) -> torch.Tensor:
     plain = torch.empty((0,), dtype=t.dtype, device=t.device)
     return plain.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
+
+# ----------------------------------------------------------------------------- loss
 
 def _logits_max(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().amax(dim=-1)
