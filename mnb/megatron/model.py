@@ -307,7 +307,8 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         from mnb.megatron.spec import have_te
 
         dense_swiglu = not cfg.is_moe and not have_te() and _fusions.swiglu_applies(tconfig)
-        _fusions.warm_up(device, swiglu_width=2 * tconfig.ffn_hidden_size // parallel.tp if dense_swiglu else None)
+        widths = _fusions.swiglu_widths(tconfig.ffn_hidden_size, _fusions.tp_ceiling()) if dense_swiglu else ()
+        _fusions.warm_up(device, swiglu_widths=widths)
     global _last_model
     model = MegatronModel(
         chunks=chunks,

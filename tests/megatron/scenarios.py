@@ -374,6 +374,27 @@ def fused_first_steps() -> dict:
             "rope_fusion": model.transformer_config.apply_rope_fusion}
 
 
+def fused_relayout() -> dict:
+    """Compiled path on 2 CPU ranks: a tp1 model, then tp2; nothing compiles after the first gpt."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron import fusions
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    fusions.COMPILE_ON_CPU = True
+    frames, losses = {}, {}
+    for name, layout in (("tp1", ParallelConfig()), ("tp2", ParallelConfig(tp=2))):
+        apply_layout(layout)
+        model = gpt("tiny")
+        frames[f"{name}_after_gpt"] = dynamo_utils.counters["frames"]["total"]
+        losses[name] = _losses(train(model, steps=1, micro_batch_size=1, global_batch_size=2, bf16=True))[0]
+        frames[f"{name}_after_step"] = dynamo_utils.counters["frames"]["total"]
+    return {"frames": frames, "losses": losses}
+
+
 def continue_training() -> dict:
     from mnb.config import ParallelConfig
     from mnb.megatron.layout import apply_layout

@@ -85,6 +85,30 @@ def test_warm_up_covers_the_first_steps(tmp_path):
 
 
 @NEEDS_COMPILER
+def test_changing_tp_compiles_nothing(tmp_path):
+    """The first model's warm-up prepares every SwiGLU width the pool's tp sizes give."""
+    from ranks import run_ranks
+    from scenarios import fused_relayout
+
+    for result in run_ranks(fused_relayout, 2, tmp_path, timeout_s=600):
+        frames = result["frames"]
+        assert frames["tp1_after_gpt"] > 0
+        assert frames["tp1_after_gpt"] == frames["tp1_after_step"] == frames["tp2_after_gpt"] \
+            == frames["tp2_after_step"], frames
+        # Same initial weights and data under both layouts (bf16).
+        assert result["losses"]["tp2"] == pytest.approx(result["losses"]["tp1"], rel=1e-2)
+
+
+def test_swiglu_widths_cover_the_tp_sizes():
+    from mnb.megatron.fusions import swiglu_widths
+
+    assert swiglu_widths(8192, 8) == (16384, 8192, 4096, 2048)
+    assert swiglu_widths(8192, 2) == (16384, 8192)
+    assert swiglu_widths(96, 6) == (192, 96, 64, 32)  # tp 4 does not divide 6
+    assert swiglu_widths(100, 8) == (200, 100, 50)  # tp 8 does not divide the ffn
+
+
+@NEEDS_COMPILER
 def test_compiled_pieces_match_eager(tmp_path, monkeypatch):
     """The torch.compile'd kernels (the GPU path) compute what the eager pieces do.
 
