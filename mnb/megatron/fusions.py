@@ -26,6 +26,8 @@ kernels (:func:`warm_up`, seconds); later models and layouts reuse them.
 from __future__ import annotations
 
 import functools
+import math
+import os
 import time
 from typing import Any
 
@@ -35,14 +37,24 @@ AUTO = "auto"
 COMPILE_ON_CPU = False
 """Tests only: compile on CPU ranks too (Inductor's C++ backend), to exercise the GPU path."""
 
-_warm_seconds: float | None = None
-"""How long this process's first :func:`warm_up` took (None: not warmed yet)."""
+_warmed = False
+"""Whether this process compiled the loss and RoPE kernels."""
 _warm_widths: set = set()
 """(SwiGLU width, dtype) pairs compiled in this process."""
 
 
 def _compile_by_default(t: torch.Tensor) -> bool:
     return t.is_cuda or COMPILE_ON_CPU
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn, dynamic: bool | None):
+    return torch.compile(fn, dynamic=dynamic)
+
+
+def _kernel(fn, compiled: bool, *, dynamic: bool | None = True):
+    """``fn`` itself, or its compiled version (one per function and process)."""
+    return _compiled(fn, dynamic) if compiled else fn
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
@@ -53,14 +65,15 @@ def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
     dimensions, so the warm-up feeds the kernels exactly what Megatron does
     (the fused-qkv view chain for RoPE, the ``[s, b, ...]`` tensors behind the
     flattened loss and SwiGLU inputs), at micro batch 1 and 2 and with one
-    query group per rank, with sizes that coincide nowhere.  The loss and RoPE compile with symbolic shapes, once per
-    process; SwiGLU once per width (``swiglu_widths``: fc1 outputs per rank).
+    query group per rank, with sizes that coincide nowhere.  The loss and RoPE
+    compile with symbolic shapes, once per process; SwiGLU once per width
+    (``swiglu_widths``: fc1 outputs per rank).
     Rank 0 says what it is doing, as the first time takes seconds.
     """
-    global _warm_seconds
+    global _warmed
     start = time.perf_counter()
     widths = [w for w in dict.fromkeys(swiglu_widths) if (w, dtype) not in _warm_widths]
-    if _warm_seconds is None and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+    if not _warmed and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print("mnb: compiling the fused loss, RoPE and SwiGLU kernels (once per pool process; "
               "mnb.gpt(..., fusions=False) skips them)", flush=True)
     # (seq, micro batch, query groups on this rank): the last gives RoPE's key [s, 1, 1, hn],
@@ -69,7 +82,7 @@ def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
         for width in widths:
             x = torch.randn(seq, batch, width, device=device, dtype=dtype, requires_grad=True)
             swiglu(x).float().sum().backward()
-        if _warm_seconds is not None:
+        if _warmed:
             continue
         logits = torch.randn(seq, batch, 96, device=device, dtype=dtype, requires_grad=True)
         labels = torch.randint(0, 96, (batch, seq), device=device)
@@ -87,10 +100,8 @@ def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
     _warm_widths.update((w, dtype) for w in widths)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    if _warm_seconds is None:
-        _warm_seconds = seconds
-    return seconds
+    _warmed = True
+    return time.perf_counter() - start
 
 
 @functools.lru_cache(maxsize=1)
@@ -107,12 +118,12 @@ def compile_available() -> bool:
 
 def resolve(fusions: bool | str, device: torch.device) -> bool:
     """Turn ``mnb.gpt(fusions=...)`` into on/off for this rank, refusing the impossible."""
+    if fusions != AUTO and not isinstance(fusions, bool):
+        raise ValueError(f"fusions must be 'auto', True or False, got {fusions!r}")
     if COMPILE_ON_CPU and fusions is not False:
         return True
     if fusions == AUTO:
         return device.type == "cuda" and compile_available()
-    if not isinstance(fusions, bool):
-        raise ValueError(f"fusions must be 'auto', True or False, got {fusions!r}")
     if fusions and not (device.type == "cuda" and compile_available()):
         raise ValueError(
             "fusions=True needs CUDA ranks with Triton (torch.compile's GPU backend); "
@@ -123,16 +134,8 @@ def resolve(fusions: bool | str, device: torch.device) -> bool:
     return fusions
 
 
-def transformer_overrides(*, rope: bool) -> dict[str, Any]:
-    """TransformerConfig fields that route Megatron through the fused kernels here."""
-    return {"apply_rope_fusion": True} if rope else {}
-
-
 def tp_ceiling() -> int:
     """The tp sizes worth preparing for divide this: the ranks of one node that the whole pool shares."""
-    import math
-    import os
-
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     return math.gcd(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
@@ -192,32 +195,22 @@ def _logits_grad(logits, logits_max, sum_exp, local_target, in_range, grad_loss)
     return ((softmax - target.float()) * grad_loss.unsqueeze(-1)).to(logits.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels(compiled: bool):
-    """The three loss pieces, compiled (one kernel each on GPUs) or eager."""
-    pieces = (_logits_max, _sum_exp_and_target, _logits_grad)
-    if not compiled:
-        return pieces
-    return tuple(torch.compile(f, dynamic=True) for f in pieces)
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Works on ``[tokens, vocab/tp]``: with micro batch 1 a ``[s, 1, v]`` shape would make
     the compiled kernels specialise (and recompile) on the size-1 dimension."""
 
     @staticmethod
     def forward(ctx, logits, target, tp_group, compiled):
-        logits_max_fn, sum_exp_fn, _ = _kernels(compiled)
         logits = _not_a_view(logits)
         tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
-        logits_max = logits_max_fn(logits)
+        logits_max = _kernel(_logits_max, compiled)(logits)
         if tp_size > 1:
             torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
         part = logits.shape[-1]
         start = part * (torch.distributed.get_rank(tp_group) if tp_size > 1 else 0)
         in_range = (target >= start) & (target < start + part)
         local_target = torch.where(in_range, target - start, torch.zeros_like(target))
-        sum_exp, predicted = sum_exp_fn(logits, logits_max, local_target, in_range)
+        sum_exp, predicted = _kernel(_sum_exp_and_target, compiled)(logits, logits_max, local_target, in_range)
         if tp_size > 1:
             both = torch.stack((sum_exp, predicted))
             torch.distributed.all_reduce(both, group=tp_group)
@@ -228,8 +221,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_fn = _kernels(ctx.compiled)[2]
-        grad = grad_fn(*(_not_a_view(t) for t in ctx.saved_tensors), _not_a_view(grad_loss.contiguous()))
+        saved = (_not_a_view(t) for t in ctx.saved_tensors)
+        grad = _kernel(_logits_grad, ctx.compiled)(*saved, _not_a_view(grad_loss.contiguous()))
         return grad, None, None, None
 
 
@@ -273,13 +266,6 @@ def _swiglu_grad(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.cat((d_gate, grad * gate * sig), dim=-1).to(y.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _swiglu_kernels(compiled: bool):
-    if not compiled:
-        return _swiglu, _swiglu_grad
-    return torch.compile(_swiglu), torch.compile(_swiglu_grad)
-
-
 def _tokens_dynamic(*tensors: torch.Tensor) -> None:
     """Compile once for every token count, but specialise on the width (fast indexing)."""
     for t in tensors:
@@ -295,7 +281,7 @@ class _SwiGLU(torch.autograd.Function):
         ctx.save_for_backward(y)
         if compiled:
             _tokens_dynamic(y)
-        return _swiglu_kernels(compiled)[0](y)
+        return _kernel(_swiglu, compiled, dynamic=None)(y)
 
     @staticmethod
     def backward(ctx, grad):
@@ -303,7 +289,7 @@ class _SwiGLU(torch.autograd.Function):
         grad = _not_a_view(grad.contiguous())
         if ctx.compiled:
             _tokens_dynamic(grad, y)
-        return _swiglu_kernels(ctx.compiled)[1](grad, y), None
+        return _kernel(_swiglu_grad, ctx.compiled, dynamic=None)(grad, y), None
 
 
 def swiglu(x: torch.Tensor, *, compiled: bool | None = None) -> torch.Tensor:
@@ -344,25 +330,18 @@ def _rope_grad(grad: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((g * cos + torch.cat((s2, -s1), dim=-1), rest), dim=-1)
 
 
-@functools.lru_cache(maxsize=None)
-def _rope_kernels(compiled: bool):
-    if not compiled:
-        return _rope, _rope_grad
-    return torch.compile(_rope, dynamic=True), torch.compile(_rope_grad, dynamic=True)
-
-
 class _RoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs, compiled):
         freqs = _not_a_view(freqs)
         ctx.compiled = compiled
         ctx.save_for_backward(freqs)
-        return _rope_kernels(compiled)[0](_not_a_view(t), freqs)
+        return _kernel(_rope, compiled)(_not_a_view(t), freqs)
 
     @staticmethod
     def backward(ctx, grad):
         (freqs,) = ctx.saved_tensors
-        return _rope_kernels(ctx.compiled)[1](_not_a_view(grad.contiguous()), freqs), None, None
+        return _kernel(_rope_grad, ctx.compiled)(_not_a_view(grad.contiguous()), freqs), None, None
 
 
 def fused_rope(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = False,

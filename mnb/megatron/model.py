@@ -149,8 +149,8 @@ def current_model() -> MegatronModel | None:
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, fusions: bool = False):
     """Megatron ``TransformerConfig`` for ``cfg`` under ``parallel`` (fp32 params).
 
-    ``fusions`` switches on Megatron's activation and RoPE fusions backed by
-    :mod:`mnb.megatron.fusions`; explicit TransformerConfig overrides still win.
+    ``fusions`` routes Megatron's RoPE through :mod:`mnb.megatron.fusions`
+    (``apply_rope_fusion``); explicit TransformerConfig overrides still win.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -205,11 +205,10 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, fusions: b
         # interleaving is unbatched, overlapped p2p, which posts the two directions on
         # different groups.
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
-    if fusions:
-        from mnb.megatron import fusions as _fusions
+    if fusions and cfg.position_embedding_type == "rope":
+        from mnb.megatron.fusions import install_rope
 
-        rope = cfg.position_embedding_type == "rope" and _fusions.install_rope()
-        kwargs.update(_fusions.transformer_overrides(rope=rope))
+        kwargs["apply_rope_fusion"] = install_rope()
     kwargs.update(extra)
     return TransformerConfig(**kwargs)
 
@@ -304,10 +303,10 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         init_layout_invariant(chunks, tconfig, seed)
     if fused:
         # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own)
-        from mnb.megatron.spec import have_te
+        from mnb.megatron.spec import uses_fused_swiglu
 
-        dense_swiglu = not cfg.is_moe and not have_te() and _fusions.swiglu_applies(tconfig)
-        widths = _fusions.swiglu_widths(tconfig.ffn_hidden_size, _fusions.tp_ceiling()) if dense_swiglu else ()
+        widths = (_fusions.swiglu_widths(tconfig.ffn_hidden_size, _fusions.tp_ceiling())
+                  if uses_fused_swiglu(chunks) else ())
         _fusions.warm_up(device, swiglu_widths=widths)
     global _last_model
     model = MegatronModel(

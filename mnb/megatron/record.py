@@ -95,7 +95,7 @@ def build_record(*, model, train, device: torch.device, num_microbatches: int, s
         "num_parameters_local": model.num_parameters_local(),
         "padded_vocab_size": model.padded_vocab_size,
         "model_flops_per_step": flops,
-        "fusions": bool(getattr(model, "fusions", False)),
+        "fusions": model.fusions,
         "steps": steps,
         "timeline": timeline,
         "memory": meter.summary(),

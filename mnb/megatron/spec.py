@@ -146,23 +146,29 @@ class LocalNorm(torch.nn.Module):
 def _fused_mlp_class():
     from megatron.core.transformer.mlp import MLP
 
-    from mnb.megatron.fusions import swiglu, swiglu_applies
+    from mnb.megatron.fusions import swiglu
 
     class FusedSwiGLUMLP(MLP):
         """Megatron's MLP with its SwiGLU as one compiled kernel each way (mnb.megatron.fusions).
 
-        Anything but a plain bias-free SwiGLU (per-token scales, TE activations,
-        clamping) goes through Megatron's own forward.  Other keyword arguments
-        (0.19 passes ``padding_mask``) are unused by Megatron's dense MLP too.
+        Built only where ``swiglu_applies`` (a plain bias-free SwiGLU); per-token
+        scales go through Megatron's own forward.  Other keyword arguments (0.19
+        passes ``padding_mask``) are unused by Megatron's dense MLP too.
         """
 
         def forward(self, hidden_states, per_token_scale=None, **kwargs):
-            if per_token_scale is not None or not swiglu_applies(self.config):
+            if per_token_scale is not None:
                 return super().forward(hidden_states, per_token_scale, **kwargs)
             intermediate, _ = self.linear_fc1(hidden_states)
             return self.linear_fc2(swiglu(intermediate))
 
     return FusedSwiGLUMLP
+
+
+def uses_fused_swiglu(chunks) -> bool:
+    """Whether any of these model chunks was built with :class:`FusedSwiGLUMLP`."""
+    cls = _fused_mlp_class()
+    return any(isinstance(m, cls) for chunk in chunks for m in chunk.modules())
 
 
 def _with_mlp_class(mlp, cls):
