@@ -9,7 +9,15 @@ pickle of Python values (``b""`` when there are none).  ``signature`` is the
 hex HMAC-SHA256 of ``header + payload`` under the pool's secret key.  A
 message whose signature does not verify is dropped before anything in it is
 unpickled, and logged: only holders of the connection file (mode 0600) can
-make a rank run code.
+make a rank run code.  No frame may exceed :data:`MAX_MESSAGE_BYTES`: both
+sockets set ``zmq.MAXMSGSIZE`` so ZeroMQ refuses a bigger frame from its
+header, before reading it, and :meth:`Signer.encode` refuses to build one.
+
+Every rank -> controller header carries ``rank`` and ``identity``, the random
+ZeroMQ routing identity of the rank's socket, inside the signed header: the
+controller routes to a rank only through the identity its first valid
+message proved, so an unsigned connection that claims a rank's name gets
+nothing.
 
 Message types (``header["type"]``):
 
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import logging
 import os
@@ -44,11 +53,14 @@ import secrets
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+
+MAX_MESSAGE_BYTES = 256 * 2**20
+"""The largest message (header + payload) either side builds or accepts."""
 
 CONTROLLER_TYPES = frozenset(
     {"execute", "push", "pull", "status", "stacks", "interrupt", "heartbeat", "shutdown"}
@@ -59,6 +71,25 @@ MESSAGE_TYPES = CONTROLLER_TYPES | RANK_TYPES
 
 class ProtocolError(Exception):
     """A message that is malformed, of an unknown type, or wrongly signed."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A message that would exceed :data:`MAX_MESSAGE_BYTES`; it was never sent."""
+
+    def __init__(self, kind: str, size_bytes: int, limit_bytes: int = MAX_MESSAGE_BYTES):
+        self.kind = kind
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+        super().__init__(
+            f"a {kind} message would be {format_mib(size_bytes)}, over the {format_mib(limit_bytes)} "
+            "limit of one message; send less at once (e.g. pull a slice or a summary of the value)"
+        )
+
+
+def format_mib(size_bytes: int) -> str:
+    """'600 MiB' (one decimal below 10 MiB)."""
+    mib = size_bytes / 2**20
+    return f"{mib:.1f} MiB" if mib < 10 else f"{mib:.0f} MiB"
 
 
 @dataclass
@@ -83,12 +114,20 @@ def new_key() -> bytes:
 
 
 class Signer:
-    """Signs and verifies frames with HMAC-SHA256 under one pool's key."""
+    """Signs and verifies frames with HMAC-SHA256 under one pool's key.
 
-    def __init__(self, key: bytes):
+    ``loads`` rebuilds payloads; the notebook side passes
+    :func:`mnb.values.loads_safe`, so no payload can import torch (or anything
+    else) into the kernel.  A signed message whose payload cannot be rebuilt is
+    still delivered, with ``payload=None`` and the reason in its header's
+    ``payload_error``: its sender is waiting for an answer.
+    """
+
+    def __init__(self, key: bytes, loads: Callable[[bytes], Any] = pickle.loads):
         if not key:
             raise ValueError("an empty key would let anyone run code on the ranks")
         self._key = key
+        self._loads = loads
 
     def sign(self, *frames: bytes) -> bytes:
         mac = hmac.new(self._key, digestmod=hashlib.sha256)
@@ -97,11 +136,17 @@ class Signer:
         return mac.hexdigest().encode()
 
     def encode(self, message: Message) -> list[bytes]:
+        """The signed frames of ``message``; :class:`MessageTooLarge` past :data:`MAX_MESSAGE_BYTES`."""
         if message.type not in MESSAGE_TYPES:
             raise ProtocolError(f"unknown message type {message.type!r}")
         header = dict(message.header, type=message.type, id=message.id, v=PROTOCOL_VERSION)
         header_bytes = json.dumps(header, separators=(",", ":"), default=str).encode()
-        payload = b"" if message.payload is None else pickle.dumps(message.payload, protocol=5)
+        room = MAX_MESSAGE_BYTES - len(header_bytes)
+        if room < 0:
+            raise MessageTooLarge(message.type, len(header_bytes))
+        payload, size = (b"", 0) if message.payload is None else _pickle_within(message.payload, room)
+        if payload is None:  # over the limit: measured without keeping the bytes
+            raise MessageTooLarge(message.type, len(header_bytes) + size)
         return [self.sign(header_bytes, payload), header_bytes, payload]
 
     def decode(self, frames: list[bytes]) -> Message:
@@ -119,8 +164,40 @@ class Signer:
             raise ProtocolError(f"unknown message type {kind!r}")
         msg_id = header.pop("id", "")
         header.pop("v", None)
-        value = pickle.loads(payload) if payload else None
+        try:
+            value = self._loads(payload) if payload else None
+        except Exception as exc:  # signed, so its sender is ours: deliver it, saying why it is empty
+            header["payload_error"] = f"{type(exc).__name__}: {exc}"
+            value = None
         return Message(type=kind, id=msg_id, header=header, payload=value)
+
+
+class _CappedBuffer(io.BytesIO):
+    """A pickle target that stops keeping bytes past ``limit`` (then only counts them)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+        self.size = 0
+        self.over = False
+
+    def write(self, data: Any) -> int:
+        count = memoryview(data).nbytes
+        self.size += count
+        if not self.over and self.size > self.limit:
+            self.over = True
+            self.seek(0)
+            self.truncate()  # release what was kept: the message will not be sent
+        if not self.over:
+            super().write(data)
+        return count
+
+
+def _pickle_within(value: Any, limit: int) -> tuple[bytes | None, int]:
+    """``(pickle.dumps(value), size)``, or ``(None, size)`` past ``limit`` bytes, never holding more."""
+    buffer = _CappedBuffer(limit)
+    pickle.Pickler(buffer, protocol=5).dump(value)
+    return (None if buffer.over else buffer.getvalue()), buffer.size
 
 
 def drain(socket: Any, handle: Any) -> None:
@@ -147,6 +224,11 @@ class ConnectionInfo:
     world_size: int
     controller_pid: int | None = None
     controller_host: str | None = None
+    controller_started: float | None = None
+    """The controller process's start time (``psutil.Process().create_time()``), so a
+    rank on the same host can tell its controller from a later process with the same PID."""
+    path: str | None = field(default=None, compare=False)
+    """Where :meth:`read` found this file (ranks remove it when their controller is gone)."""
 
     def write(self, path: str | os.PathLike) -> Path:
         """Write the connection file with mode 0600 (it holds the secret)."""
@@ -158,6 +240,7 @@ class ConnectionInfo:
             "world_size": self.world_size,
             "controller_pid": self.controller_pid,
             "controller_host": self.controller_host,
+            "controller_started": self.controller_started,
             "protocol_version": PROTOCOL_VERSION,
         }
         tmp = path.with_name(path.name + ".tmp")
@@ -183,4 +266,6 @@ class ConnectionInfo:
             world_size=int(data["world_size"]),
             controller_pid=data.get("controller_pid"),
             controller_host=data.get("controller_host"),
+            controller_started=data.get("controller_started"),
+            path=str(path),
         )

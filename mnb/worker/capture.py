@@ -1,8 +1,9 @@
 """What a cell prints or shows on a rank, turned into protocol messages.
 
 ``sys.stdout``/``sys.stderr`` are replaced by :class:`RankStream`, which
-sends each write as a ``stream`` message tagged with the running cell's id;
-the controller assembles lines, labels them by rank and folds identical ones.
+hands each write, tagged with the running cell's id, to the channel's
+outbox (consecutive writes travel as one ``stream`` message); the controller
+assembles lines, labels them by rank and folds identical ones.
 
 ``display(obj)`` builds a MIME bundle from the object's ``_repr_*_`` methods
 (the protocol IPython itself uses) without importing IPython, and sends it
@@ -34,8 +35,11 @@ _REPR_METHODS = (
 class RankStream(io.TextIOBase):
     """A text stream whose writes become ``stream`` messages for the current cell."""
 
-    def __init__(self, name: str, send: Send, rank: int, fallback: Any):
+    def __init__(self, name: str, send: Send | Any, rank: int, fallback: Any):
+        """``send``: the rank's :class:`~mnb.worker.channel.Channel` (whose ``write_stream``
+        batches text), or any callable taking a ``stream`` :class:`Message` per write."""
         self.name = name
+        self._write_stream = getattr(send, "write_stream", None)
         self._send = send
         self._rank = rank
         self._fallback = fallback
@@ -47,7 +51,11 @@ class RankStream(io.TextIOBase):
     def write(self, text: str) -> int:
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        if text:
+        if not text:
+            return 0
+        if self._write_stream is not None:
+            self._write_stream(self.name, text, self.cell_id)
+        else:
             self._send(
                 Message(
                     "stream",
