@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 META_FILE = "mnb.json"
+MEGATRON_META_FILE = "metadata.json"  # dist_checkpointing's: backends of the sharded tensors
+_REQUIRED_META = ("format", "step", "layout", "optimizer")  # written by every save since format 1
 OPTIMIZER_METADATA = {
     # The distributed optimizer's only format in 0.16 that reshards across tp/pp/dp
     # (the default, 'fully_sharded_model_space', raises "flattened_range is not supported").
@@ -185,15 +187,81 @@ def _broadcast(obj):
 
 
 def read_meta(path: str | os.PathLike) -> dict | None:
-    """``mnb.json`` of a checkpoint folder (or None): readable without torch."""
+    """``mnb.json`` of a checkpoint folder, or None when absent or unreadable: readable without torch.
+
+    None only says "not usable here" (:func:`find_checkpoint` skips such folders);
+    :func:`load` reads the files again with :func:`_read_json` to say what is wrong.
+    """
     try:
-        return json.loads((Path(path) / META_FILE).read_text())
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        meta = json.loads((Path(path) / META_FILE).read_text())
+    except (OSError, ValueError):  # missing, a folder, not UTF-8, not JSON
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _complete(path: Path) -> bool:
-    return read_meta(path) is not None and (path / "metadata.json").is_file()
+    return read_meta(path) is not None and (path / MEGATRON_META_FILE).is_file()
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint folder whose ``mnb.json`` or ``metadata.json`` is missing, truncated or wrong."""
+
+
+def _damaged(folder: Path, name: str, problem: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(f"checkpoint {folder} is damaged: {name} {problem}; re-save it or load another")
+
+
+def _read_json(folder: Path, name: str) -> dict:
+    """The JSON object in ``folder/name``; DamagedCheckpointError saying what is wrong with it."""
+    try:
+        raw = (folder / name).read_bytes()
+    except FileNotFoundError:
+        raise _damaged(folder, name, "is missing") from None
+    except OSError as exc:
+        raise _damaged(folder, name, f"cannot be read ({type(exc).__name__}: {exc.strerror or exc})") from None
+    if not raw.strip():
+        raise _damaged(folder, name, f"is empty ({len(raw)} bytes)")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _damaged(folder, name, f"is not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg})") from None
+    except UnicodeDecodeError as exc:
+        raise _damaged(folder, name, f"is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    if not isinstance(data, dict):
+        raise _damaged(folder, name, f"holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _read_mnb_meta(folder: Path) -> dict:
+    """``mnb.json``, checked for the fields :func:`load` reads."""
+    meta = _read_json(folder, META_FILE)
+    missing = [key for key in _REQUIRED_META if key not in meta]
+    if missing:
+        raise _damaged(folder, META_FILE, f"lacks field(s) {', '.join(missing)}")
+    version = meta["format"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise _damaged(folder, META_FILE, f"has format {version!r}, not a version number")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"checkpoint {folder} has format {version}, newer than this mnb reads "
+                         f"({FORMAT_VERSION}); upgrade mnb to load it")
+    return meta
+
+
+def _check_megatron_meta(folder: Path) -> None:
+    """dist_checkpointing's ``metadata.json``: the fields its ``CheckpointingConfig`` takes."""
+    from dataclasses import MISSING, fields
+
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+
+    data = _read_json(folder, MEGATRON_META_FILE)
+    known = {f.name: f for f in fields(CheckpointingConfig)}
+    missing = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING and n not in data]
+    if missing:
+        raise _damaged(folder, MEGATRON_META_FILE, f"lacks field(s) {', '.join(missing)}")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise _damaged(folder, MEGATRON_META_FILE, f"has field(s) {', '.join(unknown)} this Megatron-Core does "
+                       "not know (saved by another version?)")
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
@@ -356,6 +424,32 @@ def _ensure_optimizer(model, meta: dict):
     return model.optimizer
 
 
+def _locate(requested: Path) -> tuple[Path, dict]:
+    """The folder to load for ``requested`` and its ``mnb.json`` (defaults for a plain Megatron one).
+
+    Raises before any collective, the same on every rank: FileNotFoundError when
+    nothing is there, DamagedCheckpointError naming the file and what is wrong with it.
+    """
+    found = find_checkpoint(requested)
+    if found is not None:
+        if found != requested:
+            logger.warning("%s was being replaced when a save stopped; loading %s", requested, found)
+        meta = _read_mnb_meta(found)
+    elif not requested.exists():
+        raise FileNotFoundError(f"no checkpoint at {requested}")
+    elif not requested.is_dir():
+        raise ValueError(f"{requested} is a file, not a checkpoint folder")
+    elif (requested / META_FILE).exists():  # find_checkpoint could not use it: say why
+        found, meta = requested, _read_mnb_meta(requested)
+    elif (requested / MEGATRON_META_FILE).exists():  # a plain Megatron checkpoint
+        found, meta = requested, {"step": None, "layout": None, "optimizer": False, "extra": {}}
+    else:
+        raise ValueError(f"{requested} is not a complete checkpoint (neither {META_FILE} nor "
+                         f"{MEGATRON_META_FILE}); was its save interrupted?")
+    _check_megatron_meta(found)
+    return found, meta
+
+
 def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer: bool = True,
          load_rng: bool = True, strict: bool = True) -> dict:
     """Load a checkpoint written by :func:`save` into ``model`` (any layout); collective.
@@ -366,7 +460,10 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     states when the layout is unchanged and ``load_rng``. Sets ``model.steps_done``
     and ``model.consumed_samples``. Returns ``mnb.json`` plus ``path``,
     ``optimizer_loaded`` and ``rng_loaded``. ``strict``: every model tensor must be
-    in the checkpoint. A model of another shape raises ValueError naming the fields.
+    in the checkpoint. A model of another shape raises ValueError naming the fields; a
+    folder whose ``mnb.json`` or ``metadata.json`` is missing, truncated, not JSON or
+    lacks fields raises :class:`DamagedCheckpointError` naming the folder, the file and
+    what is wrong, on every rank before any collective.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -375,20 +472,7 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     model = _current_model() if model is None else model
     chunks = _chunks(model)
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-    requested = Path(path).absolute()
-    found = find_checkpoint(requested)
-    if found is None:
-        if (requested / "metadata.json").is_file():  # a plain Megatron checkpoint
-            found, meta = requested, {"step": None, "layout": None, "optimizer": False, "extra": {}}
-        elif requested.exists():
-            raise ValueError(f"{requested} is not a complete checkpoint (no {META_FILE}); "
-                             "was its save interrupted?")
-        else:
-            raise FileNotFoundError(f"no checkpoint at {requested}")
-    else:
-        meta = read_meta(found)
-        if found != requested:
-            logger.warning("%s was being replaced when a save stopped; loading %s", requested, found)
+    found, meta = _locate(Path(path).absolute())
     t0 = time.perf_counter()
     _check_same_shape(meta, model)
     if optimizer is None and load_optimizer and meta.get("optimizer"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import linecache
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -57,31 +56,15 @@ def describe_exception(exc: BaseException) -> Outcome:
     return Outcome(ok=False, ename=type(exc).__name__, evalue=str(exc), traceback=text)
 
 
-def portable(value: Any, _depth: int = 0) -> Any:
+def portable(value: Any) -> Any:
     """A copy of ``value`` the notebook kernel can unpickle without torch.
 
-    Tensors become numpy arrays (bf16/fp8 via float32); containers are
-    converted recursively; anything else that cannot be pickled becomes its
-    repr, so pulling a value never breaks the kernel.
+    :func:`mnb.values.kernel_safe`: tensors become numpy arrays (bf16/fp8 via
+    float32), containers are converted recursively, and anything the kernel
+    could not rebuild (torch/Megatron objects, functions, classes defined in
+    cells, values that do not pickle) becomes an ``Unportable`` note holding
+    its repr and the reason, so pulling a value never breaks the kernel.
     """
-    import pickle
+    from mnb import values
 
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        tensor = value.detach().cpu()
-        if tensor.dtype in (torch.bfloat16, torch.float16) or "float8" in str(tensor.dtype):
-            tensor = tensor.float()
-        return tensor.numpy()
-    if _depth < 8:
-        if isinstance(value, dict):
-            return {k: portable(v, _depth + 1) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            converted = [portable(v, _depth + 1) for v in value]
-            return converted if isinstance(value, list) else tuple(converted)
-    if type(value).__module__.split(".")[0] in ("torch", "megatron", "mnb"):
-        return repr(value)
-    try:
-        pickle.dumps(value, protocol=5)
-    except Exception:
-        return repr(value)
-    return value
+    return values.kernel_safe(value)

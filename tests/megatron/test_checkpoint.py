@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -274,6 +275,75 @@ def rank_without_cpu_mode(path: str) -> dict:
     return {"ok": bool(torch.equal(fresh.w, torch.full((2, 3), float(rank + 1))))}
 
 
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: len(file.read_bytes()) // 2])
+
+
+# One copy of a good checkpoint per case: (file damaged, how) -> what the error must say.
+DAMAGES = {
+    "mnb-truncated": ("mnb.json", _truncate, "mnb.json is not valid JSON (line "),
+    "mnb-not-json": ("mnb.json", lambda f: f.write_text("step=2"),
+                     "mnb.json is not valid JSON (line 1 column 1: Expecting value)"),
+    "mnb-empty": ("mnb.json", lambda f: f.write_text(""), "mnb.json is empty (0 bytes)"),
+    "mnb-missing-fields": ("mnb.json", lambda f: f.write_text('{"step": 2}'),
+                           "mnb.json lacks field(s) format, layout, optimizer"),
+    "metadata-truncated": ("metadata.json", _truncate, "metadata.json is not valid JSON (line 1 column "),
+    "metadata-missing-fields": ("metadata.json", lambda f: f.write_text("{}"),
+                                "metadata.json lacks field(s) sharded_backend"),
+    "metadata-missing": ("metadata.json", Path.unlink, "metadata.json is missing"),
+    "plain-megatron-metadata-truncated": ("metadata.json", lambda f: (_truncate(f), (f.parent / "mnb.json").unlink()),
+                                          "metadata.json is not valid JSON (line 1 column "),
+}
+
+
+def _sharded(value: float):
+    """A module with one (2, 3) weight: this rank's rows of one (2 * world, 3) tensor."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    class Sharded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((2, 3), value))
+
+        def sharded_state_dict(self, prefix=""):
+            return {"w": ShardedTensor.from_rank_offsets(prefix + "w", self.w.detach(), (0, rank, world),
+                                                         replica_id=0)}
+
+    return Sharded()
+
+
+def rank_load_damaged(path: str) -> dict:
+    """Save once; load a copy damaged in each way of DAMAGES; then load the intact one."""
+    import torch
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron import checkpoint
+    from mnb.megatron.layout import apply_layout
+
+    apply_layout(ParallelConfig())
+    rank = torch.distributed.get_rank()
+    checkpoint.save(path, _sharded(rank + 1.0))
+    errors = {}
+    for case, (name, damage, _) in DAMAGES.items():
+        copy = Path(path).with_name(f"{Path(path).name}-{case}")
+        if rank == 0:
+            shutil.copytree(path, copy)
+            damage(copy / name)
+        torch.distributed.barrier()
+        try:
+            checkpoint.load(str(copy), _sharded(-1.0))
+        except Exception as exc:  # the test reads the type and the message
+            errors[case] = f"{type(exc).__name__}: {exc}"
+        else:
+            errors[case] = None
+    fresh = _sharded(-1.0)
+    checkpoint.load(path, fresh)
+    return {"errors": errors, "intact": bool(torch.equal(fresh.w, torch.full((2, 3), rank + 1.0)))}
+
+
 # -- tests (parent side) -----------------------------------------------------------------
 
 
@@ -365,6 +435,34 @@ def test_next_save_finishes_an_interrupted_swap(tmp_path):
     _recover(tmp_path / "run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert read_meta(tmp_path / "run")["step"] == 2
+
+
+@pytest.fixture(scope="module")
+def damaged_loads(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("damaged")
+    return tmp / "ckpt", _run("rank_load_damaged", 2, tmp, path=str(tmp / "ckpt" / "good"))
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGES))
+def test_damaged_checkpoint_names_folder_file_and_fault(damaged_loads, case):
+    folder, results = damaged_loads
+    expected = f"DamagedCheckpointError: checkpoint {folder / ('good-' + case)} is damaged: {DAMAGES[case][2]}"
+    assert results[0]["errors"][case].startswith(expected), results[0]["errors"][case]
+
+
+def test_damaged_checkpoint_error_says_what_to_do(damaged_loads):
+    _, results = damaged_loads
+    assert all(e.endswith("; re-save it or load another") for e in results[0]["errors"].values())
+
+
+def test_every_rank_reports_the_same_damage(damaged_loads):
+    _, results = damaged_loads
+    assert results[0]["errors"] == results[1]["errors"]
+
+
+def test_intact_checkpoint_loads_after_the_damaged_ones(damaged_loads):
+    _, results = damaged_loads
+    assert [r["intact"] for r in results] == [True, True]
 
 
 # -- rank entry point ------------------------------------------------------------------
