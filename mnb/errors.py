@@ -49,21 +49,35 @@ def format_rank_set(ranks: Iterable[int]) -> str:
 
 @dataclass(eq=False)
 class CompositeRankError(Exception):
-    """The exceptions of every failing rank of one cell, grouped by traceback."""
+    """The exceptions of every failing rank of one cell, grouped by traceback.
+
+    ``errors`` is in the order the ranks failed: the first entry is the root
+    cause (the rank that failed first), the others follow.  ``waiting`` names
+    the ranks that had not finished when the cell was ended and where each
+    waited (``cell line 3 `dist.barrier()` -> distributed_c10d.py:4810 in barrier``);
+    ``notes`` are one-line statements of what mnb did about it (e.g. which
+    ranks it restarted).
+    """
 
     errors: list[RankError]
     cell_ranks: list[int] = field(default_factory=list)
     headline: str = ""
+    waiting: dict[int, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__(self._summary())
 
+    @property
+    def root_cause(self) -> RankError | None:
+        return self.errors[0] if self.errors else None
+
     def groups(self) -> list[tuple[list[RankError], str]]:
-        """Errors grouped by identical (name, message, traceback)."""
+        """Errors grouped by identical (name, message, traceback), root cause's group first."""
         grouped: dict[tuple[str, str, str], list[RankError]] = {}
-        for error in sorted(self.errors, key=lambda e: e.rank):
+        for error in self.errors:
             grouped.setdefault((error.ename, error.evalue, error.traceback), []).append(error)
-        return [(members, key[2]) for key, members in grouped.items()]
+        return [(sorted(members, key=lambda e: e.rank), key[2]) for key, members in grouped.items()]
 
     @property
     def ranks(self) -> list[int]:
@@ -74,11 +88,19 @@ class CompositeRankError(Exception):
         for members, _ in self.groups():
             first = members[0]
             lines.append(f"  {self._label(members)} {first.ename}: {first.evalue}")
+        lines.extend(self._tail())
         return "\n".join(lines)
+
+    def _tail(self) -> list[str]:
+        return [f"  {line}" for _, line in sorted(self.waiting.items())] + [f"  {n}" for n in self.notes]
 
     def _default_headline(self) -> str:
         failed = len(self.errors)
         total = len(self.cell_ranks) or failed
+        if self.waiting and self.errors:
+            first = self.errors[0]
+            return (f"rank {first.rank} failed first ({first.ename}); "
+                    f"{len(self.waiting)} of {total} ranks had not finished")
         return f"{failed} of {total} ranks raised an exception"
 
     @staticmethod
@@ -94,18 +116,32 @@ class CompositeRankError(Exception):
         """IPython calls this instead of printing Python's own traceback."""
         red, bold, reset = "\x1b[31m", "\x1b[1m", "\x1b[0m"
         out = [f"{bold}{red}{self.headline or self._default_headline()}{reset}"]
-        for members, traceback_text in self.groups():
+        for index, (members, traceback_text) in enumerate(self.groups()):
             first = members[0]
             out.append("")
-            out.append(f"{bold}{self._label(members)}{reset}")
+            cause = " (first failure)" if index == 0 and (self.waiting or len(self.groups()) > 1) else ""
+            out.append(f"{bold}{self._label(members)}{cause}{reset}")
             if len(members) > 1:
                 out.append("  " + ", ".join(m.label or f"r{m.rank}" for m in members))
             out.extend(traceback_text.rstrip("\n").splitlines() or [f"{first.ename}: {first.evalue}"])
+        tail = self._tail()
+        if tail:
+            out.append("")
+            out.extend(tail)
         return out
 
 
 class PoolError(RuntimeError):
-    """The pool cannot do what was asked (not started, dead ranks, stuck ranks)."""
+    """The pool cannot do what was asked (not started, busy, dead ranks).
+
+    Rendered in a notebook as its message alone: what happened and the next
+    step, never mnb's own traceback.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        red, reset = "\x1b[31m", "\x1b[0m"
+        lines = str(self).splitlines() or [type(self).__name__]
+        return [f"{red}{type(self).__name__}: {lines[0]}{reset}", *lines[1:]]
 
 
 class RankDiedError(PoolError):
@@ -123,5 +159,15 @@ class CellTimeoutError(PoolError, TimeoutError):
         super().__init__(message)
         self.stacks = stacks or {}
 
-    def _render_traceback_(self) -> list[str]:
-        return str(self).splitlines()
+
+def interrupted(message: str) -> KeyboardInterrupt:
+    """A KeyboardInterrupt that a notebook shows as one line, ``message``.
+
+    It stays a real ``KeyboardInterrupt`` (Run All stops, ``except
+    KeyboardInterrupt`` catches it); IPython renders it through
+    ``_render_traceback_`` as ipyparallel's errors do, instead of a traceback
+    through mnb's own waiting loop.
+    """
+    error = KeyboardInterrupt(message)
+    error._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # type: ignore[attr-defined]
+    return error

@@ -3,8 +3,8 @@
 Line magic::
 
     %mnb start [-n N] [--device auto|cpu|cuda] [--gpus 0,1,..] [--timeout SECONDS]
-               [--cell-timeout SECONDS] [--nnodes K] [--rdzv-endpoint HOST:PORT] [--ip 127.0.0.1]
-    %mnb status          per rank: pid, state (idle/busy/stuck/dead), device, memory, layout
+               [--cell-timeout SECONDS] [--grace SECONDS] [--nnodes K] [--rdzv-endpoint HOST:PORT] [--ip 127.0.0.1]
+    %mnb status          per rank: pid, state (idle/busy/restarting/dead), device, memory, layout
     %mnb stop            stop every rank; no process is left behind
     %mnb restart         stop and start the same pool (same size, device and GPUs)
     %mnb stacks          each rank's current Python stack (where is it stuck?)
@@ -14,7 +14,7 @@ Line magic::
 Cell magic::
 
     %%megatron [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--sp/--no-sp]
-               [--ranks 0,2-3] [--timeout SECONDS]
+               [--ranks 0,2-3] [--timeout SECONDS] [--grace SECONDS]
     model = mnb.gpt("tiny")
     print(rank, ps.get_tensor_model_parallel_rank())
 
@@ -22,6 +22,11 @@ Layout flags are sticky: a flag left out keeps the pool's current value, so
 the cells after ``%%megatron --tp 2`` run under tp=2 until a cell asks for
 another layout.  dp is always world_size / (tp * pp * cp).  The parallel state
 is re-initialised in the live processes only when the layout changes.
+
+Failures never need ``%mnb restart``: a rank that fails while the others wait
+for it is shown at once and the others get ``--grace`` seconds; ranks that
+cannot be released, or that died, are replaced in the background with the
+same size, device and layout (see README, "When things go wrong").
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from IPython.core.magic_arguments import MagicArgumentParser
 
 from mnb.config import ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
+from mnb.controller.pool import DEFAULT_GRACE_S
 from mnb.controller.preflight import check_cell
+from mnb.errors import interrupted
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -75,6 +82,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError("must be zero or positive")
+    return value
+
+
 def _parser(prog: str, description: str) -> MagicArgumentParser:
     return MagicArgumentParser(prog=prog, description=description, add_help=False)
 
@@ -86,6 +100,8 @@ def start_parser() -> MagicArgumentParser:
     p.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--timeout", type=_positive_float, default=180.0, help="seconds to wait for ranks to be ready")
     p.add_argument("--cell-timeout", type=_positive_float, default=None, help="default timeout of every cell")
+    p.add_argument("--grace", type=_non_negative_float, default=DEFAULT_GRACE_S,
+                   help="seconds the other ranks may take to finish a cell after one rank failed (default 3)")
     p.add_argument("--nnodes", type=int, default=1, help="torchrun nodes (others join with the printed command)")
     p.add_argument("--rdzv-endpoint", default=None, help="torchrun rendezvous HOST:PORT for several nodes")
     p.add_argument("--ip", default="127.0.0.1", help="interface the controller binds (default loopback only)")
@@ -103,6 +119,8 @@ def megatron_parser() -> MagicArgumentParser:
     p.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallel off")
     p.add_argument("--ranks", default=None, help="run on these ranks only, e.g. 0,2-3")
     p.add_argument("--timeout", type=_positive_float, default=None, help="seconds before the cell is stopped")
+    p.add_argument("--grace", type=_non_negative_float, default=None,
+                   help="seconds the other ranks may take to finish after one rank failed (default: the pool's)")
     return p
 
 
@@ -155,7 +173,7 @@ class MegatronMagics(Magics):
         try:
             pool = Pool.start(
                 args.n, device=args.device, gpus=parse_gpus(args.gpus) if args.gpus else None,
-                timeout=args.timeout, cell_timeout=args.cell_timeout, nnodes=args.nnodes,
+                timeout=args.timeout, cell_timeout=args.cell_timeout, grace=args.grace, nnodes=args.nnodes,
                 rdzv_endpoint=args.rdzv_endpoint, bind_ip=args.ip, threads_per_rank=args.threads,
             )
         except ValueError as exc:
@@ -246,9 +264,13 @@ class MegatronMagics(Magics):
         if problems:
             raise UsageError("refused before running on the ranks:\n  " + "\n  ".join(problems))
         try:
-            pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True)
+            pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        except KeyboardInterrupt as exc:
+            if hasattr(exc, "_render_traceback_"):  # the pool's one-line account of the interrupt
+                raise
+            raise interrupted("interrupted in the notebook kernel after the ranks had finished the cell") from None
         if pool.last_cell_records:
             print(last_run().summary())
 

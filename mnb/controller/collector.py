@@ -1,207 +1,282 @@
 """Waiting for one request's replies while streaming output and watching the ranks.
 
-Every wait is bounded: each 0.1 s the collector checks that local rank
-processes live (psutil) and that remote ranks still send heartbeats; past the
-cell's timeout it fetches each pending rank's Python stack, interrupts, and
-raises :class:`CellTimeoutError`; on Jupyter's interrupt it forwards the
-interrupt to the ranks and waits briefly for them to return.
+Waiting is not deciding: :meth:`Collector.wait` returns an :class:`Outcome`
+(who replied, who failed first, who never finished and where it waited, who
+died, whether the cell timed out or was interrupted); only the pool changes
+its state or restarts ranks.  Every wait is bounded:
+
+- each 0.1 s (a timer, not per message) it asks the pool whether a rank died;
+- the first rank that ends the cell with an exception while others still run
+  it is shown at once, labelled as the first failure; if the others have not
+  finished ``grace_s`` later, their stacks are fetched and they are
+  interrupted;
+- past the cell's timeout the same happens to every pending rank;
+- Jupyter's interrupt (KeyboardInterrupt in the kernel) is forwarded to the
+  ranks as ``interrupt`` messages, and the output still queued for the cell
+  is dropped and counted, never replayed into the next cell.
+
+A rank that has not returned a short while after its interrupt is
+*unreleased* (blocked in C code or a collective): the pool restarts it.
 """
 
 from __future__ import annotations
 
 import queue
 import re
+import sys
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from mnb.controller.output import LineFolder, ProgressLine, show_bundle
-from mnb.errors import CellTimeoutError, RankDiedError, format_rank_set
 from mnb.protocol import Message
 
-if TYPE_CHECKING:
-    from mnb.controller.pool import Pool
+CHECK_INTERVAL_S = 0.1
+"""How often the ranks' processes are checked (a timer, never per message)."""
+RELEASE_S = 1.0
+SHOW_FAILURE_AFTER_S = 0.3
+"""A first failure is shown once the other ranks have not followed within this long (they often fail alike)."""
+"""How long a rank may take to return after its interrupt before it counts as unreleased."""
+STACKS_TIMEOUT_S = 3.0
+DEFERRED_STOP_S = 300.0
+"""How long an interrupted mnb.train may take to reach its step boundary (a second interrupt stops at once)."""
+"""How long to wait for the ranks' I/O threads to send their stacks."""
 
-REMOTE_SILENCE_S = 20.0
+EventHandler = Callable[[int, str, dict], None]
+
+
+@dataclass
+class Outcome:
+    """What happened to one request; the pool decides what follows."""
+
+    replies: dict[int, Message] = field(default_factory=dict)
+    first_failure: int | None = None
+    """The rank whose error reply came first while other ranks were still running."""
+    waiting: dict[int, str] = field(default_factory=dict)
+    """Ranks still running the request when the wait was ended (grace, timeout, interrupt):
+    where each was, from its stack.  They were interrupted; some may have replied since."""
+    stacks: dict[int, str] = field(default_factory=dict)
+    unreleased: list[int] = field(default_factory=list)
+    """Ranks still running after their interrupt: they must be restarted."""
+    died: bool = False
+    timed_out: bool = False
+    interrupted: bool = False
+    dropped_lines: int = 0
+    timeout_s: float | None = None
+    """The timeout that ended the wait (``timed_out``)."""
+    last_step_time_s: float | None = None
+
+    @property
+    def pending(self) -> list[int]:
+        return sorted(self.waiting)
 
 
 class Collector:
     """Waits for one request's replies while streaming output and watching the ranks."""
 
-    def __init__(self, pool: Pool, request_id: str, targets: list[int], timeout_s: float | None, stream: bool):
-        self.pool = pool
+    def __init__(
+        self,
+        transport: Any,
+        request_id: str,
+        targets: list[int],
+        labels: dict[int, str],
+        *,
+        timeout_s: float | None,
+        grace_s: float,
+        stream: bool,
+        any_dead: Callable[[], bool],
+        event_handlers: list[EventHandler],
+        on_stray: Callable[[Message], None],
+    ):
+        self.transport = transport
         self.request_id = request_id
         self.targets = targets
+        self.labels = labels
         self.timeout_s = timeout_s
-        self.replies: dict[int, Message] = {}
-        layout = pool.layout.as_dict()
-        labels = {r: pool.ranks[r].label(layout) for r in targets}
+        self.grace_s = grace_s
+        self.any_dead = any_dead
+        self.event_handlers = event_handlers
+        self.on_stray = on_stray
+        self.outcome = Outcome()
         self.folder = LineFolder(targets, labels) if stream else None
         self.progress: ProgressLine | None = None
+        self._muted = False  # after an interrupt: count the cell's output, show none
+        self._failed_at: float | None = None
+        self._unshown: Message | None = None  # the first failure, until it is shown
 
-    def wait(self) -> dict[int, Message]:
+    # ------------------------------------------------------------------ wait
+    def wait(self, interrupted: bool = False) -> Outcome:
+        """Wait until every target replied or the wait had to end; never raises KeyboardInterrupt."""
         start = time.monotonic()
+        next_check = start
         try:
-            while len(self.replies) < len(self.targets):
-                if self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
-                    self._on_timeout()
-                self._step()
+            while not interrupted and self._pending():
+                now = time.monotonic()
+                if self.timeout_s is not None and now - start > self.timeout_s:
+                    self.outcome.timed_out, self.outcome.timeout_s = True, self.timeout_s
+                    return self._end(release_s=RELEASE_S)
+                if self._failed_at is not None:
+                    if now - self._failed_at > self.grace_s:
+                        return self._end(release_s=RELEASE_S)
+                    if self._unshown is not None and now - self._failed_at >= SHOW_FAILURE_AFTER_S:
+                        self._show_first_failure()
+                self._step(0.05)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + CHECK_INTERVAL_S
+                    if self.any_dead():
+                        self.outcome.died = True
+                        return self._finish()
         except KeyboardInterrupt:
-            self._on_interrupt()
-            raise
-        finally:
-            if self.folder:
-                self.folder.flush()
-        return self.replies
+            interrupted = True
+        if interrupted:
+            self.outcome.interrupted = True
+            self._muted = True
+            return self._end(release_s=self._interrupt_release_s(), stacks_first=False)
+        return self._finish()
 
-    def _step(self, wait_s: float = 0.1) -> None:
-        transport = self.pool._transport
+    def _interrupt_release_s(self) -> float:
+        """An interrupted mnb.train stops at the next step boundary: allow that step to end."""
+        step = self.outcome.last_step_time_s or 0.0
+        return min(60.0, max(self.grace_s, RELEASE_S) + 2 * step)
+
+    def _end(self, release_s: float, stacks_first: bool = True) -> Outcome:
+        """Interrupt the pending ranks and wait ``release_s`` for them; record where they were."""
+        pending = self._pending()
+        if stacks_first and pending:
+            self.outcome.stacks = _stack_texts(self.transport.ask("stacks", pending, STACKS_TIMEOUT_S))
+        deferred = False
+        if pending:
+            answers = self.transport.ask("interrupt", pending, 1.0)
+            deferred = any(answer.get("deferred") for answer in answers.values())
+        if deferred:  # mnb.train finishes its step on every rank first
+            release_s = max(release_s, DEFERRED_STOP_S)
+        deadline = time.monotonic() + release_s
+        next_check, announce_at = time.monotonic(), time.monotonic() + 1.0
+        while self._pending() and time.monotonic() < deadline:
+            try:
+                self._step(0.05)
+                now = time.monotonic()
+                if deferred and announce_at and now >= announce_at:
+                    announce_at = 0.0
+                    sys.stderr.write("mnb: stopping mnb.train after its current step on every rank "
+                                     "(interrupt again to stop at once: the ranks are then restarted)\n")
+                if now >= next_check:
+                    next_check = now + CHECK_INTERVAL_S
+                    if self.any_dead():
+                        self.outcome.died = True
+                        break
+            except KeyboardInterrupt:  # a second interrupt while the first takes effect
+                self._muted = True
+                if deferred:
+                    break
+        still = self._pending()
+        if still and not self.outcome.stacks:
+            self.outcome.stacks = _stack_texts(self.transport.ask("stacks", still, STACKS_TIMEOUT_S))
+        self.outcome.unreleased = [] if self.outcome.died else still
+        return self._finish(where_for=pending)
+
+    def _finish(self, where_for: list[int] | None = None) -> Outcome:
+        if self.folder:
+            self.folder.flush()
+        for rank in (where_for if where_for is not None else self._pending()):  # as they were when stopped
+            self.outcome.waiting[rank] = last_frame(self.outcome.stacks.get(rank, "")) or "(no stack: no answer)"
+        self._drop_queued_output()
+        self.outcome.dropped_lines += self.transport.take_dropped(self.request_id)
+        return self.outcome
+
+    def _drop_queued_output(self) -> None:
+        """Output of this cell still queued is counted and dropped once the cell ends."""
+        while True:
+            try:
+                message = self.transport.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message.type == "stream" and message.get("cell") == self.request_id and self._muted:
+                self.outcome.dropped_lines += message["text"].count("\n") or 1
+            else:
+                self._handle(message)
+
+    def _pending(self) -> list[int]:
+        return [r for r in self.targets if r not in self.outcome.replies]
+
+    # ------------------------------------------------------------- messages
+    def _step(self, wait_s: float) -> None:
         try:
-            message = transport.inbox.get(timeout=wait_s)
+            message = self.transport.get(timeout=wait_s)
         except queue.Empty:
             message = None
         if message is not None:
             self._handle(message)
-        if self.folder:
+        if self.folder and not self._muted:
             self.folder.poll()
-        self._check_alive()
 
     def _handle(self, message: Message) -> None:
         rank = message.get("rank")
-        if message.type == "reply" and message.id == self.request_id:
-            self.replies[rank] = message
-            self.pool.ranks[rank].state, self.pool.ranks[rank].cell = "idle", None
+        if message.type == "reply":
+            if message.id != self.request_id or rank not in self.targets:
+                self.on_stray(message)
+                return
+            self.outcome.replies[rank] = message
+            if not message.get("ok") and self._failed_at is None:
+                self._on_first_failure(rank, message)
+        elif message.get("cell") not in (None, self.request_id):
+            self.on_stray(message)
         elif message.type == "stream":
-            if self.folder and rank in self.folder.labels and message.get("cell") == self.request_id:
+            if self._muted:
+                self.outcome.dropped_lines += message["text"].count("\n") or 1
+            elif self.folder and rank in self.folder.labels:
                 self.folder.feed(rank, message["name"], message["text"])
-            else:
-                self.pool._handle_stray(message)
         elif message.type == "display":
-            if self.folder:
-                self.folder.flush()
-            show_bundle(message.payload or {})
+            if not self._muted:
+                if self.folder:
+                    self.folder.flush()
+                show_bundle(message.payload or {})
         elif message.type == "event":
             self._on_event(rank, message.get("kind"), message.payload or {})
         else:
-            self.pool._handle_stray(message)
+            self.on_stray(message)
+
+    def _on_first_failure(self, rank: int, reply: Message) -> None:
+        self._failed_at = time.monotonic()
+        if not self._pending() or self.outcome.interrupted or reply.get("ename") == "KeyboardInterrupt":
+            return
+        self.outcome.first_failure = rank
+        self._unshown = reply
+
+    def _show_first_failure(self) -> None:
+        """The root cause, at once: the other ranks may wait for the failed one in a collective."""
+        reply, self._unshown = self._unshown, None
+        rank, others = reply.get("rank"), self._pending()
+        if self.folder:
+            self.folder.flush()
+        text = (reply.get("traceback") or f"{reply.get('ename')}: {reply.get('evalue')}").rstrip("\n")
+        sys.stderr.write(
+            f"[{self.labels.get(rank, f'r{rank}')}] failed first:\n{text}\n"
+            f"mnb: waiting up to {self.grace_s:g} s for rank(s) {others}, then stopping them\n"
+        )
+        sys.stderr.flush()
 
     def _on_event(self, rank: int, kind: str, payload: dict[str, Any]) -> None:
-        handlers = self.pool.event_handlers
-        for handler in handlers:
+        if kind == "progress" and payload.get("step_time_s"):
+            self.outcome.last_step_time_s = payload["step_time_s"]
+        if self._muted:
+            return
+        for handler in self.event_handlers:
             handler(rank, kind, payload)
-        if kind == "progress" and not handlers:
+        if kind == "progress" and not self.event_handlers:
             self.progress = self.progress or ProgressLine()
             self.progress.update(payload)
 
-    def _check_alive(self) -> None:
-        pool, launcher, transport = self.pool, self.pool._launcher, self.pool._transport
-        dead = set(launcher.dead_ranks())
-        torchrun_gone = launcher.returncode() is not None
-        now = time.monotonic()
-        silent = {r for r in self.targets if not pool.ranks[r].local
-                  and now - transport.last_heartbeat.get(r, now) > REMOTE_SILENCE_S}
-        if not dead and not torchrun_gone and not silent:
-            return
-        # Give torchrun a moment to write its failure summary, then report every death.
-        deadline = time.monotonic() + 3.0
-        while launcher.returncode() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        failures = launcher.failures()
-        dead |= set(launcher.dead_ranks()) | set(failures)
-        deaths = {r: failures.get(r, "exited") for r in sorted(dead)}
-        if any("SIGTERM" not in why for why in deaths.values()):
-            # torchrun SIGTERMs the survivors of a failure: say so, not "killed".
-            deaths = {r: why if "SIGTERM" not in why else f"torn down by torchrun after the failure ({why})"
-                      for r, why in deaths.items()}
-        for r in silent:
-            deaths.setdefault(r, f"no heartbeat for {REMOTE_SILENCE_S:.0f} s (host {pool.ranks[r].host})")
-        if not deaths and torchrun_gone:
-            deaths = {r: "stopped with torchrun" for r in pool.ranks}
-        # The rank(s) that failed first, then those torchrun tore down after them.
-        ordered = sorted(deaths.items(), key=lambda item: ("torn down" in item[1], item[0]))
-        lines = [f"rank {r} ({pool.ranks[r].label(pool.layout.as_dict())}) died: {why}" for r, why in ordered]
-        survivors = [r for r in pool.ranks if r not in deaths]
-        if self.folder:
-            self.folder.flush()
-        first = [r for r, why in ordered if "torn down" not in why] or sorted(deaths)
-        pool._mark_broken(f"rank(s) {first} died")
-        pool._teardown()
-        lines.append(
-            f"The other ranks {survivors} were torn down; run %mnb restart (or mnb.pool().restart()) "
-            f"to start {pool.world_size} fresh ranks. torchrun log: {pool.spec.log_file}"
-            if survivors else
-            f"Run %mnb restart (or mnb.pool().restart()) to start {pool.world_size} fresh ranks. "
-            f"torchrun log: {pool.spec.log_file}"
-        )
-        raise RankDiedError("\n".join(lines), deaths)
 
-    def _pending(self) -> list[int]:
-        return [r for r in self.targets if r not in self.replies]
-
-    def _on_timeout(self) -> None:
-        pool = self.pool
-        pending = self._pending()
-        stacks = {r: m.get("stacks", "") for r, m in pool._ask_io_thread("stacks", pending, 3.0).items()}
-        self._interrupt_and_wait(pending, grace_s=2.0)
-        still = self._pending()
-        finished = [r for r in self.targets if r not in pending]
-        layout = pool.layout.as_dict()
-        lines = [f"cell timed out after {self.timeout_s:g} s; rank(s) {pending} had not finished."]
-        for rank in pending:
-            where = last_frame(stacks.get(rank, "")) or "(no stack: the rank did not answer)"
-            lines.append(f"  [{pool.ranks[rank].label(layout)}] at {where}")
-        if finished:
-            lines.append(f"  rank(s) {finished} had finished (did they skip a collective the others wait in?)")
-        grouped: dict[str, list[int]] = {}
-        for rank, text in stacks.items():
-            grouped.setdefault(text, []).append(rank)
-        for text, members in grouped.items():
-            lines.append(f"\nPython stack of [{format_rank_set(members)}]:")
-            lines.append(text.rstrip())
-        if still:
-            for rank in still:
-                info = pool.ranks[rank]
-                info.state, info.stuck_in = "stuck", last_frame(stacks.get(rank, "")) or "unknown"
-            lines.append(
-                f"\nRank(s) {still} did not respond to an interrupt (blocked in C code or a collective). "
-                "Run %mnb restart to recover; other cells on these ranks are refused until then."
-            )
-        else:
-            lines.append("\nAll ranks were interrupted; the pool is usable.")
-        raise CellTimeoutError("\n".join(lines), stacks)
-
-    def _on_interrupt(self) -> None:
-        pending = self._pending()
-        self._interrupt_and_wait(pending, grace_s=3.0)
-        still = self._pending()
-        if still:
-            stacks = self.pool._ask_io_thread("stacks", still, 2.0)
-            for rank in still:
-                info = self.pool.ranks[rank]
-                info.state, info.stuck_in = "stuck", last_frame(stacks.get(rank).get("stacks", "")) if rank in stacks else "unknown"
-            print(f"mnb: rank(s) {still} did not stop on interrupt (stuck at "
-                  f"{', '.join(self.pool.ranks[r].stuck_in for r in still)}); run %mnb restart to recover.")
-        elif pending:
-            print(f"mnb: interrupted rank(s) {pending}; the pool is usable.")
-
-    def _interrupt_and_wait(self, pending: list[int], grace_s: float) -> None:
-        if not pending:
-            return
-        message = Message("interrupt", header={})
-        for rank in pending:
-            self.pool._transport.send(rank, message)
-        deadline = time.monotonic() + grace_s
-        while self._pending() and time.monotonic() < deadline:
-            try:
-                self._step(wait_s=0.05)
-            except KeyboardInterrupt:
-                continue
+def _stack_texts(answers: dict[int, Message]) -> dict[int, str]:
+    return {rank: message.get("stacks", "") for rank, message in answers.items()}
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
 
 def last_frame(stack_text: str) -> str:
-    """Where a stack stands: the innermost cell line, then the innermost frame.
+    """Where a stack (or traceback) stands: the innermost cell line, then the innermost frame.
 
     e.g. ``cell line 3 `dist.all_reduce(x)` -> distributed_c10d.py:3252 in all_reduce``.
     """

@@ -3,13 +3,21 @@
 torchrun is started in a new session (its own process group), so Jupyter's
 interrupt, which signals the kernel's process group, never reaches it: the
 controller forwards interrupts to ranks as messages instead.  torchrun in
-turn starts each rank in a session of its own, so stopping signals the
-torchrun process group *and* each rank PID the ranks reported in their hello
-(checked against the process's start time so a reused PID is never hit).
-Processes are never looked up or signalled by name.
+turn starts each rank in a session of its own, and whatever a rank starts
+(Megatron's checkpoint writers, a user's subprocess) inherits that rank's
+process group.  Stopping therefore signals the torchrun tree, each rank PID
+the ranks reported in their hello, and every process still in one of the
+ranks' process groups, also those whose rank already died and that were
+re-parented to init (each checked against its start time, so a reused PID
+is never hit).  Processes are never looked up or signalled by name.
 
-torchrun's own summary of a failed rank ("exitcode : -11 (pid: 123)") is
-parsed from its log to say how a rank died.
+On one host torchrun runs through :mod:`mnb.worker.agent`, so its
+unauthenticated stores listen on 127.0.0.1 only, and gloo/NCCL bootstrap on
+the loopback interface.
+
+How a rank ended: its exit status read from ``/proc/PID/stat`` while it is a
+zombie, else torchrun's failure summary ("exitcode : -11 (pid: 123)"), else,
+when torchrun saw no failure although the rank is gone, exit code 0.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +53,8 @@ class LaunchSpec:
     nnodes: int = 1
     rdzv_endpoint: str | None = None
     threads_per_rank: int | None = None
+    loopback: bool = True
+    """One host, controller on 127.0.0.1: torchrun's stores and gloo/NCCL stay on loopback."""
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -51,9 +62,13 @@ class LaunchSpec:
         return self.nproc_per_node * self.nnodes
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc_per_node}"]
-        if self.nnodes == 1 and self.rdzv_endpoint is None:
+        single_host = self.nnodes == 1 and self.rdzv_endpoint is None
+        agent = "mnb.worker.agent" if single_host and self.loopback else "torch.distributed.run"
+        cmd = [sys.executable, "-m", agent, f"--nproc-per-node={self.nproc_per_node}"]
+        if single_host:
             cmd.append("--standalone")
+            if self.loopback:
+                cmd.append("--local-addr=127.0.0.1")
         else:
             cmd += [
                 f"--nnodes={self.nnodes}",
@@ -85,6 +100,9 @@ class LaunchSpec:
         if self.device == "cuda":
             # Megatron's own launch scripts set this so TP communication can overlap compute.
             env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        if self.loopback and self.nnodes == 1:
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
         # The workers need mnb importable exactly as the kernel has it.
@@ -99,11 +117,15 @@ class Launcher:
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
         self.process: subprocess.Popen | None = None
+        self.started_at = 0.0
         self._rank_processes: dict[int, psutil.Process] = {}
+        self._rank_groups: set[int] = set()
+        self._exit_status: dict[int, str] = {}
 
     def start(self) -> None:
         self.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
         log_handle = open(self.spec.log_file, "ab")
+        self.started_at = time.time() - 1.0  # psutil's create_time has ~10 ms resolution
         try:
             self.process = subprocess.Popen(
                 self.spec.command(),
@@ -129,19 +151,52 @@ class Launcher:
             return
         try:
             self._rank_processes[rank] = psutil.Process(pid)
-        except psutil.NoSuchProcess:
-            pass
+            group = os.getpgid(pid)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            return
+        if group not in (os.getpgid(0), 0, 1):
+            self._rank_groups.add(group)
 
     def dead_ranks(self) -> list[int]:
-        """Local ranks whose process has exited (zombie or gone)."""
+        """Local ranks whose process has exited (zombie or gone); their exit status is kept."""
         dead = []
         for rank, proc in self._rank_processes.items():
             try:
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    dead.append(rank)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    continue
+                status = _zombie_exit_status(proc.pid)
+                if status is not None:
+                    self._exit_status.setdefault(rank, status)
             except psutil.NoSuchProcess:
-                dead.append(rank)
+                pass
+            dead.append(rank)
         return dead
+
+    def deaths(self, wait_s: float = 3.0) -> dict[int, str]:
+        """How each dead local rank ended: ``{rank: "exit code 3 (pid 123)"}``.
+
+        Waits up to ``wait_s`` for torchrun to write its failure summary (it tears
+        down the other ranks after a non-zero exit).  A rank that is gone while
+        torchrun saw no failure exited with code 0.
+        """
+        dead = set(self.dead_ranks())
+        deadline = time.monotonic() + wait_s
+        while self.returncode() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead |= set(self.dead_ranks())
+        summary = self.failures()
+        described: dict[int, str] = {}
+        for rank in sorted(dead | set(summary)):
+            pid = self._rank_processes[rank].pid if rank in self._rank_processes else None
+            if rank in self._exit_status:
+                described[rank] = self._exit_status[rank] + (f" (pid {pid})" if pid else "")
+            elif rank in summary:
+                described[rank] = summary[rank]
+            elif self.returncode() is None:
+                described[rank] = "exit code 0" + (f" (pid {pid})" if pid else "")
+            else:
+                described[rank] = "exited"
+        return described
 
     def failures(self) -> dict[int, str]:
         """How ranks died, from torchrun's failure summary: {rank: 'exit code 3'}."""
@@ -162,27 +217,50 @@ class Launcher:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the tree we started, then SIGKILL what is left after ``grace_s``."""
-        procs: list[psutil.Process] = []
-        if self.process is not None and self.process.poll() is None:
+    def descendants(self) -> list[psutil.Process]:
+        """Every live process of this pool: torchrun's tree, the ranks, and what the ranks started.
+
+        Processes a rank started stay in its process group even after the rank
+        died and they were re-parented to init; those created before this
+        launcher started are never included.
+        """
+        found: dict[int, psutil.Process] = {}
+        if self.process is not None:
             try:
                 root = psutil.Process(self.process.pid)
-                procs = [root] + root.children(recursive=True)
+                for proc in [root, *root.children(recursive=True)]:
+                    found[proc.pid] = proc
             except psutil.NoSuchProcess:
-                procs = []
+                pass
         for proc in self._rank_processes.values():
-            if proc not in procs:
-                procs.append(proc)
-        alive = [p for p in procs if _running(p)]
-        if self.process is not None and self.process.poll() is None:
+            found.setdefault(proc.pid, proc)
+            try:
+                for child in proc.children(recursive=True):
+                    found.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                pass
+        if self._rank_groups:
+            for proc in psutil.process_iter(["pid", "create_time"]):
+                try:
+                    if (proc.pid not in found and os.getpgid(proc.pid) in self._rank_groups
+                            and proc.info["create_time"] >= self.started_at):
+                        found[proc.pid] = proc
+                except (ProcessLookupError, psutil.NoSuchProcess):
+                    continue
+        return [p for p in found.values() if _running(p)]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every process of the pool, then SIGKILL what is left after ``grace_s`` (0: at once)."""
+        alive = self.descendants()
+        if self.process is not None and self.process.poll() is None and grace_s > 0:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
         for proc in alive:
-            _signal(proc, signal.SIGTERM)
-        _, alive = psutil.wait_procs(alive, timeout=grace_s)
+            _signal(proc, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+        _, alive = psutil.wait_procs(alive, timeout=max(grace_s, 0.5))
+        alive += [p for p in self.descendants() if p not in alive]  # started while we were stopping
         for proc in alive:
             _signal(proc, signal.SIGKILL)
         psutil.wait_procs(alive, timeout=2)
@@ -198,6 +276,18 @@ class Launcher:
         if self.process is not None:
             pids.append(self.process.pid)
         return pids
+
+
+def _zombie_exit_status(pid: int) -> str | None:
+    """A zombie's exit status from /proc/PID/stat (field 52, Linux >= 3.5), before it is reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = int(stat[stat.rindex(")") + 2:].split()[49])
+    except (OSError, ValueError, IndexError):
+        return None
+    if status & 0x7F:
+        return describe_exit(-(status & 0x7F))
+    return describe_exit((status >> 8) & 0xFF)
 
 
 def describe_exit(code: int) -> str:
@@ -273,4 +363,24 @@ def resolve_device(device: str, nproc: int | None, gpus: list[int] | None) -> tu
         if nproc > visible:
             raise ValueError(f"-n {nproc} is larger than the {visible} visible GPU(s); use -n {visible} or fewer")
         return device, nproc
-    return "cpu", 2 if nproc is None else nproc
+    nproc = 2 if nproc is None else nproc
+    limit, why = cpu_rank_limit()
+    if nproc > limit:
+        raise ValueError(f"-n {nproc} is more CPU ranks than this machine can hold: {why}; use -n {limit} or fewer")
+    return "cpu", nproc
+
+
+MAX_CPU_RANKS_PER_CORE = 4
+"""Beyond this, CPU ranks spend their time switching and gloo's collectives time out."""
+CPU_RANK_BYTES = 600 * 2**20
+"""What one CPU rank holds once torch and Megatron-Core are imported (measured 0.5-0.7 GiB)."""
+
+
+def cpu_rank_limit() -> tuple[int, str]:
+    """How many CPU ranks this machine can hold, and why: cores and free memory."""
+    cores = os.cpu_count() or 1
+    free = psutil.virtual_memory().available
+    by_cores, by_memory = cores * MAX_CPU_RANKS_PER_CORE, max(1, free // CPU_RANK_BYTES)
+    why = (f"{cores} core(s) take at most {by_cores} ranks ({MAX_CPU_RANKS_PER_CORE} per core), "
+           f"{free / 2**30:.1f} GiB of free memory about {by_memory} ({CPU_RANK_BYTES / 2**30:.1f} GiB each)")
+    return min(by_cores, by_memory), why

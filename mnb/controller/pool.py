@@ -10,19 +10,27 @@
     [r0-1] 2
     >>> pool.stop()
 
-Nothing here imports torch.  Every wait is bounded and watches the ranks:
-a dead rank is reported within a second or two (with its exit code from
-torchrun), a cell past its timeout returns with each rank's Python stack,
-and Jupyter's interrupt is forwarded to the ranks as a message.
+Nothing here imports torch.  Every wait is bounded and watches the ranks
+(:mod:`mnb.controller.collector`); the pool alone decides what follows:
+
+- a rank that fails while the others still run the cell is shown at once;
+  the others get ``grace_s`` to finish, then are interrupted, and the cell
+  ends with one :class:`CompositeRankError` whose first entry is the root cause;
+- ranks that do not return after an interrupt (blocked in a collective: gloo
+  cannot abort a wait) or that died are replaced: the pool restarts every
+  process in the background with the same size, device and layout, says so in
+  one line, and the next request waits for it;
+- Jupyter's interrupt is forwarded to the ranks and ends the cell with one line.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
+import contextlib
 import logging
 import os
 import queue
+import shutil
 import socket
 import tempfile
 import threading
@@ -32,18 +40,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import psutil
+
 from mnb.config import ParallelConfig
+from mnb.controller import reports
+from mnb.controller.collector import Collector, Outcome
+from mnb.controller.guards import exclusive, sigint_deferred
 from mnb.controller.launcher import LaunchSpec, Launcher, resolve_device
-from mnb.controller.collector import Collector
 from mnb.controller.output import coords_label
 from mnb.controller.registry import set_last_run
 from mnb.controller.transport import Transport
-from mnb.errors import CompositeRankError, PoolError, RankError
+from mnb.errors import CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, interrupted
 from mnb.protocol import ConnectionInfo, Message, new_key
+from mnb.values import ValueDecodeError, decode_values, encode_push
 
 log = logging.getLogger(__name__)
 
 _POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+
+DEFAULT_GRACE_S = 3.0
+"""After one rank fails, how long the others may take to finish the cell before they are stopped."""
+REMOTE_SILENCE_S = 20.0
+"""A rank on another host is dead after this long without a heartbeat (ranks give up on the controller at 15 s)."""
+SHUTDOWN_WAIT_S = 3.0
+"""How long ``stop()`` lets idle ranks leave on their own before they are signalled."""
 
 
 @dataclass
@@ -56,55 +76,41 @@ class RankInfo:
     local: bool
     coords: dict[str, int]
     device_name: str = ""
-    state: str = "idle"  # idle | busy | stuck | dead
-    stuck_in: str = ""
-    cell: str | None = None
+    state: str = "idle"  # idle | busy | dead
+    request_id: str | None = None
+    """The request this rank is running (``state == "busy"``)."""
 
     def label(self, layout: dict[str, Any] | None) -> str:
         return coords_label(self.rank, self.coords, layout)
 
 
-def _exclusive(method: Callable) -> Callable:
-    """One request at a time: replies are read from one queue, so a second thread
-    (the explorer's background "Run on pool", a sweep) must not wait on it concurrently.
-    A request from another thread while one runs is refused at once, never queued
-    behind a long training run."""
-
-    @functools.wraps(method)
-    def guarded(self: "Pool", *args: Any, **kwargs: Any) -> Any:
-        if not self._lock.acquire(blocking=False):
-            raise PoolError(
-                f"the pool is busy with a request from another thread ({self._lock_holder}); "
-                "wait for it to finish (a background 'Run on pool' or a sweep), then run this again"
-            )
-        previous, self._lock_holder = self._lock_holder, f"{method.__name__} in {threading.current_thread().name}"
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._lock_holder = previous
-            self._lock.release()
-
-    return guarded
-
-
 class Pool:
     """A running set of ranks.  Create with :meth:`Pool.start`."""
 
-    def __init__(self, spec: LaunchSpec, bind_ip: str, start_timeout_s: float, cell_timeout_s: float | None):
+    def __init__(self, spec: LaunchSpec, bind_ip: str, start_timeout_s: float, cell_timeout_s: float | None,
+                 grace_s: float = DEFAULT_GRACE_S, owns_workdir: bool = False):
         self.spec = spec
         self.bind_ip = bind_ip
         self.start_timeout_s = start_timeout_s
         self.cell_timeout_s = cell_timeout_s
+        self.grace_s = grace_s
         self.ranks: dict[int, RankInfo] = {}
         self.layout = ParallelConfig().resolve(spec.world_size)
         self.startup_s: float | None = None
         self.event_handlers: list[Callable[[int, str, dict], None]] = []
         self.last_cell_records: list[dict[str, Any]] = []
+        self.restarts = 0
+        """How many times the pool replaced its processes on its own."""
         self._broken: str | None = None
         self._lock = threading.RLock()
         self._lock_holder = ""
         self._transport: Transport | None = None
         self._launcher: Launcher | None = None
+        self._owns_workdir = owns_workdir
+        self._relaunch: threading.Thread | None = None
+        self._relaunch_error: str | None = None
+        self._cancel_relaunch = threading.Event()
+        self._stray_lines = 0
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -116,6 +122,7 @@ class Pool:
         gpus: list[int] | None = None,
         timeout: float = 180.0,
         cell_timeout: float | None = None,
+        grace: float = DEFAULT_GRACE_S,
         nnodes: int = 1,
         rdzv_endpoint: str | None = None,
         bind_ip: str = "127.0.0.1",
@@ -126,6 +133,8 @@ class Pool:
         device, nproc = resolve_device(device, nproc, gpus)
         if nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
+        if grace < 0:
+            raise ValueError(f"grace must be >= 0 seconds, got {grace}")
         if nnodes > 1 and not rdzv_endpoint:
             rdzv_endpoint = f"{socket.gethostname()}:29400"
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="mnb-pool-"))
@@ -139,45 +148,54 @@ class Pool:
             nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint,
             threads_per_rank=threads_per_rank,
+            loopback=bind_ip.startswith("127."),
         )
-        pool = cls(spec, bind_ip, timeout, cell_timeout)
-        pool._launch()
+        pool = cls(spec, bind_ip, timeout, cell_timeout, grace_s=grace, owns_workdir=workdir is None)
+        try:
+            pool._launch()
+        except BaseException:
+            pool._remove_files()
+            raise
         _POOLS.add(pool)
         return pool
 
     def _launch(self) -> None:
         t0 = time.perf_counter()
         key = new_key()
-        self._transport = Transport(key, ip=self.bind_ip)
-        self._transport.expect(self.spec.world_size)
+        self.spec.connection_file.parent.mkdir(parents=True, exist_ok=True)
+        transport = Transport(key, ip=self.bind_ip)
+        transport.expect(self.spec.world_size)
         ConnectionInfo(
-            address=self._transport.address,
+            address=transport.address,
             key=key,
             world_size=self.spec.world_size,
             controller_pid=os.getpid(),
             controller_host=socket.gethostname(),
+            controller_started=psutil.Process().create_time(),
         ).write(self.spec.connection_file)
-        self._launcher = Launcher(self.spec)
-        self._launcher.start()
+        launcher = Launcher(self.spec)
+        self._transport, self._launcher = transport, launcher
         self.ranks.clear()
         self._broken = None
         self.layout = ParallelConfig().resolve(self.spec.world_size)
+        launcher.start()
         if self.spec.nnodes > 1:
             print(
                 f"Waiting for {self.spec.nnodes - 1} more node(s). On each, with the connection file "
                 f"copied to the same path, run:\n  {self.spec.remote_command()}"
             )
         try:
-            self._await_hellos()
+            self._await_hellos(transport, launcher)
         except BaseException:
             self._teardown()
             raise
         self.startup_s = time.perf_counter() - t0
 
-    def _await_hellos(self) -> None:
+    def _await_hellos(self, transport: Transport, launcher: Launcher) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        transport, launcher = self._transport, self._launcher
         while len(self.ranks) < self.spec.world_size:
+            if self._cancel_relaunch.is_set():
+                raise PoolError("the start was cancelled")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PoolError(
@@ -191,7 +209,7 @@ class Pool:
                     f"log {self.spec.log_file}:\n" + launcher.log_tail()
                 )
             try:
-                message = transport.inbox.get(timeout=min(0.2, remaining))
+                message = transport.get(timeout=min(0.2, remaining))
             except queue.Empty:
                 continue
             if message.type != "hello":
@@ -211,19 +229,22 @@ class Pool:
             launcher.adopt(info.rank, info.pid, local)
 
     def stop(self) -> None:
-        """Shut ranks down and make sure no process of the pool is left."""
+        """Shut ranks down, end every process the pool started, remove its folder and secret."""
+        self._join_relaunch(cancel=True)
         if self._transport is not None:
             for rank, info in self.ranks.items():
-                if info.state in ("idle",):
+                if info.state == "idle":
                     self._transport.send(rank, Message("shutdown", header={}))
-            deadline = time.monotonic() + 3.0
+            deadline = time.monotonic() + SHUTDOWN_WAIT_S
             while self._launcher and self._launcher.returncode() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
         self._teardown()
+        self._remove_files()
 
-    def _teardown(self) -> None:
+    def _teardown(self, grace_s: float = 5.0) -> None:
+        """End every process of the pool (SIGTERM, SIGKILL after ``grace_s``; 0: SIGKILL at once)."""
         if self._launcher is not None:
-            self._launcher.stop()
+            self._launcher.stop(grace_s=grace_s)
         if self._transport is not None:
             self._transport.close()
         self._transport = None
@@ -231,15 +252,89 @@ class Pool:
             info.state = "dead"
         self._broken = self._broken or "the pool was stopped"
 
+    def _remove_files(self) -> None:
+        """The connection file holds the pool's secret: remove it, and the folder mnb made."""
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir(), ignore_errors=True)
+        else:
+            for path in (self.spec.connection_file, self.spec.connection_file.with_name("pool.json.tmp")):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
     def restart(self) -> "Pool":
-        """Stop every process and start the same pool again (same size, device, GPUs)."""
+        """Stop every process and start the same pool again (same size, device, GPUs; default layout)."""
+        self._join_relaunch(cancel=True)
         self._teardown()
         self._launch()
         return self
 
+    # --------------------------------------------------------- self-repair
+    def _restart_in_background(self, why: str) -> str:
+        """Replace every process (same size, device and layout) without blocking the cell; one line says so."""
+        layout = self.layout
+        if self.spec.nnodes > 1:
+            self._teardown(grace_s=0)
+            self._broken = why
+            return (f"{why}; the pool spans {self.spec.nnodes} hosts, so mnb cannot restart it on its own: "
+                    "run %mnb restart, then the join command on the other hosts")
+        self._relaunch_error = None
+        self.restarts += 1
+        for info in self.ranks.values():
+            info.state = "dead"
+        self._relaunch = threading.Thread(target=self._relaunch_main, args=(layout,), name="mnb-restart",
+                                          daemon=True)
+        self._relaunch.start()
+        return (f"mnb is restarting all {self.world_size} ranks ({why}); names defined in earlier cells are "
+                f"gone, the layout {layout.describe()} stays, and the next cell waits for the new ranks.")
+
+    def _relaunch_main(self, layout: ParallelConfig) -> None:
+        try:
+            self._teardown(grace_s=0)  # stuck or dead ranks: nothing to wait for
+            if self._cancel_relaunch.is_set():
+                return
+            self._launch()
+            if layout != self.layout:
+                outcome = self._exchange("execute", sorted(self.ranks),
+                                         {"code": "None", "layout": layout.as_dict(), "want_value": False},
+                                         timeout=self.start_timeout_s, stream=False)
+                self._absorb(outcome)
+                failed = [m for m in outcome.replies.values() if not m.get("ok")]
+                if failed or outcome.waiting:
+                    raise PoolError(f"restoring the layout {layout.describe()} failed: "
+                                    + "; ".join(f"{m.get('ename')}: {m.get('evalue')}" for m in failed))
+        except BaseException as exc:  # reported to the next request, which cannot run without ranks
+            self._relaunch_error = f"{type(exc).__name__}: {exc}"
+            log.warning("automatic restart failed: %s", self._relaunch_error)
+
+    def _join_relaunch(self, cancel: bool = False) -> None:
+        thread = self._relaunch
+        if thread is None:
+            return
+        if thread.is_alive():
+            if cancel:
+                self._cancel_relaunch.set()
+                if self._launcher is not None:
+                    self._launcher.stop(grace_s=0)  # its hello wait sees torchrun exit and returns
+            else:
+                print("mnb: waiting for the restarted ranks...", flush=True)
+            try:
+                thread.join()
+            except KeyboardInterrupt:
+                raise interrupted("stopped waiting for the restarting ranks; they go on starting "
+                                  "in the background") from None
+        self._relaunch = None
+        self._cancel_relaunch.clear()
+        if self._relaunch_error and not cancel:
+            error, self._relaunch_error = self._relaunch_error, None
+            self._broken = f"the automatic restart failed ({error})"
+
+    @property
+    def restarting(self) -> bool:
+        return self._relaunch is not None and self._relaunch.is_alive()
+
     @property
     def running(self) -> bool:
-        return self._transport is not None and self._broken is None
+        return self.restarting or (self._transport is not None and self._broken is None)
 
     @property
     def world_size(self) -> int:
@@ -248,11 +343,15 @@ class Pool:
     def pids(self) -> list[int]:
         return self._launcher.all_pids() if self._launcher else []
 
+    def descendants(self) -> list[int]:
+        """PIDs of every live process the pool started: torchrun, ranks, and what the ranks started."""
+        return [p.pid for p in self._launcher.descendants()] if self._launcher else []
+
     def workdir(self) -> Path:
         return self.spec.connection_file.parent
 
     # ------------------------------------------------------------ requests
-    @_exclusive
+    @exclusive
     def run(
         self,
         code: str,
@@ -263,11 +362,14 @@ class Pool:
         display_ranks: Iterable[int] = (0,),
         show_result: bool = False,
         quiet: bool = False,
+        grace: float | None = None,
     ) -> dict[int, Any]:
         """Run ``code`` on ``ranks`` (all by default); return {rank: value of the last expression}.
 
-        Output streams live, labelled by rank; an exception on any rank raises
-        one :class:`CompositeRankError`; past ``timeout`` seconds a
+        Output streams live, labelled by rank.  An exception on any rank raises
+        one :class:`CompositeRankError`, the first failure first; ranks still
+        running ``grace`` seconds (default: the pool's) after a failure are
+        stopped and reported with where they waited.  Past ``timeout`` seconds a
         :class:`CellTimeoutError` carries each stuck rank's stack.  Figures and
         ``display()`` calls of ``display_ranks`` appear inline; with
         ``show_result`` (as ``%%megatron`` does) so does the last expression.
@@ -289,61 +391,103 @@ class Pool:
                 for rank in targets:  # label this cell's output with the coordinates it will have
                     self.ranks[rank].coords = resolved.coordinates(rank)
                 self.layout = resolved
-        replies = self._request("execute", targets, header, timeout=timeout, stream=not quiet)
-        errors = []
+        outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
+        errors, values = self._absorb(outcome)
+        self._raise_for(outcome, targets, errors)
+        return values
+
+    def _absorb(self, outcome: Outcome) -> tuple[list[RankError], dict[int, Any]]:
+        """Coordinates, layout, run records and values of an execute's replies (in arrival order)."""
+        errors: list[RankError] = []
         values: dict[int, Any] = {}
         records: list[dict[str, Any]] = []
-        for rank, reply in sorted(replies.items()):
+        for rank, reply in outcome.replies.items():
             info = self.ranks[rank]
             info.coords = reply.get("coords") or info.coords
             if reply.get("layout"):
                 self.layout = ParallelConfig(**reply["layout"])
             payload = reply.payload or {}
             records.extend(payload.get("records") or [])
-            if reply.get("ok"):
+            if reply.get("payload_error") and reply.get("ok"):
+                errors.append(RankError(
+                    rank=rank, ename="UnpicklingError", label=info.label(self.layout.as_dict()),
+                    evalue=f"the notebook kernel could not rebuild this rank's result: {reply['payload_error']}",
+                ))
+            elif reply.get("ok"):
                 values[rank] = payload.get("value")
-            else:
-                errors.append(
-                    RankError(rank=rank, ename=reply.get("ename", "Error"), evalue=reply.get("evalue", ""),
-                              traceback=reply.get("traceback", ""), label=info.label(self.layout.as_dict()))
-                )
+            elif reply.get("ename") != "KeyboardInterrupt" or not (outcome.interrupted or rank in outcome.waiting):
+                errors.append(self._rank_error(rank, reply))  # not the interrupt mnb itself sent
         self.last_cell_records = records
         if records:
-            set_last_run(records)
-        if errors:
-            raise CompositeRankError(errors, cell_ranks=targets)
-        return values
+            set_last_run(sorted(records, key=lambda r: r.get("rank", 0)))
+        return errors, dict(sorted(values.items()))
 
-    @_exclusive
+    @exclusive
     def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
-        """Bind names on the ranks: ``pool.push({"lr": 1e-3})``."""
-        if not isinstance(namespace, dict):
-            raise TypeError("push takes a dict of {name: value}")
-        self._raise_errors(self._request("push", self._targets(ranks), {}, payload=namespace, timeout=60))
+        """Bind names on the ranks: ``pool.push({"lr": 1e-3})``.
 
-    @_exclusive
+        Each name is pickled here first: what the ranks could not rebuild (a lambda,
+        a function or class of the notebook, an open file, a lock) raises TypeError
+        naming it before any rank is touched.
+        """
+        encoded = encode_push(namespace)  # raises before any rank is touched
+        self._raise_errors(self._request("push", self._targets(ranks), {"encoded": True}, payload=encoded,
+                                         timeout=60))
+
+    @exclusive
     def pull(self, name: str | list[str], ranks: Iterable[int] | None = None) -> dict[int, Any]:
-        """Read a name (or names) from the ranks: ``{rank: value}`` (tensors arrive as numpy)."""
+        """Read a name (or names) from the ranks: ``{rank: value}`` (tensors arrive as numpy).
+
+        Values the kernel cannot rebuild without torch (torch functions, models,
+        objects of cell-defined classes) arrive as ``mnb.values.Unportable`` notes
+        showing their repr and why; a value that still fails to decode raises one
+        CompositeRankError naming the name(s) and rank(s), and the ranks stay idle.
+        """
         names = [name] if isinstance(name, str) else list(name)
         replies = self._request("pull", self._targets(ranks), {"names": names}, timeout=60)
         self._raise_errors(replies)
+        pulled: dict[int, dict[str, Any]] = {}
+        errors, failed = [], []
+        for rank, reply in sorted(replies.items()):
+            try:
+                pulled[rank] = decode_values(reply.payload or {})
+            except ValueDecodeError as exc:
+                failed += [n for n in exc.problems if n not in failed]
+                errors.append(RankError(rank=rank, ename="ValueDecodeError", evalue=str(exc),
+                                        label=self.ranks[rank].label(self.layout.as_dict())))
+        if errors:
+            raise CompositeRankError(
+                errors, cell_ranks=sorted(replies),
+                headline=(f"pull: the notebook kernel cannot rebuild {', '.join(map(repr, failed))} from "
+                          f"rank(s) {[e.rank for e in errors]}; the values stay on the ranks (pull plain data "
+                          "instead, e.g. x.tolist() or str(x) computed in a %%megatron cell)"),
+            )
         if isinstance(name, str):
-            return {rank: reply.payload[name] for rank, reply in sorted(replies.items())}
-        return {rank: reply.payload for rank, reply in sorted(replies.items())}
+            return {rank: values[name] for rank, values in pulled.items()}
+        return pulled
 
-    @_exclusive
     def status(self) -> list[dict[str, Any]]:
-        """Per rank: pid, host, state, device, memory in use and layout (answered even while busy)."""
-        self._drain()
-        alive = [r for r, i in self.ranks.items() if i.state != "dead"] if self._transport else []
-        answers = self._ask_io_thread("status", alive, timeout_s=3.0)
+        """Per rank: pid, host, state, device, memory in use and layout.
+
+        Answered by each rank's I/O thread, also while a cell, a background run
+        or an automatic restart holds the pool.
+        """
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+        transport = self._transport
+        restarting = self.restarting
+        alive = [r for r, i in self.ranks.items() if i.state != "dead"]
+        answers = transport.ask("status", alive, 3.0) if transport is not None and alive and not restarting else {}
         rows = []
         for rank, info in sorted(self.ranks.items()):
             reply = answers.get(rank)
-            state = info.state
+            state = "restarting" if restarting else info.state
             if reply is not None and state == "idle" and reply.get("busy"):
                 state = "busy"
-            if reply is None and state not in ("dead",):
+            if reply is None and state not in ("dead", "restarting"):
                 state = f"{state} (no answer)"
             rows.append({
                 "rank": rank, "pid": info.pid, "host": info.host, "state": state, "device": info.device,
@@ -352,15 +496,22 @@ class Pool:
             })
         return rows
 
-    @_exclusive
     def stacks(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
-        """Each rank's current Python stack (main thread), e.g. to see where a cell hangs."""
-        targets = [r for r in (ranks or self.ranks) if self.ranks[r].state != "dead"]
-        return {r: m.get("stacks", "") for r, m in self._ask_io_thread("stacks", targets, 3.0).items()}
+        """Each rank's current Python stack (main thread), e.g. to see where a cell hangs.
+
+        Answered by each rank's I/O thread, also while another request runs.
+        """
+        transport = self._transport
+        if transport is None or self.restarting:
+            return {}
+        targets = [r for r in (ranks if ranks is not None else self.ranks)
+                   if r in self.ranks and self.ranks[r].state != "dead"]
+        return {r: m.get("stacks", "") for r, m in sorted(transport.ask("stacks", targets, 3.0).items())}
 
     # ------------------------------------------------------------ internals
     def _targets(self, ranks: Iterable[int] | None) -> list[int]:
-        if self._transport is None:
+        self._join_relaunch()
+        if self._transport is None and self._broken is None:
             raise PoolError("the pool is not running; start it with %mnb start (or %mnb restart)")
         if self._broken:
             raise PoolError(f"{self._broken}; run %mnb restart to bring the pool back")
@@ -372,91 +523,127 @@ class Pool:
                 f"(valid: 0-{self.world_size - 1})"
             )
         self._drain()
-        stuck = [r for r in targets if self.ranks[r].state == "stuck"]
-        if stuck:
-            where = "; ".join(f"rank {r}: {self.ranks[r].stuck_in}" for r in stuck)
-            raise PoolError(
-                f"rank(s) {stuck} are still busy with a cell that timed out ({where}); "
-                "wait for them, or run %mnb restart"
-            )
+        busy = [r for r in targets if self.ranks[r].state == "busy"]
+        if busy:  # a request that was never answered: replace the ranks rather than refuse forever
+            raise PoolError(self._restart_in_background(f"rank(s) {busy} never answered an earlier request"))
         return targets
 
     def _drain(self) -> None:
-        """Handle messages that arrived between requests (late replies free stuck ranks)."""
+        """Handle messages that arrived between requests (late output of ended cells is dropped)."""
         if self._transport is None:
             return
         while True:
             try:
                 message = self._transport.inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             self._handle_stray(message)
+        if self._stray_lines:
+            log.info("dropped %d late output line(s) of earlier cells", self._stray_lines)
+            self._stray_lines = 0
 
     def _handle_stray(self, message: Message) -> None:
-        rank = message.get("rank")
-        info = self.ranks.get(rank)
+        """A message of a request that already ended: never replayed into the current cell."""
+        info = self.ranks.get(message.get("rank"))
         if info is None:
             return
-        if message.type == "reply" and info.state == "stuck" and message.id == info.cell:
-            info.state, info.stuck_in, info.cell = "idle", "", None
+        if message.type == "reply" and info.state == "busy" and message.id == info.request_id:
+            info.state, info.request_id = "idle", None
         elif message.type == "stream":
-            print(f"[{info.label(self.layout.as_dict())} late] {message['text']}", end="")
+            self._stray_lines += message["text"].count("\n") or 1
+
+    def _any_dead(self) -> bool:
+        """Whether a rank of the pool has gone: its process (this host) or its heartbeat (another host)."""
+        launcher, transport = self._launcher, self._transport
+        if launcher is None or transport is None:
+            return True
+        if launcher.returncode() is not None or launcher.dead_ranks():
+            return True
+        now = time.monotonic()
+        return any(not info.local and now - transport.last_heartbeat.get(rank, now) > REMOTE_SILENCE_S
+                   for rank, info in self.ranks.items())
+
+    def _exchange(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
+                  timeout: float | None = None, stream: bool = True, grace: float | None = None) -> Outcome:
+        """Send one request to ``targets`` and wait for its outcome (no error raised here)."""
+        message = Message(kind, header=header, payload=payload)
+        transport = self._transport
+        layout = self.layout.as_dict()
+        collector = Collector(
+            transport, message.id, targets, {r: self.ranks[r].label(layout) for r in targets},
+            timeout_s=timeout if timeout is not None else self.cell_timeout_s,
+            grace_s=self.grace_s if grace is None else grace, stream=stream, any_dead=self._any_dead,
+            event_handlers=self.event_handlers, on_stray=self._handle_stray,
+        )
+        with sigint_deferred() as interrupt_arrived:
+            for rank in targets:
+                self.ranks[rank].state, self.ranks[rank].request_id = "busy", message.id
+                transport.send(rank, message)
+        outcome = collector.wait(interrupted=interrupt_arrived())
+        for rank in outcome.replies:
+            self.ranks[rank].state, self.ranks[rank].request_id = "idle", None
+        return outcome
 
     def _request(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
                  timeout: float | None = None, stream: bool = True) -> dict[int, Message]:
-        message = Message(kind, header=header, payload=payload)
-        for rank in targets:
-            self.ranks[rank].state, self.ranks[rank].cell = "busy", message.id
-            self._transport.send(rank, message)
-        return Collector(self, message.id, targets, timeout if timeout is not None else self.cell_timeout_s,
-                          stream=stream).wait()
+        """A request whose error replies the caller handles; deaths, hangs and interrupts raise here."""
+        outcome = self._exchange(kind, targets, header, payload=payload, timeout=timeout, stream=stream)
+        self._raise_for(outcome, targets, [])
+        return dict(sorted(outcome.replies.items()))
 
-    def _ask_io_thread(self, kind: str, targets: list[int], timeout_s: float) -> dict[int, Message]:
-        """status/stacks: answered by each rank's I/O thread, even mid-cell."""
-        if self._transport is None or not targets:
-            return {}
-        message = Message(kind, header={})
-        for rank in targets:
-            self._transport.send(rank, message)
-        answers: dict[int, Message] = {}
-        deadline = time.monotonic() + timeout_s
-        stash = []
-        while len(answers) < len(targets) and time.monotonic() < deadline:
-            try:
-                reply = self._transport.inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if reply.type == "reply" and reply.id == message.id:
-                answers[reply["rank"]] = reply
-            else:
-                stash.append(reply)
-        for item in stash:
-            self._transport.inbox.put(item)
-        return answers
+    def _raise_for(self, outcome: Outcome, targets: list[int], errors: list[RankError]) -> None:
+        """Turn an outcome into the one error the notebook shows, repairing the pool first."""
+        if outcome.died:
+            raise self._died_error()
+        note = ""
+        if outcome.unreleased:
+            note = self._restart_in_background(f"rank(s) {outcome.unreleased} could not be released")
+        if outcome.interrupted:
+            raise interrupted(reports.interrupt_line(outcome, targets) + (f"\n{note}" if note else ""))
+        if outcome.timed_out:
+            raise CellTimeoutError(reports.timeout_text(outcome, targets, self._labels(), note), outcome.stacks)
+        if errors or outcome.waiting:
+            raise reports.failure_error(errors, outcome, targets, self._labels(), note)
+
+    def _labels(self) -> dict[int, str]:
+        layout = self.layout.as_dict()
+        return {rank: info.label(layout) for rank, info in self.ranks.items()}
+
+    def _rank_error(self, rank: int, reply: Message) -> RankError:
+        return RankError(rank=rank, ename=reply.get("ename", "Error"), evalue=reply.get("evalue", ""),
+                         traceback=reply.get("traceback", ""), label=self.ranks[rank].label(self.layout.as_dict()))
+
+    def _died_error(self) -> RankDiedError:
+        """Say how each rank ended (the first failure first), then replace the pool's processes."""
+        deaths = self._launcher.deaths() if self._launcher is not None else {}
+        now, transport = time.monotonic(), self._transport
+        for rank, info in self.ranks.items():
+            silent_s = now - transport.last_heartbeat.get(rank, now) if transport is not None else 0.0
+            if not info.local and silent_s > REMOTE_SILENCE_S:
+                deaths.setdefault(rank, f"no heartbeat for {REMOTE_SILENCE_S:.0f} s (host {info.host})")
+        deaths = deaths or {r: "stopped with torchrun" for r in self.ranks}
+        lines, first = reports.death_lines(deaths, self._labels())
+        lines.append(self._restart_in_background(f"rank(s) {first} died"))
+        if self.spec.nnodes > 1:
+            lines.append(f"torchrun log: {self.spec.log_file}")
+        return RankDiedError("\n".join(lines), deaths)
 
     def _raise_errors(self, replies: dict[int, Message]) -> None:
-        errors = [
-            RankError(rank=r, ename=m.get("ename", "Error"), evalue=m.get("evalue", ""),
-                      label=self.ranks[r].label(self.layout.as_dict()))
-            for r, m in sorted(replies.items()) if not m.get("ok")
-        ]
+        errors = [self._rank_error(r, m) for r, m in sorted(replies.items()) if not m.get("ok")]
         if errors:
             raise CompositeRankError(errors, cell_ranks=sorted(replies))
 
-    def _mark_broken(self, reason: str) -> None:
-        self._broken = reason
-
     def __repr__(self) -> str:
-        state = "running" if self.running else (self._broken or "stopped")
+        state = "restarting" if self.restarting else ("running" if self.running else (self._broken or "stopped"))
         return f"<mnb.Pool {self.world_size} x {self.spec.device} ranks, {self.layout.describe()}, {state}>"
-
-
 
 
 @atexit.register
 def _stop_all() -> None:
     for pool in list(_POOLS):
         try:
-            pool._teardown()
+            pool._join_relaunch(cancel=True)
+            pool._teardown(grace_s=2.0)
+            pool._remove_files()
         except Exception as exc:  # interpreter is exiting; say what could not be cleaned
             log.warning("could not stop %r: %s", pool, exc)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mnb.config import TrainConfig
-from mnb.megatron import events
+from mnb.megatron import events, interrupts
 from mnb.megatron import layout as _layout
 from mnb.megatron.batches import BatchPlan, microbatch_iterators
 from mnb.megatron.memory import MemoryMeter
@@ -191,14 +191,20 @@ def _holds_loss() -> bool:
     return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
 
 
-def _global_loss(losses_reduced: list[dict], device) -> float:
-    """Average per-token loss over the global batch, identical on every rank."""
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+def _global_loss(losses_reduced: list[dict], device, interrupted: bool = False) -> tuple[float, bool]:
+    """Average per-token loss over the global batch, and whether any rank was interrupted.
+
+    Both are identical on every rank: the interrupt flag rides along in the
+    loss's all-reduce, so every rank stops after the same step.
+    """
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     if _holds_loss():
         for item in losses_reduced:
-            totals += item["lm loss"].to(device=device, dtype=torch.float64)
+            totals[:2] += item["lm loss"].to(device=device, dtype=torch.float64)
+    totals[2] = float(interrupted)
     torch.distributed.all_reduce(totals)
-    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+    loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+    return loss, bool(totals[2] > 0)
 
 
 def _oom_error(err: BaseException, step: int, meter: MemoryMeter) -> torch.OutOfMemoryError:
@@ -225,11 +231,15 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
     Keyword arguments are :class:`mnb.config.TrainConfig` fields (unset ones take
     its defaults).  Must be called on every rank of the pool.
     """
+    with interrupts.deferred() as flag:  # set-up runs collectives too: never cut it on one rank
+        return _train(model, flag, steps=steps, micro_batch_size=micro_batch_size,
+                      global_batch_size=global_batch_size, lr=lr, data=data, **fields)
+
+
+def _train(model: MegatronModel, flag: interrupts.InterruptFlag, **settings: Any) -> dict:
     from megatron.core import parallel_state as ps
 
-    given = dict(steps=steps, micro_batch_size=micro_batch_size,
-                 global_batch_size=global_batch_size, lr=lr, data=data)
-    tc = train_config(**{k: v for k, v in given.items() if v is not None}, **fields)
+    tc = train_config(**{k: v for k, v in settings.items() if v is not None})
     if not isinstance(model, MegatronModel):
         raise TypeError(f"train() needs the model returned by mnb.gpt(), got {type(model).__name__}")
     model.check_layout()
@@ -256,10 +266,14 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
         dp_rank=ps.get_data_parallel_rank(),
     )
     dataset = plan.dataset(tc, model, steps=tc.steps)
+    if _agree_to_stop(flag, device):
+        raise KeyboardInterrupt(f"mnb.train stopped before its first step on every rank "
+                                f"(steps_done={model.steps_done}); nothing was trained")
     config.timers = recorder
     try:
         with time_token_dispatch(model.chunks, recorder):
-            step_rows, timeline = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device)
+            step_rows, timeline, stopped = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter,
+                                                      device, flag)
     finally:
         config.timers = None
     record = build_record(
@@ -268,10 +282,23 @@ def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: i
         flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size),
     )
     events.publish_record(record)
+    if stopped or flag.requested:
+        # Every rank stopped after the same step (see mnb.megatron.interrupts): the cell ends here.
+        raise KeyboardInterrupt(
+            f"mnb.train stopped after step {len(step_rows)} of {tc.steps} on every rank "
+            f"(steps_done={model.steps_done}); mnb.train(model, ...) continues from there"
+        )
     return record
 
 
-def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device):
+def _agree_to_stop(flag: interrupts.InterruptFlag, device) -> bool:
+    """Whether any rank was interrupted during set-up: one all-reduce, so all ranks answer alike."""
+    raised = torch.tensor([float(flag.requested)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(raised)
+    return bool(raised.item() > 0)
+
+
+def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, flag):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -280,7 +307,7 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device):
     tokens_per_step = plan.global_batch_size * seq
     reports = (_holds_loss() and ps.get_data_parallel_rank() == 0
                and ps.get_context_parallel_rank() == 0)
-    step_rows, timeline = [], []
+    step_rows, timeline, stop = [], [], False
     for i in range(tc.steps):
         step = model.steps_done
         meter.begin_step()
@@ -304,7 +331,7 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device):
             with recorder.span("optimizer"):
                 _, grad_norm, _ = model.optimizer.step()
             scheduler.step(increment=1)
-            loss = _global_loss(losses, device)
+            loss, stop = _global_loss(losses, device, flag.requested)
         except torch.OutOfMemoryError as err:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -326,4 +353,6 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device):
         if reports:
             events.emit("progress", {"step": i + 1, "steps": tc.steps, "global_step": step, "loss": loss,
                                      "tokens_per_s": row["tokens_per_s"], "step_time_s": step_time})
-    return step_rows, timeline
+        if stop:
+            break
+    return step_rows, timeline, stop

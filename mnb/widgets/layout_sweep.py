@@ -174,12 +174,8 @@ def _run_rows(result: SweepResult, points: list[dict[str, Any]], pool: Any, prog
         try:
             run = measure(pool, model, parallel, train, steps=result.steps, model_overrides=model_overrides,
                           timeout=timeout, on_event=progress.on_event, gpu=gpu)
-        except KeyboardInterrupt:
-            row.status, row.reason = "interrupted", "stopped by the user (KeyboardInterrupt)"
-            stuck = sorted(r for r, info in pool.ranks.items() if info.state == "stuck")
-            if stuck:
-                row.reason += (f"; rank(s) {stuck} did not stop (blocked in a collective): "
-                               "run %mnb restart (or pool.restart()) before the next cell")
+        except KeyboardInterrupt as err:
+            row.status, row.reason = "interrupted", f"stopped by the user ({str(err).splitlines()[0] if str(err) else 'KeyboardInterrupt'})"
             row.wall_s = time.perf_counter() - t0
             result.interrupted = True
             progress.row_done(row)
@@ -190,7 +186,7 @@ def _run_rows(result: SweepResult, points: list[dict[str, Any]], pool: Any, prog
             row.status, row.reason = failure(err)
             row.wall_s = time.perf_counter() - t0
             if isinstance(err, RankDiedError):
-                row.reason += _restart(pool)
+                row.reason += "; the pool restarted its ranks for the next layouts"
             progress.row_done(row)
             continue
         row.wall_s = time.perf_counter() - t0
@@ -201,14 +197,6 @@ def _run_rows(result: SweepResult, points: list[dict[str, Any]], pool: Any, prog
                     "bubble", "theoretical_bubble", "loss"):
             setattr(row, key, metrics.get(key))
         progress.row_done(row)
-
-
-def _restart(pool: Any) -> str:
-    try:
-        pool.restart()
-    except Exception as err:  # reported in the row; later rows are skipped as "not running"
-        return f"; the pool could not be restarted: {err}"
-    return "; the pool was restarted for the next layouts"
 
 
 class _Progress:

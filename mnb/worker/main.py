@@ -67,11 +67,11 @@ class Rank:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.node_rank = int(os.environ.get("GROUP_RANK", "0"))
         self.device_kind = device_kind
-        self.channel = Channel(info, self.rank, status_fn=self.status)
+        self.channel = Channel(info, self.rank, status_fn=self.status, deferring_fn=_interrupts_deferred)
         self.layout: dict[str, Any] | None = None
         self.namespace: dict[str, Any] = {"__name__": "__mnb__"}
-        self.stdout = RankStream("stdout", self.channel.send, self.rank, sys.__stdout__)
-        self.stderr = RankStream("stderr", self.channel.send, self.rank, sys.__stderr__)
+        self.stdout = RankStream("stdout", self.channel, self.rank, sys.__stdout__)
+        self.stderr = RankStream("stderr", self.channel, self.rank, sys.__stderr__)
         self.display_here = False
 
     # -------------------------------------------------------------- start
@@ -198,9 +198,18 @@ class Rank:
             try:
                 handler = getattr(self, f"_on_{message.type}")
                 handler(message)
-            except KeyboardInterrupt:
-                outcome = describe_exception(KeyboardInterrupt())
-                self.channel.reply(message, ok=False, ename=outcome.ename, evalue="", traceback="")
+            except BaseException as exc:  # one message's failure is its error reply, never the rank's end
+                outcome = describe_exception(exc)
+                if isinstance(exc, KeyboardInterrupt):
+                    evalue, text = "", ""
+                else:
+                    log.warning("rank %d could not handle %s: %s", self.rank, message.type, outcome.evalue)
+                    evalue = f"could not handle {message.type!r}: {outcome.evalue}"  # the label names the rank
+                    text = outcome.traceback
+                try:
+                    self.channel.reply(message, ok=False, ename=outcome.ename, evalue=evalue, traceback=text)
+                except Exception as reply_exc:  # plain strings: only a closing channel gets here
+                    log.error("rank %d could not send the error reply: %s", self.rank, reply_exc)
             finally:
                 self.channel.busy.clear()
 
@@ -254,7 +263,29 @@ class Rank:
         )
 
     def _on_push(self, message: Message) -> None:
-        self.namespace.update(message.payload or {})
+        """Bind the pushed names: each arrives pickled on its own (``values.encode_push``); all or none."""
+        import pickle
+
+        payload = message.payload or {}
+        if not message.get("encoded"):
+            self.namespace.update(payload)
+            self.channel.reply(message, ok=True)
+            return
+        bound: dict[str, Any] = {}
+        failed: dict[str, str] = {}
+        for name, data in payload.items():
+            try:
+                bound[name] = pickle.loads(data)
+            except Exception as exc:  # e.g. a module the kernel has and this host lacks
+                failed[name] = f"{type(exc).__name__}: {exc}"
+        if failed:
+            self.channel.reply(
+                message, ok=False, ename="UnpicklingError",
+                evalue=f"cannot rebuild {', '.join(map(repr, failed))} (nothing was bound): "
+                + "; ".join(f"{name}: {why}" for name, why in failed.items()),
+            )
+            return
+        self.namespace.update(bound)
         self.channel.reply(message, ok=True)
 
     def _on_pull(self, message: Message) -> None:
@@ -264,8 +295,18 @@ class Rank:
                 message, ok=False, ename="NameError", evalue=f"name(s) not defined on rank {self.rank}: {', '.join(missing)}"
             )
             return
-        values = {name: portable(self.namespace[name]) for name in message["names"]}
-        self.channel.reply(message, payload=values, ok=True)
+        from mnb import values
+
+        # One kernel-safe pickle per name (decoded by values.decode_values in the kernel),
+        # so the message itself always unpickles there whatever the values hold.
+        encoded = values.encode_values({name: self.namespace[name] for name in message["names"]})
+        self.channel.reply(message, payload=encoded, ok=True, encoded=True)
+
+
+def _interrupts_deferred() -> bool:
+    """Whether the main thread is in mnb.train, which stops at a step boundary (never imports Megatron)."""
+    interrupts = sys.modules.get("mnb.megatron.interrupts")
+    return bool(interrupts and interrupts.is_deferring())
 
 
 def _megatron_version() -> str:

@@ -1,0 +1,72 @@
+"""What the notebook is told when a request did not simply succeed.
+
+Pure functions from an :class:`~mnb.controller.collector.Outcome` (and the
+ranks' labels) to text or to the one error a cell ends with; the pool decides
+what to repair and passes the line that says so (``note``).  Every message
+says what happened, where each rank was, and what happens next.
+"""
+
+from __future__ import annotations
+
+from mnb.controller.collector import Outcome, last_frame
+from mnb.errors import CompositeRankError, RankError, format_rank_set
+
+Labels = dict[int, str]
+"""rank -> 'r1 tp0 pp0 dp1'"""
+
+
+def interrupt_line(outcome: Outcome, targets: list[int]) -> str:
+    """One line: which ranks stopped, and where (the training step, or the cell line)."""
+    replies = [outcome.replies[r] for r in targets if r in outcome.replies]
+    stopped = sorted(outcome.replies)
+    train = {m.get("evalue") for m in replies if str(m.get("evalue", "")).startswith("mnb.train stopped")}
+    if train:
+        text = f"rank(s) {stopped}: {sorted(train)[0]}"  # the same step on every rank
+    else:
+        places = {last_frame(m.get("traceback", "")) for m in replies} - {""}
+        text = f"interrupted rank(s) {stopped}" + (f" at {'; '.join(sorted(places))}" if places else "")
+    if outcome.dropped_lines:
+        text += f" ({outcome.dropped_lines:,} line(s) of its output were dropped)"
+    return text
+
+
+def timeout_text(outcome: Outcome, targets: list[int], labels: Labels, note: str) -> str:
+    """Who had not finished at the timeout, where each waited, their stacks, and what follows."""
+    pending = outcome.pending
+    lines = [f"cell timed out after {outcome.timeout_s:g} s; rank(s) {pending} had not finished."]
+    lines += [f"  [{labels[rank]}] at {outcome.waiting[rank]}" for rank in pending]
+    finished = [r for r in targets if r not in pending]
+    if finished:
+        lines.append(f"  rank(s) {finished} had finished (did they skip a collective the others wait in?)")
+    grouped: dict[str, list[int]] = {}
+    for rank, text in outcome.stacks.items():
+        grouped.setdefault(text, []).append(rank)
+    for text, members in grouped.items():
+        lines.append(f"\nPython stack of [{format_rank_set(members)}]:")
+        lines.append(text.rstrip())
+    lines.append("\n" + (note or "All ranks were interrupted; the pool is usable."))
+    return "\n".join(lines)
+
+
+def failure_error(errors: list[RankError], outcome: Outcome, targets: list[int], labels: Labels,
+                  note: str) -> CompositeRankError:
+    """The cell's failures, root cause first, then where the ranks that had not finished were."""
+    waiting = {r: f"[{labels[r]}] was still running at {where}" for r, where in outcome.waiting.items()}
+    if outcome.waiting and not note:
+        note = f"rank(s) {sorted(outcome.waiting)} were interrupted; the pool is usable."
+    return CompositeRankError(errors, cell_ranks=targets, waiting=waiting, notes=[note] if note else [])
+
+
+def death_lines(deaths: dict[int, str], labels: Labels) -> tuple[list[str], list[int]]:
+    """'rank 1 (r1 tp0 pp0 dp1) died: exit code 3 (pid 42)' per rank, the first failures first.
+
+    torchrun SIGTERMs the survivors of a failure: those are said to be torn
+    down, not killed.  Returns the lines and the ranks that failed first.
+    """
+    if any("SIGTERM" not in why for why in deaths.values()):
+        deaths = {r: why if "SIGTERM" not in why else f"torn down by torchrun after the failure ({why})"
+                  for r, why in deaths.items()}
+    ordered = sorted(deaths.items(), key=lambda item: ("torn down" in item[1], item[0]))
+    lines = [f"rank {r} ({labels[r]}) died: {why}" for r, why in ordered if r in labels]
+    first = [r for r, why in ordered if "torn down" not in why] or sorted(deaths)
+    return lines, first
