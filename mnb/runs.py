@@ -28,6 +28,7 @@ clock); across hosts the bubble is only as good as the clocks' agreement.
 from __future__ import annotations
 
 import html
+from statistics import median
 from dataclasses import fields
 from functools import cached_property
 from typing import Any, Iterable
@@ -241,23 +242,32 @@ class Run:
 
     # ----- pipeline ------------------------------------------------------------------
     def timeline(self, step: int | None = None) -> list[dict[str, Any]]:
-        """Timeline events of one step (default: the last), one rank per pipeline stage."""
+        """Timeline events of one step (default: the last), one rank per pipeline stage.
+
+        Times are seconds from the earliest stage's start of that step, on the
+        host clock the ranks share (``origin_s`` of each row), so one stage's
+        idle time is measured against the others' work.
+        """
         chosen: dict[int, int] = {}
         for rank, rec in self.ranks.items():
             if rec.get("timeline"):
                 stage = int((rec.get("coords") or {}).get("pp", rec["timeline"][0].get("stage", 0)))
                 chosen.setdefault(stage, rank)
+        steps = self.timeline_steps()
+        if not chosen or not steps:
+            return []
+        wanted = steps[-1] if step is None else step
         events = []
         for stage, rank in chosen.items():
             for ev in self.ranks[rank]["timeline"]:
-                ev = dict(ev)
-                ev.setdefault("stage", stage)
-                events.append(ev)
-        if not events:
-            return []
-        steps = sorted({int(ev.get("step", 0)) for ev in events})
-        wanted = steps[-1] if step is None else step
-        return [ev for ev in events if int(ev.get("step", 0)) == wanted]
+                if int(ev.get("step", 0)) == wanted:
+                    events.append(dict(ev, stage=ev.get("stage", stage)))
+        origin = min((float(ev["origin_s"]) for ev in events if "origin_s" in ev), default=None)
+        if origin is not None:
+            for ev in events:
+                shift = float(ev.get("origin_s", origin)) - origin
+                ev["start_s"], ev["end_s"] = float(ev["start_s"]) + shift, float(ev["end_s"]) + shift
+        return events
 
     def timeline_steps(self) -> list[int]:
         steps = {int(ev.get("step", 0)) for rec in self._records for ev in rec.get("timeline") or []}
@@ -265,7 +275,7 @@ class Run:
 
     @property
     def measured_bubble_per_step(self) -> dict[int, float]:
-        """Bubble (idle / busy, as in (p-1)/m) per step, from the timeline."""
+        """Bubble per step (the idle share of the step's pipeline span, mean over stages)."""
         out = {}
         for step in self.timeline_steps():
             result = estimate.timeline_bubble(self.timeline(step))
@@ -274,14 +284,26 @@ class Run:
         return out
 
     @property
+    def measured_bubble_by_stage(self) -> dict[int, float]:
+        """Each stage's bubble: the median over steps after the first."""
+        per: dict[int, list[float]] = {}
+        for step in self._steady_steps(self.timeline_steps()):
+            result = estimate.timeline_bubble(self.timeline(step))
+            for stage, value in (result or {}).get("by_stage", {}).items():
+                per.setdefault(stage, []).append(value)
+        return {stage: median(values) for stage, values in sorted(per.items())}
+
+    @property
     def measured_bubble(self) -> float | None:
-        """Mean measured bubble over steps (the first step is left out when there are more)."""
-        per = list(self.measured_bubble_per_step.values())
-        if not per:
-            return None
-        if len(per) > 1:
-            per = per[1:]
-        return sum(per) / len(per)
+        """The pipeline's bubble: median over steps after the first (robust on a loaded machine), in [0, 1]."""
+        per = self.measured_bubble_per_step
+        values = [per[s] for s in self._steady_steps(list(per))]
+        return median(values) if values else None
+
+    @staticmethod
+    def _steady_steps(steps: list[int]) -> list[int]:
+        """Steps after the first (warm-up) one, when there are more."""
+        return steps[1:] if len(steps) > 1 else steps
 
     @property
     def expected_bubble(self) -> float | None:
@@ -296,7 +318,7 @@ class Run:
         steps = self.timeline_steps()
         if self.layout.pp < 2 or not steps:
             return None
-        use = steps[1:] or steps
+        use = self._steady_steps(steps)
         durations: dict[tuple[int, str], list[float]] = {}
         for step in use:
             for ev in self.timeline(step):

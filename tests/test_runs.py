@@ -5,9 +5,9 @@ A pp=2, m=4 1F1B step written out by hand (forward 1 s, backward 2 s):
     stage 0: F0 [0,1] F1 [1,2] .. B0 [4,6] F2 [6,7] B1 [7,9] F3 [9,10] B2 [10,12] . B3 [13,15]
     stage 1: .  F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7] F2 [7,8] B2 [8,10] F3 [10,11] B3 [11,13] ..
 
-Span 15 s, busy 12 s per stage, idle 3 s per stage: bubble 6/24 = 0.25 = (p-1)/m.
-Step 2 is the same but stage 0's last backward takes 3 s: span 16, idle 3 + 4,
-busy 13 + 12: bubble 7/25 = 0.28.
+Span 15 s, busy 12 s per stage, idle 3 s per stage: bubble 3/15 = 0.2 = (p-1)/(m+p-1).
+Step 2 is the same but stage 0's last backward takes 3 s: span 16, idle 3 (stage 0)
+and 4 (stage 1): bubble (3/16 + 4/16) / 2 = 0.21875.
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ def test_losses_times_and_layout():
 
 def test_measured_bubble_from_timeline():
     run = Run(make_records())
-    assert run.measured_bubble_per_step == pytest.approx({1: 0.25, 2: 0.28})
-    assert run.measured_bubble == pytest.approx(0.28)  # first step left out
-    assert run.theoretical_bubble == pytest.approx(0.25)
+    assert run.measured_bubble_per_step == pytest.approx({1: 0.2, 2: 0.21875})
+    assert run.measured_bubble == pytest.approx(0.21875)  # median of the steps after the first
+    assert run.measured_bubble_by_stage == pytest.approx({0: 3 / 16, 1: 4 / 16})
+    assert run.theoretical_bubble == pytest.approx(0.2)
     events = run.timeline(1)
     assert {e["stage"] for e in events} == {0, 1}
     assert all(e["step"] == 1 for e in events)
@@ -113,7 +114,7 @@ def test_predicted_memory_and_summary():
     assert isinstance(pred, MemoryEstimate) and len(pred.stages) == 2
     assert pred.capacity_bytes == 150_000_000_000
     text = run.summary()
-    for piece in ("tiny", "tp1 pp2 dp1", "loss 5.5000 -> 5.0000", "MFU", "bubble measured 28.0% vs theoretical 25.0%",
+    for piece in ("tiny", "tp1 pp2 dp1", "loss 5.5000 -> 5.0000", "MFU", "bubble measured 21.9% vs theoretical 20.0%",
                   "peak memory", "vs predicted"):
         assert piece in text, (piece, text)
     assert "<b>mnb run</b>" in run._repr_html_()
@@ -165,7 +166,7 @@ def test_expected_bubble_replays_measured_stage_times():
             record["timeline"] = [e for e in record["timeline"] if e["step"] != step] + [
                 e for e in events if e["stage"] == rank]
     run = Run(records)
-    assert run.theoretical_bubble == pytest.approx(0.25)
-    assert run.measured_bubble > 0.3  # the faster stage waits for the slower one
+    assert run.theoretical_bubble == pytest.approx(0.2)
+    assert run.measured_bubble > 0.25  # the faster stage waits for the slower one
     assert run.expected_bubble == pytest.approx(run.measured_bubble)
     assert "for the measured stage times" in run.summary()

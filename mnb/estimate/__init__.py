@@ -9,7 +9,7 @@ field names (``_bytes``, ``_flops``, ``_s``)::
     train = TrainConfig(bf16=True, global_batch_size=128, use_distributed_optimizer=True)
     est.memory("llama-7b", ParallelConfig(), train, gpus=8, gpu="h200").summary()
     est.flops("llama-7b", train)                      # model FLOPs per step
-    est.bubble(ParallelConfig(pp=4, vpp=2, dp=1), 8)  # (p-1)/(v*m) = 0.1875
+    est.bubble(ParallelConfig(pp=4, vpp=2, dp=1), 8)  # idle share of the step: (p-1)/(v*m+p-1) = 0.158
     est.mfu("llama-7b", train, step_time_s=6.0, num_gpus=8, gpu="h200")
     est.plan("llama-7b", gpus=8, gpu="h200", seq=4096, gbs=128)[0].describe()
 
@@ -25,7 +25,7 @@ from .flops import flops, flops_per_token, hardware_flops, mfu
 from .hardware import DEVICES, Device, peak_flops
 from .memory import COMPONENTS, MemoryEstimate, StageMemory, bytes_per_param, memory
 from .params import StageParams, layer_params, stage_params
-from .pipeline import bubble, in_flight, simulate_schedule, timeline_bubble, warmup_microbatches
+from .pipeline import bubble, bubble_time_ratio, in_flight, simulate_schedule, timeline_bubble, warmup_microbatches
 from .plan import Plan, PlanRow, format_plan, plan
 from .timing import StepTimeEstimate, step_time
 
@@ -40,6 +40,7 @@ __all__ = [
     "StageParams",
     "StepTimeEstimate",
     "bubble",
+    "bubble_time_ratio",
     "bytes_per_param",
     "flops",
     "flops_per_token",

@@ -1,17 +1,26 @@
 """Pipeline schedules: bubble fraction, microbatches in flight, a schedule simulator
 and the bubble measured from a timeline.
 
-Bubble (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
-GPU Clusters Using Megatron-LM", arXiv 2104.04473, sec. 2.2): with p stages and
-m microbatches, 1F1B idles (p-1) forward+backward slots per stage, i.e. a
-bubble time of (p-1)/m of the ideal compute time; the interleaved schedule with
-v model chunks per rank divides it by v: (p-1)/(v*m).
+The bubble, one definition everywhere in mnb: **the fraction of a step's
+pipeline span that a stage sits idle** — per stage, idle time inside the
+step's compute span (first forward start to last backward end, over all
+stages) divided by that span; the pipeline's value is the mean over stages.
+It always lies in [0, 1] and falls as microbatches grow.
+
+Its prediction follows Narayanan et al. 2021 ("Efficient Large-Scale Language
+Model Training on GPU Clusters Using Megatron-LM", arXiv 2104.04473, sec. 2.2):
+1F1B with p stages and m microbatches idles (p-1) forward+backward slots per
+stage, a bubble time of (p-1)/m of the ideal compute time (their ratio), so
+the idle fraction of the span is (p-1)/(m+p-1); the interleaved schedule with
+v chunks per rank divides the bubble time by v: (p-1)/(v*m+p-1).
 
 Usage::
 
     >>> from mnb.config import ParallelConfig
-    >>> from mnb.estimate import bubble
-    >>> bubble(ParallelConfig(pp=4, dp=1), num_microbatches=8)
+    >>> from mnb.estimate import bubble, bubble_time_ratio
+    >>> round(bubble(ParallelConfig(pp=4, dp=1), num_microbatches=8), 4)   # 3 / 11
+    0.2727
+    >>> bubble_time_ratio(ParallelConfig(pp=4, dp=1), num_microbatches=8)  # (p-1)/m
     0.375
 """
 
@@ -25,10 +34,20 @@ COMPUTE_KINDS = ("forward", "backward")
 
 
 def bubble(parallel: ParallelConfig, num_microbatches: int) -> float:
-    """Pipeline bubble as a fraction of ideal compute time.
+    """Predicted bubble: the idle fraction of a step's pipeline span, in [0, 1].
 
-    ``(pp-1)/m`` for 1F1B, ``(pp-1)/(vpp*m)`` for the interleaved schedule
-    (Narayanan et al. 2021, eqs. in sec. 2.2.1 and 2.2.2).  0 when pp == 1.
+    ``(pp-1)/(m+pp-1)`` for 1F1B, ``(pp-1)/(vpp*m+pp-1)`` for the interleaved
+    schedule (Narayanan et al. 2021, sec. 2.2.1 and 2.2.2, expressed as a share
+    of the step instead of a ratio to compute).  0 when pp == 1.
+    """
+    ratio = bubble_time_ratio(parallel, num_microbatches)
+    return ratio / (1 + ratio)
+
+
+def bubble_time_ratio(parallel: ParallelConfig, num_microbatches: int) -> float:
+    """Bubble time over ideal compute time, Narayanan et al.'s ``(pp-1)/(vpp*m)`` (can exceed 1).
+
+    A step takes ``compute * (1 + ratio)``; :func:`bubble` is ``ratio / (1 + ratio)``.
     """
     m = num_microbatches
     if not isinstance(m, int) or m < 1:
@@ -178,14 +197,15 @@ def _dependency(kind: str, stage: int, chunk: int, mb: int, pp: int, v: int):
 
 
 def timeline_bubble(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
-    """Bubble measured from timeline events of one step.
+    """Bubble measured from the timeline events of one step (see the module doc).
 
-    The span is the forward-backward window of the step: first compute start
-    to last compute end over all stages.  Per stage, idle = span - busy, where
-    busy is the union of its forward/backward intervals; the bubble is
-    idle / busy, the quantity Narayanan et al. call (p-1)/m, so it is directly
-    comparable with :func:`bubble`.  Returns ``{"bubble", "idle_fraction",
-    "span_s", "by_stage": {stage: bubble}}`` or None without compute events.
+    The span runs from the first compute start to the last compute end over
+    all stages (times must share one clock: :meth:`mnb.runs.Run.timeline`
+    aligns ranks).  Per stage, idle = span - busy, busy the union of its
+    forward/backward intervals; the stage's bubble is idle / span and the
+    pipeline's is their mean, comparable with :func:`bubble`.  Returns
+    ``{"bubble", "by_stage": {stage: bubble}, "span_s", "busy_s": {stage: s}}``
+    or None without compute events.
     """
     by_stage: dict[int, list[tuple[float, float]]] = {}
     for ev in events:
@@ -199,19 +219,13 @@ def timeline_bubble(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     start = min(s for iv in by_stage.values() for s, _ in iv)
     end = max(e for iv in by_stage.values() for _, e in iv)
     span = end - start
-    stage_bubble: dict[int, float] = {}
-    idle_total = busy_total = 0.0
-    for stage, intervals in sorted(by_stage.items()):
-        busy = _union_length(intervals)
-        idle = max(span - busy, 0.0)
-        stage_bubble[stage] = idle / busy if busy > 0 else float("inf")
-        idle_total += idle
-        busy_total += busy
+    busy = {stage: _union_length(intervals) for stage, intervals in sorted(by_stage.items())}
+    stage_bubble = {stage: (max(span - b, 0.0) / span if span > 0 else 0.0) for stage, b in busy.items()}
     return {
-        "bubble": idle_total / busy_total if busy_total > 0 else float("inf"),
-        "idle_fraction": idle_total / (span * len(by_stage)) if span > 0 else 0.0,
-        "span_s": span,
+        "bubble": sum(stage_bubble.values()) / len(stage_bubble),
         "by_stage": stage_bubble,
+        "span_s": span,
+        "busy_s": busy,
     }
 
 

@@ -2,7 +2,7 @@
 pipeline bubble, plus bandwidth-only communication terms.
 
     compute   = hardware FLOPs (causal attention, + recompute) / (gpus * peak * achievable_fraction)
-    bubble    = compute * (pp-1)/(vpp*m)                  (Narayanan et al. 2021)
+    bubble    = compute * (pp-1)/(vpp*m)                  (Narayanan et al. 2021; bubble_time_ratio)
     tp        = layers/pp * m * (4, +2 with full recompute) all-reduces of s*b*h
     cp        = layers/pp * m * 3 ring passes of K and V
     ep        = MoE layers/pp * m * 4 all-to-alls of the routed tokens
@@ -30,7 +30,7 @@ from ._inputs import num_microbatches as resolve_microbatches
 from .flops import flops, hardware_flops
 from .memory import bytes_per_param
 from .params import stage_params
-from .pipeline import bubble
+from .pipeline import bubble_time_ratio
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +108,7 @@ def step_time(
     # executed work: causal kernels skip the masked half whatever MFU's convention
     hw_f = hardware_flops(model, train, global_batch_size=gbs, causal=True)
     compute = hw_f / (world * peak * achievable_fraction)
-    bubble_s = compute * bubble(parallel, m)
+    bubble_s = compute * bubble_time_ratio(parallel, m)
 
     s, b, h = model.seq_length // cp, train.micro_batch_size, model.hidden_size
     layers = model.num_layers // pp

@@ -4,8 +4,17 @@ Megatron's schedules call ``config.timers(name, log_level=...)`` and then
 ``.start()`` / ``.stop()`` around every forward and backward compute, every
 p2p transfer and the grad all-reduce.  Megatron's own ``Timers`` synchronise
 the GPU at each call and keep only totals; :class:`TimelineRecorder` keeps
-every interval instead and never synchronises: CUDA events on GPU (resolved
-once, after the step), ``time.perf_counter`` on CPU.
+every interval instead and never synchronises inside the step: CUDA events on
+GPU (resolved once, after the step), ``time.perf_counter`` on CPU.
+
+Ranks must share a clock for the bubble to mean anything: a stage's idle time
+is measured against the whole pipeline's span.  Each row therefore carries
+``origin_s``, the host's monotonic clock (``time.perf_counter``, one clock for
+every process of a host) at the step's start, and its times are seconds from
+there; on GPUs the origin event is recorded right after a synchronize (the
+previous step already drained the queue), so event times and host time agree.
+Before this, each rank's times started at its own step start, and ranks that
+began a step at different moments showed one another's lag as bubble.
 
 Which microbatch and virtual chunk an interval belongs to follows from call
 order, because the schedules are deterministic:
@@ -25,7 +34,7 @@ Usage::
     ... forward_backward_func(...) ...
     with rec.span("optimizer"):
         optimizer.step()
-    rows = rec.end_step()   # [{"step", "stage", "chunk", "kind", "microbatch", "start_s", "end_s"}]
+    rows = rec.end_step()   # [{"step", "stage", "chunk", "kind", "microbatch", "start_s", "end_s", "origin_s"}]
 """
 
 from __future__ import annotations
@@ -58,6 +67,14 @@ class _Clock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.origin = None
+        self.origin_host_s = 0.0
+
+    def start(self) -> None:
+        """Set the step's origin, on the host clock every rank of the host shares."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.origin = self.now()
+        self.origin_host_s = time.perf_counter()
 
     def now(self):
         if self.cuda:
@@ -135,7 +152,7 @@ class TimelineRecorder:
         self._raw = []
         for timer in self._timers.values():
             timer.reset()
-        self.clock.origin = self.clock.now()
+        self.clock.start()
 
     @contextlib.contextmanager
     def span(self, kind: str):
@@ -168,6 +185,7 @@ class TimelineRecorder:
                     "microbatch": microbatch,
                     "start_s": self.clock.seconds(start),
                     "end_s": self.clock.seconds(end),
+                    "origin_s": self.clock.origin_host_s,
                 }
             )
         self._raw = []

@@ -3,8 +3,11 @@
 Boxes: forward and backward microbatches (number inside, one shade per
 virtual chunk); communication and optimizer intervals as thin grey bars;
 the forward-backward span shaded behind, so idle time shows as the pale
-background.  The title puts the measured bubble beside the theoretical
-(p-1)/m or (p-1)/(v*m) (Narayanan et al. 2021).
+background.  The title puts the measured bubble (idle share of the step's
+pipeline span, mean over stages) beside the predicted (p-1)/(m+p-1) or
+(p-1)/(v*m+p-1) (Narayanan et al. 2021).  Microbatch numbers are written
+into the boxes while they fit; with many microbatches only every k-th is
+labelled, so the picture stays legible at any m.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from ._coerce import as_run
 from ._figure import COLORS, new_axes
 
 COMPUTE = ("forward", "backward")
+LABEL_GAP = 1 / 30
+"""Microbatch numbers on one stage are at least this share of the time axis apart (no overlaps)."""
 
 
 def _draw(ax, events: list[dict[str, Any]], pp: int, unit: str, scale: float) -> None:
@@ -32,7 +37,9 @@ def _draw(ax, events: list[dict[str, Any]], pp: int, unit: str, scale: float) ->
             ax.barh(stage, (span_end - t0) * scale, left=0.0, height=0.9, color=COLORS["idle"],
                     edgecolor="none", zorder=0)
     chunks = max((int(e.get("chunk") or 0) for e in events), default=0) + 1
-    for e in events:
+    axis_span = max((float(e["end_s"]) for e in events), default=t0) - t0
+    last_label = {}  # stage -> x of its last number
+    for e in sorted(events, key=lambda e: float(e["start_s"])):
         start = (float(e["start_s"]) - t0) * scale
         width = (float(e["end_s"]) - float(e["start_s"])) * scale
         stage = int(e.get("stage", 0))
@@ -42,9 +49,10 @@ def _draw(ax, events: list[dict[str, Any]], pp: int, unit: str, scale: float) ->
             alpha = 1.0 - 0.45 * chunk / max(chunks - 1, 1) if chunks > 1 else 1.0
             ax.barh(stage, width, left=start, height=0.8, color=COLORS[kind], alpha=alpha,
                     edgecolor="white", linewidth=0.5, zorder=2)
-            mb = e.get("microbatch")
-            if mb is not None:
-                ax.text(start + width / 2, stage, str(mb), ha="center", va="center", fontsize=7, zorder=3)
+            mb, middle = e.get("microbatch"), start + width / 2
+            if mb is not None and middle - last_label.get(stage, -1e30) >= LABEL_GAP * axis_span * scale:
+                ax.text(middle, stage, str(mb), ha="center", va="center", fontsize=7, zorder=3)
+                last_label[stage] = middle
         else:
             ax.barh(stage + 0.3, width, left=start, height=0.15, color=COLORS["comm"],
                     edgecolor="none", zorder=1)

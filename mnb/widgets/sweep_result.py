@@ -44,7 +44,7 @@ class SweepRow:
     mfu: float | None = None
     step_time_s: float | None = None
     bubble: float | None = None
-    """Measured bubble (idle / busy, comparable with (p-1)/m)."""
+    """Measured bubble: the idle share of a step's pipeline span, in [0, 1] (as ``mnb.estimate.bubble``)."""
     theoretical_bubble: float | None = None
     loss: float | None = None
     wall_s: float | None = None

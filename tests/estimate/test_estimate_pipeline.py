@@ -10,12 +10,23 @@ from mnb.config import ParallelConfig
 
 @pytest.mark.parametrize("pp,m", [(1, 1), (2, 4), (4, 8), (8, 16), (4, 2)])
 def test_bubble_1f1b(pp, m):
-    assert est.bubble(ParallelConfig(pp=pp, dp=1), m) == pytest.approx((pp - 1) / m)
+    """The idle share of the step: Narayanan et al.'s (p-1)/m bubble time over the step's (m+p-1) slots."""
+    parallel = ParallelConfig(pp=pp, dp=1)
+    assert est.bubble(parallel, m) == pytest.approx((pp - 1) / (m + pp - 1))
+    assert est.bubble_time_ratio(parallel, m) == pytest.approx((pp - 1) / m)
+    assert 0.0 <= est.bubble(parallel, m) < 1.0
 
 
 @pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (8, 2, 16)])
 def test_bubble_interleaved(pp, v, m):
-    assert est.bubble(ParallelConfig(pp=pp, vpp=v, dp=1), m) == pytest.approx((pp - 1) / (v * m))
+    parallel = ParallelConfig(pp=pp, vpp=v, dp=1)
+    assert est.bubble(parallel, m) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    assert est.bubble_time_ratio(parallel, m) == pytest.approx((pp - 1) / (v * m))
+
+
+def test_bubble_falls_as_microbatches_grow():
+    values = [est.bubble(ParallelConfig(pp=4, dp=1), m) for m in (1, 2, 4, 8, 16, 64)]
+    assert values == sorted(values, reverse=True) and values[0] == pytest.approx(0.75)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +63,7 @@ def test_simulation_with_measured_stage_times():
 
     pp2 = ParallelConfig(pp=2)
     equal = timeline_bubble(simulate_schedule(pp2, 8, forward_s=[1.0, 1.0], backward_s=[2.0, 2.0]))["bubble"]
-    assert equal == pytest.approx(1 / 8)  # (p-1)/m when the stages are equal
+    assert equal == pytest.approx(1 / 9)  # (p-1)/(m+p-1) when the stages are equal
     # Stage 1 takes 1.5x as long: the steady state runs at its pace and stage 0 idles
     # 1.5 - 1 = 0.5 of its own work per microbatch on top of the fill and drain.
     slow = timeline_bubble(simulate_schedule(pp2, 8, forward_s=[1.0, 1.5], backward_s=[2.0, 3.0]))

@@ -34,30 +34,44 @@ def test_relayout_releases_old_model_and_destroys_its_groups(cpu_pool):
     cpu_pool.run("pass", layout=ParallelConfig())
 
 
-def test_measured_bubble_of_equal_stages_is_near_theory(cpu_pool):
-    """pp=2, m=4 on CPU: 4 forward + 4 backward per stage in 1F1B order; bubble near (p-1)/m.
+def test_measured_bubble_is_a_fraction_that_falls_with_more_microbatches(cpu_pool):
+    """pp=2 on CPU ranks: 1F1B order per stage; the bubble, in [0, 1] on every stage, shrinks with m.
 
     Two equal stages (one decoder layer each, small vocabulary) so compute, not the
-    embedding or the output layer, decides each stage's time.
+    embedding or the output layer, decides each stage's time.  How close the measured
+    value comes to (p-1)/(m+p-1) depends on the machine's load: that is a benchmark
+    (BENCHMARKS.md), not a test.
     """
-    cpu_pool.run("model = mnb.gpt('tiny', num_layers=2, hidden_size=256, ffn_hidden_size=1024, seq_length=128)\n"
-                 "mnb.train(model, steps=4, micro_batch_size=8, global_batch_size=32)",
+    cpu_pool.run("model = mnb.gpt('tiny', num_layers=2, hidden_size=256, ffn_hidden_size=1024, seq_length=128)",
                  layout=ParallelConfig(pp=2), quiet=True)
-    run = mnb.last_run
-    assert run.num_microbatches == 4 and run.theoretical_bubble == pytest.approx(0.25)
-    for stage in (0, 1):
-        compute = [e for e in sorted(run.timeline(3), key=lambda e: e["start_s"])
+    measured = {}
+    for m in (4, 8, 16):
+        cpu_pool.run(f"mnb.train(model, steps=6, micro_batch_size=2, global_batch_size={2 * m})", quiet=True)
+        run = mnb.last_run
+        assert run.num_microbatches == m and run.theoretical_bubble == pytest.approx(1 / (m + 1))
+        for value in [*run.measured_bubble_per_step.values(), *run.measured_bubble_by_stage.values()]:
+            assert 0.0 <= value <= 1.0, run.measured_bubble_per_step
+        assert set(run.measured_bubble_by_stage) == {0, 1}
+        measured[m] = run.measured_bubble
+    for stage in (0, 1):  # the last run (m = 16): Megatron's 1F1B order on each stage
+        compute = [e for e in sorted(run.timeline(), key=lambda e: e["start_s"])
                    if e["stage"] == stage and e["kind"] in ("forward", "backward")]
         order = [(e["kind"][0], e["microbatch"]) for e in compute]
         warmup = 1 - stage  # 1F1B: p - r - 1 forwards before the first backward
         expected = [("f", i) for i in range(warmup + 1)]
-        for i in range(4):
+        for i in range(16):
             expected.append(("b", i))
-            if warmup + 1 + i < 4:
+            if warmup + 1 + i < 16:
                 expected.append(("f", warmup + 1 + i))
         assert order == expected, (stage, order)
-    assert abs(run.measured_bubble - 0.25) <= 0.10, run.measured_bubble_per_step
-    assert run.expected_bubble is not None and abs(run.measured_bubble - run.expected_bubble) <= 0.10
+    assert measured[16] < measured[4], measured
+    cpu_pool.run("model = mnb.gpt('tiny', num_layers=4)\n"
+                 "mnb.train(model, steps=4, micro_batch_size=1, global_batch_size=4)",
+                 layout=ParallelConfig(pp=2, vpp=2), quiet=True)
+    interleaved = mnb.last_run
+    assert interleaved.theoretical_bubble == pytest.approx(1 / (2 * 4 + 1))
+    assert all(0.0 <= v <= 1.0 for v in [*interleaved.measured_bubble_per_step.values(),
+                                          *interleaved.measured_bubble_by_stage.values()])
     cpu_pool.run("pass", layout=ParallelConfig())
 
 

@@ -30,7 +30,7 @@ def test_sweep_of_layouts_collects_measurements_and_failures(cpu_pool, capsys):
         assert row.peak_memory_bytes > 0 and row.tokens_per_s > 0 and row.step_time_s > 0
         assert row.mfu is None  # CPU: no peak, so MFU is n/a and the chart uses tokens/s
         assert row.bubble is not None and row.theoretical_bubble is not None
-    assert by_label["tp1 pp2 dp1"].theoretical_bubble == pytest.approx(1 / 8)  # (p-1)/m, m = 8
+    assert by_label["tp1 pp2 dp1"].theoretical_bubble == pytest.approx(1 / 9)  # (p-1)/(m+p-1), m = 8
     invalid = by_label["tp2 pp2 dp?"]
     assert invalid.status == "invalid" and "does not divide world size 2" in invalid.reason
     rank_error = by_label["tp1 pp1 cp2 dp1"]
