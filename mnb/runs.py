@@ -36,8 +36,9 @@ from typing import Any, Iterable
 from mnb import estimate
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 from mnb.estimate import hardware
+from mnb.units import GIB, format_bytes
 
-GIB = 2**30
+MEASURED_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "peak")
 
 
 def _model_from_dict(data: dict[str, Any]) -> ModelConfig:
@@ -198,16 +199,54 @@ class Run:
     # ----- memory --------------------------------------------------------------------
     @property
     def peak_memory_bytes(self) -> dict[int, int]:
-        """Measured peak allocated bytes per rank (CUDA allocator, or RSS on CPU)."""
+        """Measured peak bytes per rank: the CUDA allocator's, or on CPU the counted tensors'
+        (weights + gradients + optimizer + activations in flight; see :attr:`measured_memory`)."""
         out = {}
         for rank, rec in self.ranks.items():
-            peak = (rec.get("memory") or {}).get("peak_allocated_bytes")
+            peak = (rec.get("memory_components") or {}).get("peak")
+            if peak is None:
+                peak = (rec.get("memory") or {}).get("peak_allocated_bytes")
             if peak is None:
                 peaks = [s.get("mem_peak_bytes") for s in rec.get("steps") or [] if s.get("mem_peak_bytes")]
                 peak = max(peaks) if peaks else None
             if peak is not None:
                 out[rank] = int(peak)
         return out
+
+    @property
+    def measured_memory(self) -> dict[int, dict[str, int]]:
+        """What each rank held, by component, in bytes: ``{rank: {"weights", "gradients",
+        "optimizer", "activations", "peak"}}``, counted from the tensors on the rank
+        (activations: the most bytes saved for backward held at once); ``peak`` is the
+        CUDA allocator's peak on GPUs, the counted total on CPU.  Ranks of older records
+        without these counts are left out."""
+        out = {}
+        for rank, rec in self.ranks.items():
+            counted = rec.get("memory_components")
+            if counted:
+                out[rank] = {name: int(counted.get(name) or 0) for name in MEASURED_COMPONENTS}
+        return out
+
+    def predicted_components(self, rank: int) -> dict[str, float]:
+        """The prediction for ``rank`` in the components of :attr:`measured_memory`.
+
+        ``activations`` is what is held between a microbatch's forward and its
+        backward, as measured: the layers' saved tensors and what the loss saves
+        (the fp32 softmax of Megatron's cross entropy, or the logits of mnb's fused
+        one), not the layer that full recompute rematerialises during backward nor
+        the bf16 logits the unfused loss drops; both count in ``peak``, the
+        predicted total with workspace.
+        """
+        stage = self.predicted_memory.stages[self.stage_of_rank(rank)]
+        element = 2 if (self.train.bf16 or self.train.fp8) else 4
+        saved_logits = stage.logits_bytes if self.fusions else stage.logits_bytes * 4 / (4 + (element % 4))
+        return {
+            "weights": stage.weights_bytes,
+            "gradients": stage.gradients_bytes,
+            "optimizer": stage.optimizer_bytes,
+            "activations": stage.activations_bytes - stage.recomputed_bytes + saved_logits,
+            "peak": stage.total_bytes,
+        }
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -221,13 +260,17 @@ class Run:
 
     @property
     def memory_source(self) -> str:
-        return self._first.get("memory_source") or ("rss" if self.on_cpu else "cuda")
+        """Where the measured peak comes from: 'cuda' (allocator), 'counted' (tensors), or 'rss' (old records)."""
+        source = self._first.get("memory_source") or ("rss" if self.on_cpu else "cuda")
+        if source == "rss" and self._first.get("memory_components"):
+            return "counted"
+        return source
 
     @cached_property
     def predicted_memory(self) -> estimate.MemoryEstimate:
         """mnb.estimate.memory for this run's model, layout and train settings."""
         mem = estimate.memory(self.model, self.layout, self.train, num_microbatches=self.num_microbatches,
-                              fused_loss=self.fusions)
+                              fused_loss=self.fusions, fused_kernels=self.fusions, cpu_kernels=self.on_cpu)
         if self.capacity_bytes:
             from dataclasses import replace
 
@@ -363,17 +406,22 @@ class Run:
             lines.append(text)
         peaks = self.peak_memory_bytes
         if peaks and self.memory_source == "rss":
-            # A CPU rank's resident set holds the Python runtime, torch and Megatron too:
-            # there is no device allocator to compare the model's prediction with.
+            # An old CPU record: only the process's resident set, which holds Python, torch
+            # and Megatron too: nothing to compare the model's prediction with.
             rank = max(peaks, key=peaks.get)
             lines.append(f"peak resident memory {peaks[rank] / GIB:.2f} GiB (rank {rank}; "
                          "CPU ranks: process memory, not compared with the prediction)")
         elif peaks:
             rank = max(peaks, key=peaks.get)
-            text = f"peak memory {peaks[rank] / GIB:.2f} GiB (rank {rank}, {self.memory_source})"
+            what = "allocator peak" if self.memory_source == "cuda" else "counted tensors"
+            text = f"peak memory {format_bytes(peaks[rank])} (rank {rank}, {what})"
             try:
-                pred = self.predicted_memory.for_rank(rank).total_bytes
-                text += f" vs predicted {pred / GIB:.2f} GiB"
+                predicted = self.predicted_components(rank)
+                text += f" vs predicted {format_bytes(predicted['peak'])}"
+                counted = self.measured_memory.get(rank)
+                if counted:
+                    text += (f"; activations {format_bytes(counted['activations'])} vs "
+                             f"{format_bytes(predicted['activations'])}")
             except ValueError as err:
                 text += f"; no prediction: {err}"
             lines.append(text)

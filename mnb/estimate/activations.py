@@ -19,7 +19,9 @@ that estimator it counts GQA (K, V are kv-sized), SwiGLU (fc1 output is
 new tensors), flash/SDPA attention (no s*s matrices, a fp32 log-sum-exp
 instead), dropout masks only when ``model.extra`` sets dropout > 0 (mnb's
 default is 0), and MoE layers (top-k routed copies of
-each token).  Context parallelism divides the sequence: s -> s/cp.
+each token; the routing probabilities scale the experts' activation output, so
+the combine keeps nothing).  Checked per component against the tensors CPU
+ranks save for backward (tests/megatron/test_memory.py).  Context parallelism divides the sequence: s -> s/cp.
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ class LayerShape:
     """'none', 'selective' (Megatron's default recompute_modules=['core_attn']) or 'full'."""
     fused_attention: bool
     """True for flash/SDPA/TE fused attention (no s*s score matrices stored)."""
+    fused_kernels: bool = True
+    """mnb's compiled SwiGLU and RoPE (``mnb.gpt(fusions=...)`` on CUDA ranks).  Without them
+    Megatron's SwiGLU keeps silu(x1), x2 and their product beside fc1's output (5 ffn-wide
+    tensors instead of 3) and its RoPE keeps the cos/sin tables of q and k."""
+    cpu_kernels: bool = False
+    """CPU ranks: torch's CPU norms are decomposed and keep the normalised input and the
+    inverse RMS beside their input (measured with ``saved_tensors_hooks``)."""
 
 
 def layer_activation_bytes(model: ModelConfig, shape: LayerShape) -> float:
@@ -75,10 +84,12 @@ def full_layer_bytes(model: ModelConfig, shape: LayerShape) -> float:
     selective = shape.recompute == "selective"
 
     # Attention block: norm input, QKV input, Q/K/V, core attention, proj input, dropout.
-    attn = 2 * sbh_rep
+    attn = 2 * sbh_rep + norm_extra_bytes(shape, h)
     attn += s * b * (q + 2 * kv) * e / t
     if model.position_embedding_type == "rope":
         attn += s * b * (q + kv) * e / t
+        if not shape.fused_kernels:
+            attn += 4 * s * model.head_dim * e  # cos and sin tables, for q and for k
     if not selective:
         if shape.fused_attention:
             attn += (a / t) * s * b * 4  # fp32 log-sum-exp per row
@@ -93,17 +104,30 @@ def full_layer_bytes(model: ModelConfig, shape: LayerShape) -> float:
 
     # MLP block.
     gate = 2 if model.gated_linear_unit else 1
-    mlp = 2 * sbh_rep  # norm input, fc1/router input
+    mlp = 2 * sbh_rep + norm_extra_bytes(shape, h)  # norm input, fc1/router input
     if model.is_moe:
         k, ffn, n_exp = model.moe_router_topk, model.moe_ffn, model.num_moe_experts
         mlp += 2 * s * b * n_exp * 4 / sp_div  # fp32 router logits and probabilities
         mlp += s * b * k * h * e  # permuted tokens: expert fc1 inputs (gathered over expert tp)
         mlp += s * b * k * ffn * gate * e / t  # expert fc1 outputs
-        mlp += s * b * k * ffn * e / t  # expert activation outputs (fc2 inputs)
-        mlp += s * b * k * h * e / sp_div  # expert outputs kept for the probability-weighted combine
+        if model.gated_linear_unit:  # experts run Megatron's own SwiGLU (mnb fuses the dense MLP only)
+            mlp += 2 * s * b * k * ffn * e / t
+        # The routing probabilities scale the activation output inside the expert MLP
+        # (megatron-core 0.16-0.19): the activation output, the scaled fc2 input, the probabilities.
+        mlp += 2 * s * b * k * ffn * e / t + s * b * k * 4
     else:
         mlp += s * b * model.ffn * gate * e / t
         mlp += s * b * model.ffn * e / t
+        if model.gated_linear_unit and not shape.fused_kernels:
+            mlp += 2 * s * b * model.ffn * e / t  # unfused SwiGLU: silu(x1) and x2 kept apart
     if hidden_drop:
         mlp += mask
     return attn + mlp
+
+
+def norm_extra_bytes(shape: LayerShape, hidden: int) -> float:
+    """What one norm keeps beyond its input on CPU ranks (normalised input + inverse RMS); 0 elsewhere."""
+    if not shape.cpu_kernels:
+        return 0.0
+    sp_div = shape.tp if shape.sequence_parallel else 1
+    return shape.seq * shape.micro_batch * (hidden * shape.element_bytes + 4) / sp_div

@@ -36,7 +36,7 @@ from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 from . import hardware
 from ._inputs import as_model, as_parallel, as_train, dropout, padded_vocab_size
 from ._inputs import num_microbatches as resolve_microbatches
-from .activations import LayerShape, full_layer_bytes, layer_activation_bytes
+from .activations import LayerShape, full_layer_bytes, layer_activation_bytes, norm_extra_bytes
 from .params import stage_params
 from .pipeline import in_flight
 
@@ -58,6 +58,9 @@ class StageMemory:
     gradients_bytes: float
     optimizer_bytes: float
     activations_bytes: float
+    recomputed_bytes: float = 0.0
+    """Part of ``activations_bytes``: the layer full recompute rematerialises during its
+    backward (held only then, not between forward and backward)."""
     logits_bytes: float
     other_bytes: float
     """Allocator/workspace overhead (``overhead_fraction`` of activations + logits)."""
@@ -170,6 +173,8 @@ def memory(
     gpu: str | None = None,
     fused_attention: bool = True,
     fused_loss: bool = False,
+    fused_kernels: bool = True,
+    cpu_kernels: bool = False,
     grad_bytes: int | None = None,
     overhead_fraction: float = 0.05,
 ) -> MemoryEstimate:
@@ -183,6 +188,8 @@ def memory(
     ``fused_attention``: flash/SDPA attention (no s*s scores kept).
     ``fused_loss``: the loss keeps only the logits (mnb's fused cross entropy,
     on by default on CUDA ranks) instead of Megatron's fp32 softmax beside them.
+    ``fused_kernels``: mnb's compiled SwiGLU and RoPE (False: Megatron's own ops keep more).
+    ``cpu_kernels``: the ranks run on CPU (torch's CPU norms keep more; see activations.py).
     ``grad_bytes``: gradient bytes per param (default 4: fp32 main grads).
 
     Example::
@@ -210,6 +217,7 @@ def memory(
     shape = LayerShape(
         seq=s_local, micro_batch=b, tp=tp, sequence_parallel=sp, element_bytes=e,
         recompute=train.recompute, fused_attention=fused_attention,
+        fused_kernels=fused_kernels, cpu_kernels=cpu_kernels,
     )
     per_layer = layer_activation_bytes(model, shape)
     one_full_layer = full_layer_bytes(model, shape)
@@ -225,8 +233,8 @@ def memory(
         chunks = in_flight(pp, stage, m, parallel.vpp)
         layers_per_chunk = params.num_layers / v
         acts = chunks * layers_per_chunk * per_layer
-        if train.recompute == "full":
-            acts += one_full_layer  # the layer rematerialised during its backward
+        recomputed = one_full_layer if train.recompute == "full" else 0.0  # rematerialised in backward
+        acts += recomputed
         mbs_in_flight = min(chunks, m)
         if stage == 0:
             acts += mbs_in_flight * s_local * b * 8 * 2  # int64 token and position ids
@@ -234,10 +242,10 @@ def memory(
                 acts += mbs_in_flight * s_local * b * h / sp_div  # embedding dropout mask
         logits = 0.0
         if stage == pp - 1:
-            acts += 2 * s_local * b * h * e / sp_div  # final norm input, output layer input
+            acts += 2 * s_local * b * h * e / sp_div + norm_extra_bytes(shape, h)  # final norm, output layer input
             # Megatron's vocab-parallel cross entropy keeps an fp32 softmax beside the
-            # logits; mnb's fused one keeps the logits only.
-            logits = s_local * b * vocab / tp * (e if fused_loss else 4 + e)
+            # logits (the same buffer when training in fp32); mnb's fused one keeps the logits only.
+            logits = s_local * b * vocab / tp * (e if fused_loss else 4 + (e if e != 4 else 0))
         stages.append(
             StageMemory(
                 stage=stage,
@@ -248,6 +256,7 @@ def memory(
                 gradients_bytes=params.dense * dense_bpp["gradients"] + params.expert * expert_bpp["gradients"],
                 optimizer_bytes=params.dense * dense_bpp["optimizer"] + params.expert * expert_bpp["optimizer"],
                 activations_bytes=acts,
+                recomputed_bytes=recomputed,
                 logits_bytes=logits,
                 other_bytes=overhead_fraction * (acts + logits),
             )
@@ -266,6 +275,8 @@ def memory(
         assumptions={
             "fused_attention": fused_attention,
             "fused_loss": fused_loss,
+            "fused_kernels": fused_kernels,
+            "cpu_kernels": cpu_kernels,
             "hidden_dropout": dropout(model, "hidden_dropout"),
             "attention_dropout": dropout(model, "attention_dropout"),
             "padded_vocab_size": vocab,

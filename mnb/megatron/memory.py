@@ -89,3 +89,114 @@ class MemoryMeter:
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "capacity_bytes": self.capacity_bytes(),
         }
+
+
+class ComponentMeter:
+    """What a rank holds, by component, counted from the tensors themselves (any device).
+
+    - ``weights``: the storages of the model's parameters (bf16 copies, or the
+      distributed optimizer's contiguous parameter buffer);
+    - ``gradients``: Megatron DDP's gradient buffers (``main_grad`` lives there);
+    - ``optimizer``: every tensor the optimizer holds that is neither of those
+      (fp32 master weights, Adam's moments; sharded by the distributed optimizer),
+      but Adam's 0-dim step counters;
+    - ``activations``: what autograd saves for backward, caught with
+      ``torch.autograd.graph.saved_tensors_hooks`` while each microbatch's forward
+      (and loss) runs, storages counted once, parameters left out.  A
+      microbatch's bytes are held until its backward ends; ``activations`` is the
+      largest sum held at once (the microbatches in flight of the schedule).
+
+    Storages are told apart by their data pointer, so views and tensors shared
+    between ops count once.  ``peak`` is the allocator's peak on CUDA; on CPU,
+    where no allocator keeps one, the counted static components plus the
+    activations peak.
+    """
+
+    def __init__(self) -> None:
+        self.static_bytes = {"weights": 0, "gradients": 0, "optimizer": 0}
+        self._known: set[int] = set()
+        self._saving: dict[int, int] | None = None
+        self._hooks = None
+        self._held: dict[object, int] = {}
+        self.activations_peak_bytes = 0
+        self.microbatch_peak_bytes = 0
+
+    def count_static(self, model, optimizers: list) -> None:
+        """Weights, gradient buffers and the optimizer's tensors of a prepared model (DDP + optimizer).
+
+        Called before the steps, so activations never count these storages, and
+        again after them: Adam creates its moments at its first step.
+        """
+        self._known.clear()
+        weights = self._add(p for chunk in model.chunks for p in chunk.parameters())
+        buffers = [b for ddp in model.wrapped or [] for b in (*getattr(ddp, "buffers", []),
+                                                               *getattr(ddp, "expert_parallel_buffers", []))]
+        gradients = self._add(b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None)
+        gradients += self._add(getattr(p, "main_grad", None) for chunk in model.chunks for p in chunk.parameters())
+        state = []
+        for opt in optimizers:
+            inner = getattr(opt, "optimizer", opt)
+            state += [p for group in getattr(inner, "param_groups", []) for p in group["params"]]
+            # Adam's per-tensor step counters are 0-dim bookkeeping, not state that scales with the model
+            state += [t for per_param in getattr(inner, "state", {}).values() for t in per_param.values()
+                      if not (isinstance(t, torch.Tensor) and t.dim() == 0)]
+        optimizer = self._add(state)
+        self.static_bytes = {"weights": weights, "gradients": gradients, "optimizer": optimizer}
+
+    def _add(self, tensors) -> int:
+        """Bytes of the storages of ``tensors`` not counted yet (they become known)."""
+        total = 0
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._known:
+                self._known.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    # ----- the schedule's forward / backward of each microbatch (TimelineRecorder calls these)
+    def forward_started(self) -> None:
+        self._saving = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+
+    def forward_stopped(self, key: object) -> None:
+        if self._hooks is None:
+            return
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        saved = sum(self._saving.values())
+        self._saving = None
+        self._held[key] = saved
+        self.microbatch_peak_bytes = max(self.microbatch_peak_bytes, saved)
+        self.activations_peak_bytes = max(self.activations_peak_bytes, sum(self._held.values()))
+
+    def backward_stopped(self, key: object) -> None:
+        self._held.pop(key, None)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._saving is not None and tensor.numel():
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in self._known:
+                self._saving[ptr] = storage.nbytes()
+        return tensor
+
+    def end_run(self) -> None:
+        """Microbatches never run backward (forward-only) are not held across calls."""
+        self._held.clear()
+
+    def summary(self, allocator_peak_bytes: int | None) -> dict[str, int | str]:
+        counted = sum(self.static_bytes.values()) + self.activations_peak_bytes
+        return {
+            **self.static_bytes,
+            "activations": self.activations_peak_bytes,
+            "activations_per_microbatch": self.microbatch_peak_bytes,
+            "peak": int(allocator_peak_bytes) if allocator_peak_bytes else counted,
+            "peak_source": "allocator" if allocator_peak_bytes else "counted tensors",
+        }
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -18,6 +18,8 @@ Schema (JSON-able; the controller, ``mnb.runs`` and ``mnb.plot`` read it)::
       "timeline": [{"step", "stage", "chunk", "kind", "microbatch", "start_s", "end_s"}],
       "memory": {"peak_allocated_bytes", "peak_reserved_bytes", "capacity_bytes"},
       "memory_source": "cuda" | "rss",
+      "memory_components": {"weights", "gradients", "optimizer", "activations",   # bytes, counted
+                            "activations_per_microbatch", "peak", "peak_source"},  # (memory.ComponentMeter)
       "megatron_core_version": str,
     }
 
@@ -75,7 +77,7 @@ def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_
 
 
 def build_record(*, model, train, device: torch.device, num_microbatches: int, steps: list[dict],
-                 timeline: list[dict], meter, flops: float) -> dict:
+                 timeline: list[dict], meter, components, flops: float) -> dict:
     import megatron.core
 
     from mnb.megatron import layout
@@ -100,5 +102,7 @@ def build_record(*, model, train, device: torch.device, num_microbatches: int, s
         "timeline": timeline,
         "memory": meter.summary(),
         "memory_source": meter.source,
+        "memory_components": components.summary(
+            meter.peak_allocated_bytes if meter.source == "cuda" else None),
         "megatron_core_version": getattr(megatron.core, "__version__", "unknown"),
     }

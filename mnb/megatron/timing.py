@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -89,6 +89,17 @@ class _Clock:
         return stamp - self.origin
 
 
+class ComputeListener(Protocol):
+    """Told when each microbatch's forward starts and ends and its backward ends
+    (``key`` is its (microbatch, chunk)); :class:`mnb.megatron.memory.ComponentMeter` is one."""
+
+    def forward_started(self) -> None: ...
+
+    def forward_stopped(self, key: object) -> None: ...
+
+    def backward_stopped(self, key: object) -> None: ...
+
+
 class _Timer:
     def __init__(self, recorder: "TimelineRecorder", name: str) -> None:
         self.recorder = recorder
@@ -97,6 +108,8 @@ class _Timer:
 
     def start(self, barrier: bool = False) -> None:
         self._start = self.recorder.clock.now()
+        if self.name == "forward-compute" and self.recorder.listener is not None:
+            self.recorder.listener.forward_started()
 
     def stop(self, barrier: bool = False) -> None:
         if self._start is None:
@@ -124,6 +137,7 @@ class TimelineRecorder:
         group_size: int | None = None,
         device: torch.device | str = "cpu",
         on_stop: Callable[[], None] | None = None,
+        listener: "ComputeListener | None" = None,
     ) -> None:
         self.stage = stage
         self.num_microbatches = num_microbatches
@@ -131,6 +145,8 @@ class TimelineRecorder:
         self.table = schedule_table(num_microbatches, num_chunks, group_size or 1)
         self.clock = _Clock(torch.device(device))
         self.on_stop = on_stop
+        self.listener = listener
+        self._counts = {"forward": 0, "backward": 0}
         self._timers: dict[str, _Timer] = {}
         self._raw: list[tuple[str, object, object]] = []
         self.step = 0
@@ -144,12 +160,22 @@ class TimelineRecorder:
     def _close(self, name: str, start, end) -> None:
         if name not in SKIP:
             self._raw.append((name, start, end))
+        kind = KIND.get(name)
+        if kind is not None and self.listener is not None:
+            index = self._counts[kind]
+            self._counts[kind] += 1
+            key = self._locate(index, forward=kind == "forward")
+            if kind == "forward":
+                self.listener.forward_stopped(key)
+            else:
+                self.listener.backward_stopped(key)
         if self.on_stop is not None:
             self.on_stop()
 
     def begin_step(self, step: int) -> None:
         self.step = step
         self._raw = []
+        self._counts = {"forward": 0, "backward": 0}
         for timer in self._timers.values():
             timer.reset()
         self.clock.start()

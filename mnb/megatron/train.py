@@ -33,7 +33,7 @@ from mnb.config import TrainConfig
 from mnb.megatron import events, interrupts
 from mnb.megatron import layout as _layout
 from mnb.megatron.batches import BatchPlan, microbatch_iterators
-from mnb.megatron.memory import MemoryMeter
+from mnb.megatron.memory import ComponentMeter, MemoryMeter
 from mnb.megatron.model import MegatronModel
 from mnb.megatron.record import build_record, device_of, model_flops_per_step
 from mnb.megatron.timing import TimelineRecorder, time_token_dispatch
@@ -250,6 +250,8 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, **settings: Any
     scheduler = _scheduler(model, tc)
     config = model.transformer_config
     meter = MemoryMeter(device)
+    components = ComponentMeter()
+    components.count_static(model, _sub_optimizers(model.optimizer))
     recorder = TimelineRecorder(
         stage=ps.get_pipeline_model_parallel_rank(),
         num_microbatches=num_microbatches,
@@ -257,6 +259,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, **settings: Any
         group_size=getattr(config, "microbatch_group_size_per_vp_stage", None) or parallel.pp,
         device=device,
         on_stop=meter.sample,
+        listener=components,
     )
     plan = BatchPlan(
         start_sample=model.consumed_samples,
@@ -276,9 +279,11 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, **settings: Any
                                                       device, flag)
     finally:
         config.timers = None
+        components.end_run()
+    components.count_static(model, _sub_optimizers(model.optimizer))  # Adam's moments exist now
     record = build_record(
         model=model, train=tc, device=device, num_microbatches=num_microbatches,
-        steps=step_rows, timeline=timeline, meter=meter,
+        steps=step_rows, timeline=timeline, meter=meter, components=components,
         flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size),
     )
     events.publish_record(record)

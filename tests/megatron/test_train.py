@@ -10,7 +10,7 @@ from mnb.megatron.train import train_config
 
 STEP_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
              "mem_allocated_bytes", "mem_peak_bytes", "mem_reserved_bytes"}
-ROW_KEYS = {"step", "stage", "chunk", "kind", "microbatch", "start_s", "end_s"}
+ROW_KEYS = {"step", "stage", "chunk", "kind", "microbatch", "start_s", "end_s", "origin_s"}
 
 
 @pytest.mark.slow
@@ -18,8 +18,11 @@ def test_run_record_schema(world1, world2):
     record = ok(world1["events"])["record"]
     for key in ("rank", "world_size", "coords", "layout", "model", "train", "device", "device_name",
                 "num_microbatches", "num_parameters_local", "model_flops_per_step", "steps",
-                "timeline", "memory", "memory_source"):
+                "timeline", "memory", "memory_source", "memory_components"):
         assert key in record, key
+    assert set(record["memory_components"]) == {"weights", "gradients", "optimizer", "activations",
+                                                "activations_per_microbatch", "peak", "peak_source"}
+    assert record["memory_components"]["peak_source"] == "counted tensors"
     assert record["device"] == "cpu" and record["memory_source"] == "rss"
     assert set(record["coords"]) == {"tp", "pp", "dp", "cp", "ep"}
     assert record["layout"]["dp"] == 1 and record["train"]["steps"] == 2
