@@ -78,10 +78,19 @@ def __dir__() -> list[str]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext mnb``: register ``%mnb`` and ``%%megatron``."""
+    """``%load_ext mnb``: register ``%mnb`` and ``%%megatron``, and bind ``mnb`` in the notebook.
+
+    ``mnb`` is bound (hidden from ``%who``, like ``get_ipython``) unless the
+    notebook already has that name, so ``mnb.last_run`` works without
+    ``import mnb``.  Loading again registers the same magics again: silent.
+    """
+    import sys
+
     from mnb.magics import register
 
     register(ipython)
+    if "mnb" not in ipython.user_ns:
+        ipython.push({"mnb": sys.modules[__name__]}, interactive=False)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -153,11 +153,20 @@ class RankDiedError(PoolError):
 
 
 class CellTimeoutError(PoolError, TimeoutError):
-    """A cell ran past its timeout; carries each stuck rank's stack."""
+    """A cell ran past its timeout; carries each stuck rank's stack (``.stacks``, and in ``str()``)."""
 
     def __init__(self, message: str, stacks: dict[int, str] | None = None):
         super().__init__(message)
         self.stacks = stacks or {}
+
+    def _render_traceback_(self) -> list[str]:
+        """Where each rank waited and what follows; the full stacks stay in ``.stacks`` and ``%mnb stacks``."""
+        text = str(self)
+        head, _, rest = text.partition("\nPython stack of")
+        lines = PoolError._render_traceback_(PoolError(head.rstrip()))
+        if rest:
+            lines += [text.rstrip().splitlines()[-1], "(each rank's Python stack: error.stacks, or %mnb stacks)"]
+        return lines
 
 
 def interrupted(message: str) -> KeyboardInterrupt:

@@ -1,43 +1,49 @@
 """``%mnb`` and ``%%megatron``: parse, check, and hand over to the pool.
 
-Line magic::
+Line magic (``%mnb COMMAND --help``, ``-h`` or ``%mnb COMMAND?`` prints one
+command's flags with their defaults and an example; ``%mnb?`` prints them all)::
 
-    %mnb start [-n N] [--device auto|cpu|cuda] [--gpus 0,1,..] [--timeout SECONDS]
-               [--cell-timeout SECONDS] [--grace SECONDS] [--nnodes K] [--rdzv-endpoint HOST:PORT] [--ip 127.0.0.1]
+    %mnb start [-n N] [--device auto|cpu|cuda] [--gpus 0,1,..] [--timeout SECONDS] [--cell-timeout SECONDS]
+               [--grace SECONDS] [--nnodes K] [--rdzv-endpoint HOST:PORT] [--ip 127.0.0.1] [--threads T] [--verbose]
     %mnb status          per rank: pid, state (idle/busy/restarting/dead), device, memory, layout
     %mnb stop            stop every rank; no process is left behind
     %mnb restart         stop and start the same pool (same size, device and GPUs)
     %mnb stacks          each rank's current Python stack (where is it stuck?)
     %mnb plot memory|timeline|mfu      plots of mnb.last_run, predicted beside measured
-    %mnb plan --model PRESET --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G]
+    %mnb plan --model PRESET --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K]
 
-Cell magic::
+Cell magic (``%%megatron?`` or ``%%megatron --help`` prints its flags)::
 
     %%megatron [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--sp/--no-sp]
                [--ranks 0,2-3] [--timeout SECONDS] [--grace SECONDS]
     model = mnb.gpt("tiny")
     print(rank, ps.get_tensor_model_parallel_rank())
 
-Layout flags are sticky: a flag left out keeps the pool's current value, so
-the cells after ``%%megatron --tp 2`` run under tp=2 until a cell asks for
-another layout.  dp is always world_size / (tp * pp * cp).  The parallel state
-is re-initialised in the live processes only when the layout changes.
+A cell means the same every time it runs: a cell that names any layout flag
+(--tp --pp --vpp --cp --ep --sp/--no-sp) runs under exactly that layout, the
+dimensions it does not name being 1 and sequence parallelism off; a cell that
+names none keeps the pool's current layout.  So ``%%megatron --pp 2`` after
+``%%megatron --tp 2`` on 2 ranks runs under tp1 pp2.  dp is always
+world_size / (tp * pp * cp).  The parallel state is re-initialised in the live
+processes only when the layout changes.
 
 Failures never need ``%mnb restart``: a rank that fails while the others wait
 for it is shown at once and the others get ``--grace`` seconds; ranks that
 cannot be released, or that died, are replaced in the background with the
-same size, device and layout (see README, "When things go wrong").
+same size, device and layout (see docs/playbook.md, "When things go wrong").
 """
 
 from __future__ import annotations
 
+import argparse
+import re
 import shlex
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import MagicArgumentParser
+from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
 from mnb.config import ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
@@ -89,62 +95,222 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _parser(prog: str, description: str) -> MagicArgumentParser:
-    return MagicArgumentParser(prog=prog, description=description, add_help=False)
+LAYOUT_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "sp")
+"""The %%megatron flags that name a layout: a cell naming any of them runs under exactly that layout."""
+
+MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "plot", "plan")
+
+
+class _HelpFormatter(MagicHelpFormatter):
+    """IPython's magic help layout with a plain ``usage:`` line and every option's default."""
+
+    def add_usage(self, usage, actions, groups, prefix="usage: "):  # type: ignore[override]
+        argparse.RawDescriptionHelpFormatter.add_usage(self, usage, actions, groups, prefix)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            return text
+        if action.required:
+            return text + " (required)"
+        return text + " (default: %(default)s)"
+
+
+def _parser(prog: str, description: str, examples: list[str]) -> MagicArgumentParser:
+    """A parser whose ``format_help()`` is the command's help: flags, defaults, examples."""
+    epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples)
+    return MagicArgumentParser(prog=prog, description=description, epilog=epilog,
+                               formatter_class=_HelpFormatter, add_help=True)
 
 
 def start_parser() -> MagicArgumentParser:
-    p = _parser("%mnb start", "Start N ranks through torchrun.")
-    p.add_argument("-n", type=int, default=None, help="ranks (default: one per visible GPU, else 2 CPU ranks)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
-    p.add_argument("--timeout", type=_positive_float, default=180.0, help="seconds to wait for ranks to be ready")
-    p.add_argument("--cell-timeout", type=_positive_float, default=None, help="default timeout of every cell")
-    p.add_argument("--grace", type=_non_negative_float, default=DEFAULT_GRACE_S,
-                   help="seconds the other ranks may take to finish a cell after one rank failed (default 3)")
-    p.add_argument("--nnodes", type=int, default=1, help="torchrun nodes (others join with the printed command)")
-    p.add_argument("--rdzv-endpoint", default=None, help="torchrun rendezvous HOST:PORT for several nodes")
-    p.add_argument("--ip", default="127.0.0.1", help="interface the controller binds (default loopback only)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
+    p = _parser("%mnb start", "Start N ranks through torchrun and print rank, pid, host, device and backend.", [
+        "%mnb start                      # one rank per visible GPU, else 2 CPU ranks",
+        "%mnb start -n 2 --device cpu --cell-timeout 600",
+        "%mnb start -n 8 --device cuda --nnodes 2 --rdzv-endpoint node0:29400 --ip 0.0.0.0",
+    ])
+    p.add_argument("-n", type=int, default=None, metavar="N",
+                   help="ranks on this host (default: one per visible GPU, else 2 CPU ranks)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when a GPU is visible, else cpu with gloo")
+    p.add_argument("--gpus", default=None, metavar="0,1,..",
+                   help="GPU ids, sets CUDA_VISIBLE_DEVICES (default: every visible GPU)")
+    p.add_argument("--timeout", type=_positive_float, default=180.0, metavar="SECONDS",
+                   help="seconds to wait for the ranks to be ready")
+    p.add_argument("--cell-timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="default timeout of every cell (default: none)")
+    p.add_argument("--grace", type=_non_negative_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="seconds the other ranks may take to finish a cell after one rank failed")
+    p.add_argument("--nnodes", type=int, default=1, metavar="K",
+                   help="torchrun nodes; the others join with the printed command")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="torchrun rendezvous for several nodes (default: this host:29400 when --nnodes > 1)")
+    p.add_argument("--ip", default="127.0.0.1",
+                   help="interface the controller binds; 0.0.0.0 lets ranks on other hosts connect")
+    p.add_argument("--threads", type=int, default=None, metavar="T",
+                   help="CPU threads per rank (default: cores / ranks)")
+    p.add_argument("--verbose", action="store_true", default=False,
+                   help="show known third-party warnings (Megatron, torch, the TE/apex fallbacks) in the cells; "
+                        "by default they go to the pool's log, mnb.pool().spec.log_file (default: off)")
+    return p
+
+
+def status_parser() -> MagicArgumentParser:
+    return _parser("%mnb status", "Per rank: pid, host, state (idle/busy/restarting/dead), device, memory in use "
+                   "and coordinates; then the layout and the pool's log file. Answers also while a cell runs.",
+                   ["%mnb status"])
+
+
+def stop_parser() -> MagicArgumentParser:
+    return _parser("%mnb stop", "Stop every process of the pool (torchrun, the ranks and what they started) "
+                   "and remove the pool's folder with its secret.", ["%mnb stop"])
+
+
+def restart_parser() -> MagicArgumentParser:
+    return _parser("%mnb restart", "Stop and start the same pool (same size, device, GPUs and flags) "
+                   "without restarting the Jupyter kernel; names defined in cells are gone.", ["%mnb restart"])
+
+
+def stacks_parser() -> MagicArgumentParser:
+    return _parser("%mnb stacks", "Print every rank's current Python stack (where is it stuck?); "
+                   "answers also while a cell runs.", ["%mnb stacks"])
+
+
+def plot_parser() -> MagicArgumentParser:
+    p = _parser("%mnb plot", "Plot mnb.last_run, predicted beside measured.", [
+        "%mnb plot timeline      # measured 1F1B Gantt per stage, bubble vs (p-1)/m",
+        "%mnb plot memory        # predicted components beside the measured peak, per rank",
+        "%mnb plot mfu",
+    ])
+    p.add_argument("kind", choices=["memory", "timeline", "mfu"], help="which plot of mnb.last_run")
     return p
 
 
 def megatron_parser() -> MagicArgumentParser:
     defaults = ParallelConfig()
-    p = _parser("%%megatron", "Run the cell on the ranks under a Megatron layout.")
-    for name in ("tp", "pp", "vpp", "cp", "ep"):
-        p.add_argument(f"--{name}", type=int, default=None,
-                       help=f"{name} size (default: keep the pool's; initially {getattr(defaults, name) or 1})")
-    p.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallel on")
-    p.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallel off")
-    p.add_argument("--ranks", default=None, help="run on these ranks only, e.g. 0,2-3")
-    p.add_argument("--timeout", type=_positive_float, default=None, help="seconds before the cell is stopped")
-    p.add_argument("--grace", type=_non_negative_float, default=None,
-                   help="seconds the other ranks may take to finish after one rank failed (default: the pool's)")
+    p = _parser(
+        "%%megatron",
+        "Run the cell on the ranks (all by default) under a Megatron layout.\n\n"
+        "A cell that names any layout flag (--tp --pp --vpp --cp --ep --sp/--no-sp) runs under exactly that\n"
+        "layout: the dimensions it does not name are 1 and sequence parallelism is off.  A cell that names\n"
+        "none keeps the pool's current layout.  dp = world size / (tp * pp * cp).  The names rank,\n"
+        "world_size, local_rank, device, torch, dist, ps (megatron.core.parallel_state), mnb and display\n"
+        "are bound on every rank; names a cell defines persist for later cells.",
+        [
+            "%%megatron --tp 2                 # tp2 pp1, dp = world / 2",
+            "model = mnb.gpt('tiny')",
+            "",
+            "%%megatron --pp 2                 # tp1 pp2 (unnamed dimensions are 1), whatever ran before",
+            "%%megatron                        # no layout flag: the pool's current layout",
+            "%%megatron --tp 2 --sp --ranks 0,1 --timeout 60",
+        ],
+    )
+    sizes = p.add_argument_group("layout (naming any of these sets the whole layout)")
+    names = {"tp": "tensor-parallel size", "pp": "pipeline-parallel size",
+             "vpp": "virtual pipeline stages per rank (interleaved 1F1B; needs --pp 2 or more)",
+             "cp": "context-parallel size (needs Transformer Engine)", "ep": "expert-parallel size (MoE models)"}
+    for name, what in names.items():
+        sizes.add_argument(f"--{name}", type=int, default=None, metavar="N",
+                           help=f"{what} (default: {getattr(defaults, name) or 1} when the cell names "
+                                "another layout flag; the pool's when it names none)")
+    sizes.add_argument("--sp", dest="sp", action="store_true", default=None,
+                       help="sequence parallelism on (default: off when the cell names another layout flag; "
+                            "the pool's when it names none)")
+    sizes.add_argument("--no-sp", dest="sp", action="store_false",
+                       help="sequence parallelism off (default: see --sp)")
+    run = p.add_argument_group("running")
+    run.add_argument("--ranks", default=None, metavar="0,2-3", help="run on these ranks only (default: every rank)")
+    run.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+                     help="seconds before the cell is stopped (default: the pool's --cell-timeout, else none)")
+    run.add_argument("--grace", type=_non_negative_float, default=None, metavar="SECONDS",
+                     help="seconds the other ranks may take to finish after one rank failed "
+                          f"(default: the pool's --grace, {DEFAULT_GRACE_S:g} s unless %%mnb start set it)")
     return p
 
 
 def plan_parser() -> MagicArgumentParser:
-    p = _parser("%mnb plan", "Predict memory and MFU for every valid layout.")
-    p.add_argument("--model", required=True, help="model preset, e.g. llama-8b")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p = _parser("%mnb plan", "Enumerate the valid layouts, predict memory and step time / MFU, "
+                "mark what does not fit (pure Python: no pool needed).", [
+        "%mnb plan --model llama-8b --gpus 8 --gpu h200",
+        "%mnb plan --model llama-70b --gpus 64 --seq 8192 --gbs 512 --top 5",
+    ])
+    p.add_argument("--model", required=True, metavar="PRESET", help="model preset, e.g. llama-8b")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
     p.add_argument("--gpu", default="h200", help="GPU type from the hardware table")
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--mbs", type=int, default=1)
-    p.add_argument("--gbs", type=int, default=None)
-    p.add_argument("--top", type=int, default=10, help="rows to show")
+    p.add_argument("--seq", type=int, default=None, metavar="S",
+                   help="sequence length (default: the preset's)")
+    p.add_argument("--mbs", type=int, default=1, metavar="M", help="micro batch size")
+    p.add_argument("--gbs", type=int, default=None, metavar="G",
+                   help="global batch size (default: 4 * gpus * mbs)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="rows to show")
     return p
 
 
+SUBCOMMAND_PARSERS: dict[str, Callable[[], MagicArgumentParser]] = {
+    "start": start_parser, "status": status_parser, "stop": stop_parser, "restart": restart_parser,
+    "stacks": stacks_parser, "plot": plot_parser, "plan": plan_parser,
+}
+
+
+def mnb_overview() -> str:
+    """What ``%mnb --help`` prints: one usage line and purpose per command."""
+    lines = ["usage: %mnb COMMAND [options]     (%mnb COMMAND --help, -h or %mnb COMMAND? for one command)", ""]
+    for name in MNB_COMMANDS:
+        parser = SUBCOMMAND_PARSERS[name]()
+        lines.append("  " + parser.format_usage().strip().removeprefix("usage: "))
+        lines.append("      " + (parser.description or "").split(". ")[0].rstrip(".") + ".")
+    lines += ["", "Cell magic: %%megatron [--tp N] [--pp N] ... (%%megatron? or %%megatron --help)"]
+    return "\n".join(lines)
+
+
+def mnb_help() -> str:
+    """What ``%mnb?`` shows: the overview, then every command's flags, defaults and examples."""
+    return "\n\n".join([mnb_overview()] + [SUBCOMMAND_PARSERS[name]().format_help() for name in MNB_COMMANDS])
+
+
+def wants_help(argv: list[str]) -> bool:
+    """``-h``/``--help`` anywhere, or a trailing ``?`` (``%mnb start -n 2?``, ``%%megatron --tp 2 ?``)."""
+    return any(word in ("-h", "--help") for word in argv) or bool(argv and argv[-1].endswith("?"))
+
+
+_HELP_END = re.compile(r"^(?P<magic>\s*%mnb\s+[^?\s].*?)\s*\?{1,2}\s*$")
+
+
+def help_end_transformer(lines: list[str]) -> list[str]:
+    """Input transformer: ``%mnb start?`` -> ``%mnb start --help``.
+
+    IPython reads a trailing ``?`` as "inspect the last word" (``%mnb start?``
+    would look up an object named ``start``); this runs before that, so the
+    command's help is printed instead.  ``%mnb?`` is left to IPython (it shows
+    this magic's docstring, :func:`mnb_help`).
+    """
+    if not lines or lines[0].lstrip().startswith("%%"):
+        return lines
+    out = []
+    for line in lines:
+        end = "\n" if line.endswith("\n") else ""
+        match = _HELP_END.match(line.rstrip("\n"))
+        out.append(f"{match['magic']} --help{end}" if match else line)
+    return out
+
+
 def requested_layout(current: ParallelConfig, args: Any, world_size: int) -> ParallelConfig:
-    """The pool's layout with the flags given in this cell applied, dp re-derived."""
-    changes = {name: getattr(args, name) for name in ("tp", "pp", "cp", "ep") if getattr(args, name) is not None}
-    if args.vpp is not None:
-        changes["vpp"] = None if args.vpp == 1 else args.vpp
-    if args.sp is not None:
-        changes["sequence_parallel"] = args.sp
+    """The layout a ``%%megatron`` cell runs under, dp derived from ``world_size``.
+
+    A cell that names any layout flag gets exactly that layout: the dimensions it
+    does not name are 1, vpp is plain 1F1B and sequence parallelism is off.  A
+    cell that names none keeps ``current``.  So a cell means the same whatever
+    ran before it: ``--pp 2`` after ``--tp 2`` is tp1 pp2.
+    """
+    named = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name, None) is not None}
     try:
-        return replace(current, dp=None, **changes).resolve(world_size)
+        if not named:
+            return replace(current, dp=None).resolve(world_size)
+        vpp = named.get("vpp")
+        return ParallelConfig(
+            tp=named.get("tp", 1), pp=named.get("pp", 1), vpp=None if vpp in (None, 1) else vpp,
+            cp=named.get("cp", 1), ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp", False)),
+        ).resolve(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -155,18 +321,27 @@ class MegatronMagics(Magics):
 
     @line_magic
     def mnb(self, line: str) -> Any:
-        """Manage the rank pool: %mnb start|status|stop|restart|stacks|plot|plan (see mnb.magics)."""
-        words = shlex.split(line)
-        if not words:
-            raise UsageError("usage: %mnb start|status|stop|restart|stacks|plot|plan ... (see %mnb? )")
+        """Manage the rank pool: %mnb start|status|stop|restart|stacks|plot|plan (replaced by mnb_help())."""
+        words = shlex.split(line, comments=True)
+        if not words or words[0].rstrip("?") in ("", "-h", "--help", "help"):
+            if len(words) > 1 and words[0] == "help":  # %mnb help start
+                words = [words[1], "--help"]
+            else:
+                print(mnb_overview())
+                return None
         command, rest = words[0], words[1:]
-        handler = getattr(self, f"_cmd_{command}", None)
-        if handler is None:
-            raise UsageError(f"unknown %mnb command {command!r}; use start, status, stop, restart, stacks, plot or plan")
-        return handler(rest)
+        if command.endswith("?"):  # %mnb start? reached here without the input transformer
+            command, rest = command.rstrip("?"), rest + ["--help"]
+        make_parser = SUBCOMMAND_PARSERS.get(command)
+        if make_parser is None:
+            raise UsageError(f"unknown %mnb command {command!r}; use {', '.join(MNB_COMMANDS)} (%mnb --help)")
+        parser = make_parser()
+        if wants_help(rest):
+            print(parser.format_help())
+            return None
+        return getattr(self, f"_cmd_{command}")(parser.parse_args(rest))
 
-    def _cmd_start(self, argv: list[str]) -> None:
-        args = start_parser().parse_args(argv)
+    def _cmd_start(self, args: argparse.Namespace) -> None:
         existing = current_pool(required=False)
         if existing is not None and existing.running:
             raise UsageError(f"a pool is already running ({existing!r}); %mnb stop or %mnb restart first")
@@ -175,6 +350,7 @@ class MegatronMagics(Magics):
                 args.n, device=args.device, gpus=parse_gpus(args.gpus) if args.gpus else None,
                 timeout=args.timeout, cell_timeout=args.cell_timeout, grace=args.grace, nnodes=args.nnodes,
                 rdzv_endpoint=args.rdzv_endpoint, bind_ip=args.ip, threads_per_rank=args.threads,
+                extra_env={"MNB_VERBOSE": "1"} if args.verbose else {},
             )
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -186,7 +362,7 @@ class MegatronMagics(Magics):
         ))
         print(f"{pool.world_size} ranks ready in {pool.startup_s:.1f} s; layout {pool.layout.describe()}")
 
-    def _cmd_status(self, argv: list[str]) -> None:
+    def _cmd_status(self, args: argparse.Namespace) -> None:
         pool = current_pool(required=False)
         if pool is None:
             print("no pool; start one with %mnb start")
@@ -198,8 +374,9 @@ class MegatronMagics(Magics):
              for r in rows],
         ))
         print(f"layout: {pool.layout.describe()}  ({pool!r})")
+        print(f"log: {pool.spec.log_file}")
 
-    def _cmd_stop(self, argv: list[str]) -> None:
+    def _cmd_stop(self, args: argparse.Namespace) -> None:
         pool = current_pool(required=False)
         if pool is None:
             print("no pool is running")
@@ -208,29 +385,25 @@ class MegatronMagics(Magics):
         set_current_pool(None)
         print(f"stopped {pool.world_size} ranks")
 
-    def _cmd_restart(self, argv: list[str]) -> None:
+    def _cmd_restart(self, args: argparse.Namespace) -> None:
         pool = current_pool(required=False)
         if pool is None:
             raise UsageError("no pool to restart; use %mnb start")
         pool.restart()
         print(f"restarted: {pool.world_size} ranks ready in {pool.startup_s:.1f} s; layout {pool.layout.describe()}")
 
-    def _cmd_stacks(self, argv: list[str]) -> None:
+    def _cmd_stacks(self, args: argparse.Namespace) -> None:
         for rank, text in sorted(current_pool().stacks().items()):
             print(f"--- rank {rank} ---\n{text}")
 
-    def _cmd_plot(self, argv: list[str]) -> None:
-        kinds = ("memory", "timeline", "mfu")
-        if len(argv) != 1 or argv[0] not in kinds:
-            raise UsageError(f"usage: %mnb plot {'|'.join(kinds)}")
+    def _cmd_plot(self, args: argparse.Namespace) -> None:
         run = last_run()
         if run is None:
             raise UsageError("no run yet: train in a %%megatron cell with mnb.train(...) first")
         # Inside a kernel the figure is a pyplot one and shows itself inline.
-        getattr(run, f"plot_{argv[0]}")()
+        getattr(run, f"plot_{args.kind}")()
 
-    def _cmd_plan(self, argv: list[str]) -> None:
-        args = plan_parser().parse_args(argv)
+    def _cmd_plan(self, args: argparse.Namespace) -> None:
         from mnb.estimate import plan
         from mnb.plot import plot_plan
 
@@ -245,14 +418,13 @@ class MegatronMagics(Magics):
 
     @cell_magic
     def megatron(self, line: str, cell: str) -> None:
-        """Run the cell on every rank (or --ranks) under the requested Megatron layout.
-
-        Example::
-
-            %%megatron --tp 2
-            print(ps.get_tensor_model_parallel_rank())
-        """
-        args = megatron_parser().parse_args(shlex.split(line))
+        """Run the cell on the ranks under a Megatron layout (replaced by megatron_parser().format_help())."""
+        parser = megatron_parser()
+        argv = shlex.split(line, comments=True)
+        if wants_help(argv):
+            print(parser.format_help())
+            return
+        args = parser.parse_args(argv)
         pool = current_pool(required=False)
         if pool is None:
             raise UsageError("no pool is running; start one with %mnb start")
@@ -302,11 +474,23 @@ def format_bytes(value: int | None) -> str:
     return str(value)
 
 
+# What %mnb? and %%megatron? show: generated from the parsers, never a hand-written copy.
+MegatronMagics.mnb.__doc__ = mnb_help()
+MegatronMagics.megatron.__doc__ = megatron_parser().format_help()
+
+
 def register(ipython: Any) -> None:
+    """Register the magics and the ``%mnb start?`` input transformer (idempotent)."""
     ipython.register_magics(MegatronMagics(ipython))
+    cleanup = ipython.input_transformers_cleanup
+    if help_end_transformer not in cleanup:
+        cleanup.append(help_end_transformer)
 
 
 def unregister(ipython: Any) -> None:
     magics = ipython.magics_manager.magics
     magics["line"].pop("mnb", None)
     magics["cell"].pop("megatron", None)
+    cleanup = ipython.input_transformers_cleanup
+    if help_end_transformer in cleanup:
+        cleanup.remove(help_end_transformer)

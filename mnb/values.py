@@ -331,6 +331,13 @@ class _ToRanksPickler(pickle.Pickler):
         return NotImplemented
 
 
+class PushRefused(TypeError):
+    """A push the ranks could not rebuild, refused before anything was sent; shown as its message alone."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mTypeError: {str(self).splitlines()[0]}\x1b[0m", *str(self).splitlines()[1:]]
+
+
 def encode_push(namespace: dict[str, Any]) -> dict[str, bytes]:
     """Kernel side of a push: {name: pickle}; TypeError naming every name the ranks could not rebuild.
 
@@ -352,7 +359,7 @@ def encode_push(namespace: dict[str, Any]) -> dict[str, bytes]:
             continue
         encoded[name] = buffer.getvalue()
     if problems:
-        raise TypeError(
+        raise PushRefused(
             f"cannot push {', '.join(map(repr, problems))} to the ranks (nothing was sent):\n"
             + "".join(f"  {name}: {why}\n" for name, why in problems.items())
             + "Define functions, classes, open files and locks in a %%megatron cell instead; "

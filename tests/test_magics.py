@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import _thread
+import threading
+import time
+from types import SimpleNamespace
+
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
+from mnb.config import ParallelConfig
 from mnb.errors import CompositeRankError
-from mnb.magics import megatron_parser, parse_ranks, start_parser
+from mnb.magics import LAYOUT_FLAGS, megatron_parser, parse_ranks, requested_layout, start_parser
 from tests.conftest import assert_no_orphans
 
 
@@ -21,7 +27,7 @@ def shell():
 
 def test_flags_are_a_frozen_contract():
     start_flags = {a.option_strings[0] for a in start_parser()._actions if a.option_strings}
-    assert {"-n", "--device", "--gpus", "--timeout"} <= start_flags
+    assert {"-n", "--device", "--gpus", "--timeout", "--cell-timeout", "--grace", "--verbose"} <= start_flags
     cell_flags = {s for a in megatron_parser()._actions for s in a.option_strings}
     assert {"--tp", "--pp", "--vpp", "--cp", "--ep", "--sp", "--no-sp", "--ranks", "--timeout"} <= cell_flags
 
@@ -31,6 +37,44 @@ def test_public_surface_is_deliberate():
 
     assert set(mnb.__all__) >= {"pool", "last_run", "estimate", "gpt", "train", "save", "load",
                                 "explorer", "sweep", "load_ipython_extension"}
+
+
+def _cell(line: str):
+    return megatron_parser().parse_args(line.split())
+
+
+def _run_cells(lines: list[str], world: int) -> list[str]:
+    """The layout each cell of a sequence runs under, starting from a fresh pool's."""
+    layout, seen = ParallelConfig().resolve(world), []
+    for line in lines:
+        layout = requested_layout(layout, _cell(line), world)
+        seen.append(layout.describe())
+    return seen
+
+
+def test_a_cell_naming_a_layout_flag_runs_under_exactly_that_layout():
+    # --pp 2 after --tp 2 on 2 ranks is tp1 pp2, not tp2 pp2 (an error) as sticky flags made it.
+    assert _run_cells(["--tp 2", "", "--pp 2", "", "--tp 2 --sp", "--ranks 1", "--ep 2", "--no-sp"], world=2) == [
+        "tp2 pp1 dp1", "tp2 pp1 dp1", "tp1 pp2 dp1", "tp1 pp2 dp1", "tp2 pp1 dp1 sp", "tp2 pp1 dp1 sp",
+        "tp1 pp1 ep2 dp2", "tp1 pp1 dp2"]
+    # The same cell means the same after any history (e.g. after a kernel restart).
+    for history in ([], ["--tp 2"], ["--tp 4 --sp"], ["--pp 2 --vpp 2"], ["--tp 2 --pp 2", ""]):
+        assert _run_cells(history + ["--pp 2"], world=4)[-1] == "tp1 pp2 dp2"
+        assert _run_cells(history + ["--tp 2 --vpp 2 --pp 2"], world=8)[-1] == "tp2 pp2 vpp2 dp2"
+    fresh = requested_layout(ParallelConfig(tp=2, sequence_parallel=True).resolve(4), _cell("--cp 2"), 4)
+    assert (fresh.tp, fresh.pp, fresh.vpp, fresh.cp, fresh.ep, fresh.sequence_parallel, fresh.dp) == \
+        (1, 1, None, 2, 1, False, 2)
+    with pytest.raises(UsageError, match=r"tp\(2\) \* pp\(2\) \* cp\(1\) = 4 does not divide world size 2"):
+        _run_cells(["--tp 2 --pp 2"], world=2)
+    with pytest.raises(UsageError, match=r"vpp\(2\) needs pipeline parallelism"):
+        _run_cells(["--pp 2", "--vpp 2"], world=2)  # --vpp alone is pp1: refused, not pp2 from before
+    assert set(LAYOUT_FLAGS) == {"tp", "pp", "vpp", "cp", "ep", "sp"}
+
+
+def test_requested_layout_reads_only_the_layout_flags():
+    current = ParallelConfig(tp=2).resolve(2)
+    args = SimpleNamespace(tp=None, pp=None, vpp=None, cp=None, ep=None, sp=None, ranks="1", timeout=5.0, grace=1.0)
+    assert requested_layout(current, args, 2) == current
 
 
 def test_rank_lists():
@@ -56,14 +100,23 @@ def test_magics_end_to_end(shell, capsys):
     shell.run_cell_magic("megatron", "--tp 2", "print('tp size', ps.get_tensor_model_parallel_world_size())")
     assert "[r0-1] tp size 2" in capsys.readouterr().out
 
-    # Flags are sticky: a bare cell keeps tp=2.  Names persist between cells.
+    # A cell without layout flags keeps the layout (tp=2).  Names persist between cells.
     shell.run_cell_magic("megatron", "", "y = ps.get_tensor_model_parallel_rank()")
     shell.run_cell_magic("megatron", "", "print('y', y, 'world', world_size, 'dp', ps.get_data_parallel_world_size())")
     out = capsys.readouterr().out
     assert "[r0 tp0 pp0 dp0] y 0 world 2 dp 1" in out and "[r1 tp1 pp0 dp0] y 1 world 2 dp 1" in out
 
+    # A cell naming a layout flag gets exactly that layout: --pp 2 after --tp 2 is tp1 pp2 on 2 ranks.
+    sizes = "print('sizes', ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())"
+    shell.run_cell_magic("megatron", "--pp 2", sizes)
+    shell.run_cell_magic("megatron", "", sizes)
+    out = capsys.readouterr().out
+    assert out.count("[r0-1] sizes 1 2") == 2 and "sizes 2" not in out, out
+    shell.run_cell_magic("megatron", "--tp 2  # a trailing comment is ignored", sizes)
+    assert "sizes 2 1" in capsys.readouterr().out
+
     with pytest.raises(UsageError, match=r"tp\(2\) \* pp\(2\) \* cp\(1\) = 4 does not divide world size 2"):
-        shell.run_cell_magic("megatron", "--pp 2", "pass")
+        shell.run_cell_magic("megatron", "--tp 2 --pp 2", "pass")
     with pytest.raises(UsageError, match="rank 5 does not exist"):
         shell.run_cell_magic("megatron", "--ranks 0,5", "pass")
     with pytest.raises(UsageError, match=r"num_attention_heads\(3\) is not divisible by tp\(2\)"):
@@ -88,7 +141,7 @@ def test_magics_end_to_end(shell, capsys):
 
     shell.run_line_magic("mnb", "status")
     out = capsys.readouterr().out
-    assert "idle" in out and "layout: tp2 pp1 dp1" in out
+    assert "idle" in out and "layout: tp2 pp1 dp1" in out and "torchrun.log" in out  # where warnings went
 
     pool = __import__("mnb").pool()
     pids = pool.pids()
@@ -100,3 +153,112 @@ def test_magics_end_to_end(shell, capsys):
     pids = pool.pids()
     shell.run_line_magic("mnb", "stop")
     assert_no_orphans(pids)
+
+
+def test_load_ext_binds_mnb_and_registers_once(shell):
+    import mnb
+
+    assert shell.user_ns["mnb"] is mnb
+    shell.run_line_magic("reload_ext", "mnb")  # loading again: the same magics, one input transformer
+    from mnb.magics import help_end_transformer
+
+    assert shell.input_transformers_cleanup.count(help_end_transformer) == 1
+
+
+FIRST_TRAINING_CELL = (
+    "import os, tempfile\n"
+    "model = mnb.gpt('tiny')\n"
+    "mnb.train(model, steps=1, micro_batch_size=2, global_batch_size=4, lr=1e-3)\n"
+    "ckpt = [tempfile.mkdtemp(prefix='mnb-warn-') + '/ckpt']\n"
+    "dist.broadcast_object_list(ckpt, 0)\n"
+    "mnb.save(ckpt[0], model)\n"
+    "mnb.load(ckpt[0], model)\n"
+)
+
+
+def _first_training_cell_output(shell, capsys, start_flags: str) -> tuple[str, str]:
+    shell.run_line_magic("mnb", f"start -n 2 --device cpu {start_flags}")
+    pool = __import__("mnb").pool()
+    pids = pool.pids()
+    capsys.readouterr()
+    try:
+        shell.run_cell_magic("megatron", "", FIRST_TRAINING_CELL)
+        captured = capsys.readouterr()
+        log = pool.spec.log_file.read_text()
+    finally:
+        shell.run_line_magic("mnb", "stop")
+        assert_no_orphans(pids)
+    return captured.out + captured.err, log
+
+
+@pytest.mark.slow
+def test_known_third_party_warnings_go_to_the_pool_log_not_the_cell(shell, capsys):
+    """Megatron's import notices and torch's checkpoint warnings: in the log, not in the first training cell."""
+    out, log = _first_training_cell_output(shell, capsys, "")
+    assert "step 1/1" in out or "loss" in out, out
+    assert "Warning" not in out, out  # neither UserWarning nor FutureWarning
+    assert "UserWarning" in log and "to the log" in log, log[-3000:]  # e.g. "full scope is deprecated"
+
+
+@pytest.mark.slow
+def test_verbose_start_shows_the_warnings_in_the_cell(shell, capsys):
+    out, _ = _first_training_cell_output(shell, capsys, "--verbose")
+    assert "UserWarning" in out and "[r0-1]" in out, out
+
+
+def _rendered(shell, code: str, capsys) -> tuple[BaseException | None, list[str]]:
+    """Run a cell as a notebook does; the lines IPython showed for its error (stdout and stderr)."""
+    capsys.readouterr()
+    result = shell.run_cell(code)
+    captured = capsys.readouterr()
+    return result.error_in_exec, (captured.out + captured.err).strip().splitlines()
+
+
+@pytest.fixture
+def started(shell):
+    if __import__("mnb.controller", fromlist=["current_pool"]).current_pool(required=False) is None:
+        shell.run_line_magic("mnb", "start -n 2 --device cpu")
+    yield __import__("mnb").pool()
+
+
+@pytest.mark.slow
+def test_pool_errors_render_short_in_a_notebook(shell, started, capsys):
+    pool = started
+    holder = threading.Thread(target=lambda: pool.run("import time; time.sleep(4)", quiet=True))
+    holder.start()
+    time.sleep(1.0)
+    try:
+        error, busy = _rendered(shell, "%%megatron\nprint('never runs')", capsys)
+    finally:
+        holder.join()
+    assert type(error).__name__ == "PoolError" and "busy" in busy[0] and len(busy) <= 6, busy
+
+    error, refused = _rendered(shell, "%%megatron --tp 2\nmodel = mnb.gpt('tiny', num_attention_heads=3, "
+                                      "hidden_size=96, num_query_groups=3)", capsys)
+    assert isinstance(error, UsageError) and "refused" in refused[0] and len(refused) <= 6, refused
+    error, layout = _rendered(shell, "%%megatron --tp 3\npass", capsys)
+    assert isinstance(error, UsageError) and "does not divide" in layout[0] and len(layout) <= 6, layout
+
+    timer = threading.Timer(2.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        error, interrupted = _rendered(shell, "%%megatron\nimport time\nfor _ in range(600):\n    time.sleep(0.05)",
+                                       capsys)
+    finally:
+        timer.cancel()
+    assert isinstance(error, KeyboardInterrupt) and len(interrupted) <= 6, interrupted
+    assert "interrupted rank(s) [0, 1]" in interrupted[0] and "mnb/" not in "\n".join(interrupted)
+
+
+@pytest.mark.slow
+def test_a_timed_out_cell_renders_short(shell, started, capsys):
+    error, lines = _rendered(shell, "%%megatron --timeout 2\nimport time\ntime.sleep(30)", capsys)
+    assert type(error).__name__ == "CellTimeoutError" and "timed out" in lines[0]
+    assert len(lines) <= 6, lines
+
+
+@pytest.mark.slow
+def test_a_refused_push_renders_short(shell, started, capsys):
+    error, lines = _rendered(shell, "mnb.pool().push({'f': lambda: 1})", capsys)
+    assert isinstance(error, TypeError) and "nothing was sent" in "\n".join(lines)
+    assert len(lines) <= 6, lines

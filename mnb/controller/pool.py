@@ -128,6 +128,7 @@ class Pool:
         bind_ip: str = "127.0.0.1",
         workdir: str | Path | None = None,
         threads_per_rank: int | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> "Pool":
         """Validate the request, launch torchrun and wait until every rank said hello."""
         device, nproc = resolve_device(device, nproc, gpus)
@@ -149,6 +150,7 @@ class Pool:
             rdzv_endpoint=rdzv_endpoint,
             threads_per_rank=threads_per_rank,
             loopback=bind_ip.startswith("127."),
+            extra_env=dict(extra_env or {}),
         )
         pool = cls(spec, bind_ip, timeout, cell_timeout, grace_s=grace, owns_workdir=workdir is None)
         try:

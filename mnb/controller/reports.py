@@ -34,7 +34,11 @@ def timeout_text(outcome: Outcome, targets: list[int], labels: Labels, note: str
     """Who had not finished at the timeout, where each waited, their stacks, and what follows."""
     pending = outcome.pending
     lines = [f"cell timed out after {outcome.timeout_s:g} s; rank(s) {pending} had not finished."]
-    lines += [f"  [{labels[rank]}] at {outcome.waiting[rank]}" for rank in pending]
+    places: dict[str, list[int]] = {}
+    for rank in pending:
+        places.setdefault(outcome.waiting[rank], []).append(rank)
+    lines += [f"  [{labels[ranks[0]] if len(ranks) == 1 else format_rank_set(ranks)}] at {where}"
+              for where, ranks in places.items()]
     finished = [r for r in targets if r not in pending]
     if finished:
         lines.append(f"  rank(s) {finished} had finished (did they skip a collective the others wait in?)")

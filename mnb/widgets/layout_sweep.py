@@ -16,9 +16,11 @@ row with its reason (a dead pool is restarted and the sweep goes on); Kernel
 -> Interrupt (KeyboardInterrupt) stops the sweep and returns the rows so far.
 
 Progress shows as a widget in a notebook (bar, table so far, chart) and as
-one printed line per layout elsewhere.  The sweep runs in the foreground (the
-cell is busy until it ends, which is what makes it interruptible); the
-explorer's "Run on pool" is the background variant.
+one printed line per layout elsewhere.  In a notebook the sweep renders once:
+when it ends, the live widget is replaced in place by the result's table and
+chart, and the returned value of the same cell shows nothing more.  The sweep
+runs in the foreground (the cell is busy until it ends, which is what makes it
+interruptible); the explorer's "Run on pool" is the background variant.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import ipywidgets as widgets
 from mnb.config import ParallelConfig, TrainConfig, model_config
 from mnb.errors import RankDiedError
 
-from ._render import in_kernel, new_figure, png_bytes
+from ._render import in_kernel
 from .choices import check_layout
 from .measure import TRAIN_KEYS, failure, measure, run_metrics
 from .sweep_result import SweepResult, SweepRow
@@ -248,12 +250,14 @@ class _Progress:
         self.bar.value = done
         self.table.value = self.result.table_html()
         if row.ok:
-            fig, ax = new_figure((6.5, 3.4))
-            self.result.plot(ax=ax)
-            self.chart.value = png_bytes(fig)
+            png, width = self.result.chart_png()
+            self.chart.value, self.chart.width = png, str(width)
 
     def close(self) -> None:
+        """The live view becomes the result (rendered once, sharp), and the widgets are closed."""
         if self.widget is not None:
-            self.bar.bar_style = "warning" if self.result.interrupted else "success"
-            self.label.value = f"<code>{self.result._footer()}</code>"
-            self.handle.update(self._bundle(self.result._footer()), raw=True)
+            self.handle.update(self.result.mimebundle(), raw=True)
+            for widget in (self.widget, self.bar, self.label, self.table, self.chart):
+                widget.close()
+            self.widget = None
+            self.result.shown_live()

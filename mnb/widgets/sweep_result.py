@@ -6,6 +6,10 @@
     result.best()                 # the fastest row that ran
     result.rows[0].as_dict()
 
+In a notebook a sweep renders once: its live view ends as this result's
+table and chart, and the same cell's returned value then shows nothing more
+(``result`` in a later cell, or ``display(result)``, shows it again).
+
 Pandas-free on purpose: rows are frozen-ish dataclasses; ``as_dicts()``
 feeds any table library.
 """
@@ -14,10 +18,16 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._render import gib, new_figure, png_bytes
+from ._render import DPI, gib, new_figure
+
+CHART_SIZE = (6.5, 3.6)
+"""Inches of the sweep chart (live view and result)."""
+CHART_SCALE = 2
+"""The chart is drawn at this many pixels per display pixel, so it stays sharp on HiDPI screens."""
 
 OK = "ok"
 STATUSES = ("ok", "invalid", "oom", "error", "timeout", "died", "interrupted", "skipped")
@@ -86,6 +96,8 @@ class SweepResult:
         self.world_size = world_size
         self.device = device
         self.interrupted = interrupted
+        self._live_cell: int | None = None
+        """Execution count of the cell whose live view already shows this result (see :meth:`shown_live`)."""
 
     @property
     def throughput(self) -> str:
@@ -161,11 +173,34 @@ class SweepResult:
     def _repr_html_(self) -> str:
         chart = ""
         if self.ok_rows():
-            fig, ax = new_figure((6.5, 3.6))
-            self.plot(ax=ax)
-            data = base64.b64encode(png_bytes(fig)).decode()
-            chart = f"<img src='data:image/png;base64,{data}'/>"
+            png, width = self.chart_png()
+            chart = f"<img width='{width}' src='data:image/png;base64,{base64.b64encode(png).decode()}'/>"
         return f"<div class='mnb-sweep'>{self.table_html()}{chart}</div>"
+
+    def mimebundle(self) -> dict[str, str]:
+        """What a notebook shows: the HTML table and chart, the text table elsewhere."""
+        return {"text/plain": repr(self), "text/html": self._repr_html_()}
+
+    def shown_live(self) -> None:
+        """The live view of this cell now shows the result: its returned value adds nothing."""
+        self._live_cell = _execution_count()
+
+    def _ipython_display_(self) -> None:
+        """IPython's display hook and ``display()``: once per cell with a live view, always otherwise."""
+        from IPython.display import display
+
+        if self._live_cell is not None and self._live_cell == _execution_count():
+            self._live_cell = None  # the live view is this cell's one rendering
+            return
+        display(self.mimebundle(), raw=True)
+
+    def chart_png(self) -> tuple[bytes, int]:
+        """(PNG of :meth:`plot` at CHART_SCALE x resolution, its display width in pixels)."""
+        fig, ax = new_figure(CHART_SIZE)
+        self.plot(ax=ax)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=DPI * CHART_SCALE)
+        return buffer.getvalue(), int(CHART_SIZE[0] * DPI)
 
     # ----- chart --------------------------------------------------------------------
     def plot(self, ax=None):
@@ -199,3 +234,13 @@ class SweepResult:
         ax.set_title(f"{self.model}: {len(pts)} layouts on {self.world_size} {self.device} ranks", fontsize=10)
         ax.legend(fontsize=7, loc="best")
         return ax
+
+
+def _execution_count() -> int | None:
+    """The running cell's number in an IPython shell (constant while the cell runs), else None."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return getattr(shell, "execution_count", None) if shell is not None else None

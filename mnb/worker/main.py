@@ -22,6 +22,7 @@ import argparse
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -36,17 +37,60 @@ from mnb.worker.executor import describe_exception, portable, run_cell
 
 log = logging.getLogger("mnb.worker")
 
-# Warnings Megatron-Core repeats on every rank and every model build, that say
-# nothing a notebook user can act on (mnb already chose the torch fallbacks and
-# says so in the README).  Everything else still reaches the cell's output.
+# Known third-party notices that Megatron-Core and torch raise while importing,
+# building models or loading checkpoints, on every rank; they say nothing a
+# notebook user can act on (mnb already chose the torch fallbacks).  They go to
+# the pool's log (this rank's real stderr, which torchrun writes to
+# ``mnb.pool().spec.log_file``), not to the cell; ``%mnb start --verbose``
+# (MNB_VERBOSE=1 in the ranks' environment) shows them in the cells.  Every
+# other warning reaches the cell's output as usual.  Patterns match the start of
+# the message, case-insensitively (as ``warnings.filterwarnings`` does).
 QUIET_WARNINGS = (
+    # the TE / apex fallback notices (Megatron's optimizer, clip_grads, FSDP, norms)
     r"(Transformer Engine and )?Apex (is|are) not installed",
+    r"(MimoModelConfig|MimoModel|ModalitySubmodules) is experimental",
     r"full scope is deprecated",
     r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
-    # torch deprecations inside Megatron's dist_checkpointing (mnb.save / mnb.load)
+    # torch inside Megatron's dist_checkpointing (mnb.save / mnb.load)
+    r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to load in a single process",
     r"`load_state_dict` is deprecated and will be removed",
     r"Please use DTensor instead and we are deprecating ShardedTensor",
 )
+
+
+def verbose_warnings() -> bool:
+    """Whether ``%mnb start --verbose`` asked for every warning in the cells (``MNB_VERBOSE=1``)."""
+    return os.environ.get("MNB_VERBOSE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def route_warnings(rank: int, verbose: bool) -> None:
+    """Send the known notices (:data:`QUIET_WARNINGS`) to the pool's log, or with ``verbose`` to the cell.
+
+    Each is shown once per place it is raised (Python's "default" action; this
+    also undoes the "ignore" filters Megatron's helpers or mnb's CPU mode set).
+    Idempotent: call it again after code that adds its own filters.
+    """
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("default", message=pattern)
+    if verbose or getattr(warnings.showwarning, "_mnb_routed", False):
+        return
+    quiet = re.compile("|".join(f"(?:{pattern})" for pattern in QUIET_WARNINGS), re.IGNORECASE)
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):  # warnings' signature
+        log_file = sys.__stderr__
+        if file is not None or log_file is None or not quiet.match(str(message)):
+            return show(message, category, filename, lineno, file, line)
+        try:
+            log_file.write(f"mnb rank {rank} (to the log; %mnb start --verbose shows it in cells): "
+                           + warnings.formatwarning(message, category, filename, lineno, line))
+            log_file.flush()
+        except (OSError, ValueError):  # the log is gone: the rank is ending anyway
+            pass
+        return None
+
+    showwarning._mnb_routed = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
 
 
 def _die_with_parent() -> None:
@@ -77,8 +121,8 @@ class Rank:
     # -------------------------------------------------------------- start
     def start(self) -> None:
         t0 = time.perf_counter()
-        for pattern in QUIET_WARNINGS:
-            warnings.filterwarnings("ignore", message=pattern)
+        verbose = verbose_warnings()
+        route_warnings(self.rank, verbose)
         import torch
         import torch.distributed as dist
 
@@ -92,6 +136,7 @@ class Rank:
             from mnb.megatron import cpu
 
             cpu.install()
+            route_warnings(self.rank, verbose)  # cpu.install() ignores the apex notices: log or show them
             self.device = torch.device("cpu")
             backend = "gloo"
         kwargs: dict[str, Any] = {"backend": backend}
