@@ -172,16 +172,35 @@ class Run:
 
     @property
     def peak_flops_per_device(self) -> float | None:
-        """Peak used for MFU: ``peak_flops``, ``gpu``, or the CUDA device's table entry."""
+        """Peak used for MFU: ``peak_flops``, ``gpu``, the CPU ranks' measured GEMM peak (the
+        slowest rank's), or the CUDA device's datasheet entry in the hardware table."""
         if self.peak_flops:
             return float(self.peak_flops)
         dtype = hardware.train_dtype(self.train.bf16, self.train.fp8)
         if self.gpu:
             return hardware.peak_flops(self.gpu, dtype)
+        measured = [float(r["peak_flops"]) for r in self._records if r.get("peak_flops")]
+        if measured:
+            return min(measured)
         if self.on_cpu:
             return None
         dev = hardware.device_from_name(self.device_name)
         return hardware.peak_flops(dev.name, dtype) if dev is not None else None
+
+    @property
+    def peak_source(self) -> str:
+        """Which peak MFU is measured against, in words (for titles and summaries)."""
+        peak = self.peak_flops_per_device
+        if peak is None:
+            return "no peak for this device"
+        if self.peak_flops:
+            return f"given peak {peak / 1e9:,.0f} GFLOP/s"
+        if self.gpu:
+            return f"{hardware.device(self.gpu).label} datasheet peak {peak / 1e12:,.0f} TFLOP/s"
+        source = self._first.get("peak_source")
+        if source:
+            return f"{source} {peak / 1e9:,.0f} GFLOP/s"
+        return f"datasheet peak {peak / 1e12:,.0f} TFLOP/s"
 
     @property
     def mfu(self) -> list[float | None]:
@@ -393,10 +412,13 @@ class Run:
             lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(self.steps)} steps")
         tps = [x for x in self.tokens_per_s[1:] or self.tokens_per_s if x]
         mfus = [x for x in self.mfu[1:] or self.mfu if x is not None]
+        steps = len(self.steps)
+        which = f"mean of steps 2-{steps}" if steps > 2 else ("step 2" if steps == 2 else "step 1")
         perf = []
         if tps:
-            perf.append(f"{sum(tps) / len(tps):,.0f} tokens/s")
-        perf.append(f"MFU {sum(mfus) / len(mfus):.1%}" if mfus else "MFU n/a (no peak for this device)")
+            perf.append(f"{sum(tps) / len(tps):,.0f} tokens/s ({which})")
+        perf.append(f"MFU {sum(mfus) / len(mfus):.1%} vs {self.peak_source}" if mfus
+                    else "MFU n/a (no peak for this device)")
         lines.append(", ".join(perf))
         if self.measured_bubble is not None:
             text = f"bubble measured {self.measured_bubble:.1%} vs theoretical {self.theoretical_bubble:.1%}"

@@ -103,6 +103,14 @@ def test_mfu_uses_device_peak():
     assert cpu.mfu == [None, None]
     assert "MFU n/a" in cpu.summary()
     assert "ranks on CPU" in cpu.summary() and "not compared with the prediction" in cpu.summary()
+    measured = make_records(device="cpu", device_name="cpu")
+    for record, flops in zip(measured, (40e9, 50e9)):
+        record.update(peak_flops=flops, peak_source="measured CPU GEMM peak (float32)")
+    cpu_measured = Run(measured)
+    assert cpu_measured.peak_flops_per_device == 40e9  # the slower rank's
+    assert cpu_measured.mfu == pytest.approx([1e12 / (17.0 * 2 * 40e9), 1e12 / (18.0 * 2 * 40e9)])
+    assert "vs measured CPU GEMM peak (float32) 40 GFLOP/s" in cpu_measured.summary()
+    assert "tokens/s (step 2)" in cpu_measured.summary()  # the figure says which steps it averages
     given = Run(make_records(device="cpu", device_name="cpu"), peak_flops=1e12)
     assert given.mfu == pytest.approx([1 / 34, 1 / 36])
     assert Run(make_records(device="cpu", device_name="cpu"), gpu="cpu").mfu[0] > 0

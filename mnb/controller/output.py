@@ -122,14 +122,18 @@ def _ipython() -> Any:
 
 
 def progress_text(done: int, steps: int, payload: dict[str, Any]) -> str:
-    """'step 3/10 [#########....]  loss 5.1234  8,035 tok/s  64 ms/step'."""
+    """'step 3/10 [#########....]  loss 5.1234  8,035 tok/s (this step)  64 ms/step'.
+
+    The rate is the last step's; a run's summary gives the mean of steps 2-N
+    (the first includes warm-up), and says so.
+    """
     width = 30
     filled = int(width * done / steps) if steps else 0
     parts = [f"step {done}/{steps} [{'#' * filled}{'.' * (width - filled)}]"]
     if payload.get("loss") is not None:
         parts.append(f"loss {payload['loss']:.4f}")
     if payload.get("tokens_per_s"):
-        parts.append(f"{payload['tokens_per_s']:,.0f} tok/s")
+        parts.append(f"{payload['tokens_per_s']:,.0f} tok/s (this step)")
     if payload.get("step_time_s"):
         parts.append(f"{payload['step_time_s'] * 1000:.0f} ms/step")
     return "  ".join(parts)

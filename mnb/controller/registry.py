@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 _CURRENT: list["Pool"] = []
 _LAST_RUN: list[Any] = []
+_CPU_PEAK: dict[str, float] = {}
 
 
 def current_pool(required: bool = True) -> "Pool | None":
@@ -37,6 +38,14 @@ def set_last_run(records: list[dict[str, Any]]) -> None:
 
     _LAST_RUN.clear()
     _LAST_RUN.append(Run(records))
+    peaks = [r["peak_flops"] for r in records if r.get("peak_flops") and str(r.get("device", "")).startswith("cpu")]
+    if peaks:
+        _CPU_PEAK["flops"] = min(peaks)
+
+
+def measured_cpu_peak_flops() -> float | None:
+    """The CPU ranks' measured GEMM peak from the last CPU training (per rank), if any."""
+    return _CPU_PEAK.get("flops")
 
 
 def last_run() -> Any:

@@ -12,6 +12,7 @@ Schema (JSON-able; the controller, ``mnb.runs`` and ``mnb.plot`` read it)::
       "global_batch_size": int, "seq_length": int,
       "num_parameters_local": int, "padded_vocab_size": int,
       "model_flops_per_step": float,                    # whole model, global batch, no recompute
+      "peak_flops": float, "peak_source": str,          # CPU ranks: measured GEMM peak (mnb.megatron.peak)
       "fusions": bool,                                  # mnb.gpt(fusions=...) resolved on this rank
       "steps": [{"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
                  "mem_allocated_bytes", "mem_peak_bytes", "mem_reserved_bytes"}],
@@ -76,6 +77,16 @@ def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_
     return float(12 * b * s * layers * h * h * (attention + mlp) + 6 * b * s * h * padded_vocab_size)
 
 
+def _peak(device: torch.device, train) -> dict:
+    """A CPU rank's measured GEMM peak for the run's dtype (GPU ranks use the hardware table)."""
+    if device.type != "cpu":
+        return {}
+    from mnb.megatron.peak import cpu_gemm_flops
+
+    dtype = torch.bfloat16 if (train.bf16 or train.fp8) else torch.float32
+    return {"peak_flops": cpu_gemm_flops(dtype), "peak_source": f"measured CPU GEMM peak ({str(dtype)[6:]})"}
+
+
 def build_record(*, model, train, device: torch.device, num_microbatches: int, steps: list[dict],
                  timeline: list[dict], meter, components, flops: float) -> dict:
     import megatron.core
@@ -97,6 +108,7 @@ def build_record(*, model, train, device: torch.device, num_microbatches: int, s
         "num_parameters_local": model.num_parameters_local(),
         "padded_vocab_size": model.padded_vocab_size,
         "model_flops_per_step": flops,
+        **_peak(device, train),
         "fusions": model.fusions,
         "steps": steps,
         "timeline": timeline,

@@ -206,8 +206,9 @@ def summary_html(ex: "Explorer") -> str:
     if m:
         note = (f"<div style='font-size:11px;color:#555'>measured: {m['steps']} steps of {html.escape(m['layout'])}"
                 f" on the pool; memory from {html.escape(str(m.get('memory_source')))}"
-                + ("; MFU n/a on CPU (no peak)" if m.get("mfu") is None else "") + "</div>")
-    return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}"
+                + ("; MFU n/a (no peak)" if m.get("mfu") is None else "") + "</div>")
+    peak = f"<div style='font-size:11px;color:#555'>MFU vs {html.escape(p.get('peak_source', ''))}</div>"
+    return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}{peak}"
 
 
 def summary_text(ex: "Explorer") -> str:
@@ -221,9 +222,9 @@ def summary_text(ex: "Explorer") -> str:
     lines.append(f"  predicted: peak {gib(p['peak_bytes'])}/rank"
                  + (f" of {gib(cap)} ({'fits' if p['fits'] else 'does not fit'})" if cap else "")
                  + f", bubble {p['bubble']:.1%}, step {p['step_time_s']:.3g} s, "
-                 f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%}")
+                 f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} (vs {p.get('peak_source', '?')})")
     if m:
-        mfu = "n/a (CPU)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
+        mfu = "n/a (no peak)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
         lines.append(f"  measured ({m['steps']} steps on the pool): peak "
                      f"{gib(m.get('peak_memory_bytes'))}/rank ({m.get('memory_source')}), "
                      f"bubble {_fmt(m.get('bubble'), 'pct')}, "

@@ -39,6 +39,7 @@ from traitlets import Bool, Bytes, Dict, Enum, Int, TraitError, Unicode, observe
 
 import mnb.estimate as est
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig, load_preset, model_config, preset_names
+from mnb.controller.registry import measured_cpu_peak_flops
 from mnb.estimate import hardware
 
 from . import _explorer_view as view
@@ -330,8 +331,10 @@ class Explorer(PoolRunMixin, widgets.VBox):
         try:
             model, parallel, train = self.model_config(), self.parallel_config(), self.train_config()
             resolved = check_layout(model, parallel, self.gpus, train)
-            mem = est.memory(model, resolved, train, gpu=self.gpu)
-            time = est.step_time(model, resolved, train, gpu=self.gpu)
+            on_cpu = self.gpu == "cpu"
+            mem = est.memory(model, resolved, train, gpu=self.gpu, cpu_kernels=on_cpu, fused_kernels=not on_cpu)
+            cpu_peak = measured_cpu_peak_flops() if on_cpu else None
+            time = est.step_time(model, resolved, train, gpu=self.gpu, peak_flops=cpu_peak)
             m = train.num_microbatches(resolved.dp or 1)
         except ValueError as err:
             self.error = str(err)
@@ -355,6 +358,9 @@ class Explorer(PoolRunMixin, widgets.VBox):
             "step_time_s": time.total_s,
             "tokens_per_s": time.tokens_per_s,
             "mfu": time.mfu,
+            "peak_source": (f"measured CPU peak {cpu_peak / 1e9:,.0f} GFLOP/s per rank" if cpu_peak else
+                            "nominal CPU peak 1 TFLOP/s (train on a CPU pool once to measure it)" if on_cpu else
+                            f"{hardware.device(self.gpu).label} datasheet peak"),
         }
         self.memory_png = view.memory_png(mem, self._run)
         self.timeline_png = view.timeline_png(resolved, m, self._run)

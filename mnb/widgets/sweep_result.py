@@ -211,7 +211,7 @@ class SweepResult:
             _, ax = new_axes(figsize=(7.0, 4.0))
         metric = self.throughput
         scale = 100.0 if metric == "mfu" else 1.0
-        ylabel = "MFU (%)" if metric == "mfu" else "tokens/s (MFU n/a on CPU)"
+        ylabel = "MFU (%)" if metric == "mfu" else "tokens/s (MFU n/a: no peak)"
         pts = [r for r in self.ok_rows() if r.peak_memory_bytes is not None and getattr(r, metric) is not None]
         if not pts:
             ax.text(0.5, 0.5, "no layout ran", ha="center", va="center", transform=ax.transAxes)

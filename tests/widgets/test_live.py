@@ -59,7 +59,7 @@ def test_handler_starts_one_widget_per_training_run():
 
 def test_progress_text_matches_the_controller_line():
     assert progress_text(1, 2, _event(0, 2)) == (
-        "step 1/2 [###############...............]  loss 5.0000  1,000 tok/s  50 ms/step")
+        "step 1/2 [###############...............]  loss 5.0000  1,000 tok/s (this step)  50 ms/step")
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ def test_sweep_of_layouts_collects_measurements_and_failures(cpu_pool, capsys):
     assert {r.label for r in ran} == {"tp1 pp1 dp2", "tp1 pp2 dp1", "tp2 pp1 dp1", "tp1 pp2 vpp2 dp1"}
     for row in ran:
         assert row.peak_memory_bytes > 0 and row.tokens_per_s > 0 and row.step_time_s > 0
-        assert row.mfu is None  # CPU: no peak, so MFU is n/a and the chart uses tokens/s
+        assert 0 < row.mfu < 1  # CPU: against the ranks' measured GEMM peak
         assert row.bubble is not None and row.theoretical_bubble is not None
     assert by_label["tp1 pp2 dp1"].theoretical_bubble == pytest.approx(1 / 9)  # (p-1)/(m+p-1), m = 8
     invalid = by_label["tp2 pp2 dp?"]
@@ -38,14 +38,14 @@ def test_sweep_of_layouts_collects_measurements_and_failures(cpu_pool, capsys):
     batch = by_label["tp1 pp1 dp2 mbs3"]
     assert batch.status == "invalid" and "global_batch_size(8) is not divisible" in batch.reason
 
-    assert result.throughput == "tokens_per_s"
+    assert result.throughput == "mfu"  # CPU ranks measure their GEMM peak, so MFU ranks the layouts
     assert result.pareto() and all(r.ok for r in result.pareto())
     text = result.table()
     assert "tp2 pp2 dp?" in text and "invalid" in text and "3 of 4 layouts ran" in text
     html = result._repr_html_()
     assert "<table>" in html and "data:image/png;base64," in html
     ax = result.plot()
-    assert "tokens/s" in ax.get_ylabel()
+    assert "MFU" in ax.get_ylabel()
     printed = capsys.readouterr().out
     assert "[1/4] tp1 pp1 dp2: ok" in printed  # plain-text progress outside a notebook
     print("\n" + text + "\n" + extra.table())  # the measured table, for the record (pytest -s)
@@ -83,12 +83,13 @@ def test_explorer_runs_on_the_pool_in_the_background(cpu_pool):
     assert not ex.running, ex.status
     m = ex.measured
     assert m["layout"] == "tp1 pp2 dp1" and m["steps"] == 4
-    assert m["peak_memory_bytes"] > 0 and m["tokens_per_s"] > 0 and m["mfu"] is None
+    assert m["peak_memory_bytes"] > 0 and m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1
     assert m["theoretical_bubble"] == pytest.approx(ex.predicted["bubble"])
     assert ex.memory_png != predicted_png
     assert "measured" in ex.controls["summary"].value
     ex.pp = 1  # a new setting drops the stale measurement
     assert ex.measured == {}
+    assert "measured CPU peak" in ex.predicted["peak_source"]  # the pool measured it: predictions use it
     ex.gpus = 4
     assert "set gpus to 2" in ex.pool_problem(cpu_pool)
     assert ex.run_on_pool(cpu_pool) is None and "pool has 2 ranks" in ex.status
