@@ -178,8 +178,8 @@ def stacks_parser() -> MagicArgumentParser:
 
 def plot_parser() -> MagicArgumentParser:
     p = _parser("%mnb plot", "Plot mnb.last_run, predicted beside measured.", [
-        "%mnb plot timeline      # measured 1F1B Gantt per stage, bubble vs (p-1)/m",
-        "%mnb plot memory        # predicted components beside the measured peak, per rank",
+        "%mnb plot timeline      # measured 1F1B Gantt per stage, bubble vs (p-1)/(m+p-1)",
+        "%mnb plot memory        # predicted beside measured, per component and rank",
         "%mnb plot mfu",
     ])
     p.add_argument("kind", choices=["memory", "timeline", "mfu"], help="which plot of mnb.last_run")

@@ -258,7 +258,9 @@ class Run:
         """
         stage = self.predicted_memory.stages[self.stage_of_rank(rank)]
         element = 2 if (self.train.bf16 or self.train.fp8) else 4
-        saved_logits = stage.logits_bytes if self.fusions else stage.logits_bytes * 4 / (4 + (element % 4))
+        # saved: the fused loss's logits (half of logits_bytes: the other half is their gradient in
+        # backward), or the unfused loss's fp32 softmax (the rest is a bf16 copy made in backward)
+        saved_logits = stage.logits_bytes / 2 if self.fusions else stage.logits_bytes * 4 / (4 + (element % 4))
         return {
             "weights": stage.weights_bytes,
             "gradients": stage.gradients_bytes,
@@ -371,7 +373,7 @@ class Run:
     def expected_bubble(self) -> float | None:
         """The schedule's bubble for the *measured* per-stage forward/backward times.
 
-        (p-1)/m assumes equal stages; real stages differ (the first holds the
+        (p-1)/(m+p-1) assumes equal stages; real stages differ (the first holds the
         embedding, the last the output layer and loss), and the faster stage waits
         for the slower one.  This replays Megatron's 1F1B order with each stage's
         mean measured microbatch times (``estimate.simulate_schedule``), so
@@ -420,7 +422,7 @@ class Run:
         perf.append(f"MFU {sum(mfus) / len(mfus):.1%} vs {self.peak_source}" if mfus
                     else "MFU n/a (no peak for this device)")
         lines.append(", ".join(perf))
-        if self.measured_bubble is not None:
+        if self.measured_bubble is not None and self.layout.pp > 1:  # no pipeline, no bubble to speak of
             text = f"bubble measured {self.measured_bubble:.1%} vs theoretical {self.theoretical_bubble:.1%}"
             expected = self.expected_bubble
             if expected is not None:

@@ -243,9 +243,11 @@ def memory(
         logits = 0.0
         if stage == pp - 1:
             acts += 2 * s_local * b * h * e / sp_div + norm_extra_bytes(shape, h)  # final norm, output layer input
-            # Megatron's vocab-parallel cross entropy keeps an fp32 softmax beside the
-            # logits (the same buffer when training in fp32); mnb's fused one keeps the logits only.
-            logits = s_local * b * vocab / tp * (e if fused_loss else 4 + (e if e != 4 else 0))
+            # Megatron's vocab-parallel cross entropy keeps an fp32 softmax beside the logits
+            # (the same buffer when training in fp32; in backward the softmax becomes the
+            # gradient in place, cast to a logits-sized copy).  mnb's fused one keeps the
+            # logits only, and its backward writes their gradient beside them.
+            logits = s_local * b * vocab / tp * (2 * e if fused_loss else 4 + (e if e != 4 else 0))
         stages.append(
             StageMemory(
                 stage=stage,

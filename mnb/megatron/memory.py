@@ -107,12 +107,17 @@ class ComponentMeter:
       largest sum held at once (the microbatches in flight of the schedule).
 
     Storages are told apart by their data pointer, so views and tensors shared
-    between ops count once.  ``peak`` is the allocator's peak on CUDA; on CPU,
+    between ops count once.  Saved tensors are counted in the first
+    ``COUNTED_STEPS`` steps of each ``mnb.train`` call only (a step saves the
+    same tensors every time); later steps run without the hooks, at full speed.  ``peak`` is the allocator's peak on CUDA; on CPU,
     where no allocator keeps one, the counted static components plus the
     activations peak.
     """
 
+    COUNTED_STEPS = 2
+
     def __init__(self) -> None:
+        self.steps_begun = 0
         self.static_bytes = {"weights": 0, "gradients": 0, "optimizer": 0}
         self._known: set[int] = set()
         self._saving: dict[int, int] | None = None
@@ -155,8 +160,13 @@ class ComponentMeter:
                 total += storage.nbytes()
         return total
 
-    # ----- the schedule's forward / backward of each microbatch (TimelineRecorder calls these)
+    # ----- the schedule's steps and each microbatch's forward / backward (TimelineRecorder calls these)
+    def step_started(self) -> None:
+        self.steps_begun += 1
+
     def forward_started(self) -> None:
+        if self.steps_begun > self.COUNTED_STEPS:
+            return
         self._saving = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()

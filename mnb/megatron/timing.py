@@ -90,8 +90,10 @@ class _Clock:
 
 
 class ComputeListener(Protocol):
-    """Told when each microbatch's forward starts and ends and its backward ends
-    (``key`` is its (microbatch, chunk)); :class:`mnb.megatron.memory.ComponentMeter` is one."""
+    """Told when a step begins, when each microbatch's forward starts and ends and when its
+    backward ends (``key`` is its (microbatch, chunk)); :class:`mnb.megatron.memory.ComponentMeter` is one."""
+
+    def step_started(self) -> None: ...
 
     def forward_started(self) -> None: ...
 
@@ -178,6 +180,8 @@ class TimelineRecorder:
         self._counts = {"forward": 0, "backward": 0}
         for timer in self._timers.values():
             timer.reset()
+        if self.listener is not None:
+            self.listener.step_started()
         self.clock.start()
 
     @contextlib.contextmanager

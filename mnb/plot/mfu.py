@@ -41,7 +41,7 @@ def plot_mfu(run: Any, ax=None):
         a_loss.plot(x, y, marker="o", color="#C44E52")
         a_loss.set_ylabel("loss")
         a_loss.set_xlabel("step")
-        a_mfu.set_title(f"{run.model.name} | {run.layout.describe()}", fontsize=10)
+        a_mfu.set_title(f"{run.model.name} | {run.layout.describe()}: MFU vs {run.peak_source}", fontsize=10)
         return a_mfu
 
     main_label = "MFU (%)" if have_mfu else "tokens/s"
@@ -62,5 +62,5 @@ def plot_mfu(run: Any, ax=None):
     x, y = pts(losses)
     t2.plot(x, y, marker=".", color="#C44E52", label="loss")
     t2.set_ylabel("loss")
-    ax.set_title(f"{run.model.name} | {run.layout.describe()}", fontsize=10)
+    ax.set_title(f"{run.model.name} | {run.layout.describe()}: MFU vs {run.peak_source}", fontsize=10)
     return ax
