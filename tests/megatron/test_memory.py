@@ -78,3 +78,23 @@ def test_memory_plot_shows_each_component_predicted_beside_measured(cpu_pool):
     assert heights[0] > 0  # every bar visible, none dwarfed by process memory
     assert "counted tensors" in run.summary() and "activations" in run.summary()
     cpu_pool.run("pass", layout=ParallelConfig())
+
+
+def test_progress_and_summary_give_the_same_throughput(cpu_pool):
+    """The live line shows each step's tokens/s; the summary their mean over steps 2-N, and says so."""
+    seen = []
+    cpu_pool.event_handlers.append(lambda rank, kind, payload: seen.append((rank, payload)) if kind == "progress" else None)
+    try:
+        cpu_pool.run("model = mnb.gpt('tiny')\nmnb.train(model, steps=4, micro_batch_size=2, global_batch_size=8)",
+                     layout=ParallelConfig(pp=2), quiet=True)
+    finally:
+        cpu_pool.event_handlers.pop()
+    run = mnb.last_run
+    reporter = {rank for rank, _ in seen}
+    assert len(reporter) == 1 and len(seen) == 4
+    rows = run.ranks[reporter.pop()]["steps"]
+    assert [p["tokens_per_s"] for _, p in seen] == [row["tokens_per_s"] for row in rows]
+    mean = sum(run.tokens_per_s[1:]) / 3
+    assert f"{mean:,.0f} tokens/s (mean of steps 2-4)" in run.summary()
+    assert run.mfu[-1] is not None and 0 < run.mfu[-1] < 1  # against the ranks' measured GEMM peak
+    cpu_pool.run("pass", layout=ParallelConfig())
