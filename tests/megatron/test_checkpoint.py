@@ -72,10 +72,26 @@ def _wait(procs, out: Path, timeout_s: float = 240) -> list:
 
 
 def _kill(procs) -> None:
-    for p in procs:  # only the processes this test started, by pid
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait()
+    """SIGKILL each rank this test started and what it started (Megatron's async checkpoint
+    writers): every rank leads its own session, so its process group holds both."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def _group_alive(group: int, wait_s: float = 5.0) -> bool:
+    """Whether any process is left in process group ``group`` after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _run(fn: str, world: int, tmp_path: Path, **kwargs) -> list:
@@ -391,6 +407,7 @@ def test_killed_save_keeps_the_last_checkpoint(tmp_path):
         time.sleep(0.1)
     _kill(procs)  # mid-save: new tensors written into run.tmp-*, nothing renamed
     assert list(path.parent.glob("run.tmp-*"))
+    assert not [p.pid for p in procs if _group_alive(p.pid)], "a rank's checkpoint writers outlived it"
     for r in _run("rank_load_good", 2, tmp_path, path=str(path)):
         assert r["diff"] == [] and r["step"] == 1
 
