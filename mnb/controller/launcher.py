@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -76,7 +77,8 @@ class LaunchSpec:
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.rdzv_endpoint}",
             ]
-        cmd += ["--max-restarts=0", "--monitor-interval=0.1"]
+        # torchrun's own log folder goes into the pool's folder, removed with it (not /tmp/torchelastic_*)
+        cmd += ["--max-restarts=0", "--monitor-interval=0.1", f"--log-dir={self.log_file.parent / 'torchelastic'}"]
         cmd += ["-m", "mnb.worker", "--connect", str(self.connection_file), "--device", self.device]
         return cmd
 
@@ -105,10 +107,25 @@ class LaunchSpec:
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
-        # The workers need mnb importable exactly as the kernel has it.
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        # The workers need mnb importable exactly as the kernel has it.  A wheel in one
+        # of this interpreter's site folders is found there by the ranks too (putting
+        # that folder on PYTHONPATH would move it ahead of the standard library); a
+        # checkout (editable install, or only on the kernel's sys.path) is added.
+        package_root = _package_root()
+        if package_root is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         return env
+
+
+def _package_root() -> str | None:
+    """The folder holding the ``mnb`` package, unless it is one of this interpreter's site folders."""
+    root = Path(__file__).resolve().parents[2]
+    sites = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        sites.append(site.getusersitepackages())
+    if any(Path(s).resolve() == root for s in sites if s):
+        return None
+    return str(root)
 
 
 class Launcher:
