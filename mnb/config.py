@@ -20,11 +20,36 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field, fields, replace
+from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
-PRESETS_DIR = TEMPLATES_DIR / "presets"
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+
+def package_data(folder: str) -> Traversable:
+    """A data folder shipped with mnb: ``"templates"`` (presets) or ``"kernels"`` (the kernelspec).
+
+    Their source lives at the top of the repository; the wheel maps them into the
+    package (``mnb/templates``, ``mnb/kernels``; see pyproject.toml), where
+    :mod:`importlib.resources` finds them.  A source checkout (an editable
+    install, or the repository on ``sys.path``) has them beside ``mnb/`` instead.
+    """
+    packaged = resources.files("mnb") / folder
+    if packaged.is_dir():
+        return packaged
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / folder).is_dir():
+        return checkout / folder
+    raise FileNotFoundError(
+        f"mnb's {folder}/ folder is missing: neither {packaged} (an installed wheel) nor "
+        f"{checkout / folder} (a source checkout) exists; reinstall mnb"
+    )
+
+
+def _presets() -> Traversable:
+    return package_data("templates") / "presets"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,15 +369,15 @@ def divisors(n: int) -> list[int]:
 
 def preset_names() -> list[str]:
     """Names of the model presets shipped in templates/presets/."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+    return sorted(p.name[: -len(".json")] for p in _presets().iterdir() if p.name.endswith(".json"))
 
 
 def load_preset(name: str) -> ModelConfig:
     """Read a model preset (templates/presets/NAME.json) into a ModelConfig."""
-    path = PRESETS_DIR / f"{name}.json"
-    if not path.exists():
+    path = _presets() / f"{name}.json"
+    if not path.is_file():
         raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(preset_names())}")
-    data = json.loads(path.read_text())
+    data = json.loads(path.read_text(encoding="utf-8"))
     data.pop("description", None)
     return ModelConfig(name=name, **data)
 

@@ -3,8 +3,15 @@
     python -m mnb.kernelspec install [--user] [--prefix PREFIX] [--name mnb]
 
 (also available as the ``mnb-kernel-install`` command).  The kernelspec in
-kernels/mnb/ names ``python``; the installed copy names this interpreter, so
-the kernel finds mnb and torch exactly as this environment has them.
+kernels/mnb/ (shipped in the wheel as ``mnb/kernels/mnb/``) names ``python``;
+the installed copy names this interpreter, so the kernel finds mnb and torch
+exactly as this environment has them.
+
+The kernel starts ipykernel with ``--ext mnb.kernelspec``: this module's
+:func:`load_ipython_extension` does what ``%load_ext mnb`` does (``%mnb``,
+``%%megatron``, and ``mnb`` bound in the notebook) under its own extension
+name, so a notebook's own ``%load_ext mnb`` still loads ``mnb`` for the first
+time and prints nothing: the same notebook runs on either kernel.
 """
 
 from __future__ import annotations
@@ -16,17 +23,32 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mnb.config import package_data
+
 KERNEL_NAME = "mnb"
-SPEC_DIR = Path(__file__).resolve().parent.parent / "kernels" / KERNEL_NAME
+KERNEL_EXTENSION = "mnb.kernelspec"
+"""The extension the kernel loads at start: this module (see :func:`load_ipython_extension`)."""
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """The "Python 3 (mnb)" kernel's start: the magics and ``mnb`` bound, as ``%load_ext mnb`` does.
+
+    Loaded under the name ``mnb.kernelspec``, not ``mnb``, so IPython does not
+    answer a notebook's ``%load_ext mnb`` with "already loaded".
+    """
+    import mnb
+
+    mnb.load_ipython_extension(ipython)
 
 
 def make_cmd(executable: str | None = None) -> list[str]:
-    """ipykernel's launcher with ``--ext mnb`` so %mnb and %%megatron exist from the start."""
-    return [executable or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", "--ext", "mnb"]
+    """ipykernel's launcher with mnb's start-up extension: %mnb, %%megatron and ``mnb`` exist from the start."""
+    return [executable or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+            "--ext", KERNEL_EXTENSION]
 
 
 def get_kernel_dict(executable: str | None = None) -> dict[str, Any]:
-    spec = json.loads((SPEC_DIR / "kernel.json").read_text())
+    spec = json.loads((package_data("kernels") / KERNEL_NAME / "kernel.json").read_text(encoding="utf-8"))
     spec["argv"] = make_cmd(executable)
     return spec
 

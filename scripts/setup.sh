@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# Install mnb and what it needs into the current Python environment.
+# Install mnb and what it needs into the current Python environment
+# (PYTHON=/path/to/python picks another one, e.g. .ci/run's .venv-312/bin/python).
 #
-# torch is installed first, pinned, only when it is missing: an unpinned
-# `torch` pulls a multi-GB CUDA build, while on the project's CPU machines
-# torch==2.13.0 is a CPU build served from local disk.  megatron-core then
-# resolves by Python version (0.16.1 on 3.11, 0.19.x on 3.12).
+# torch is installed first, pinned, only when it is missing.  A CPU build of
+# torch==2.13.0 is used when one lies on local disk (pip's find-links; the
+# project's machines have one for Python 3.11); otherwise pip gets torch==2.13.0
+# from PyPI, which is a CUDA build: about 4.5 GB with its nvidia-* packages
+# (it runs on CPU too).  megatron-core then resolves by Python version
+# (0.16.1 on 3.11, 0.19.x on 3.12).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TORCH="torch==2.13.0"
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q "torch==2.13.0"
+  # A local build (e.g. 2.13.0+cpu) wins over PyPI's 2.13.0: pip prefers the local version label.
+  if ! "$PY" -m pip install -q --dry-run --no-deps --no-index "$TORCH" >/dev/null 2>&1; then
+    echo "setup: no local CPU build of $TORCH for $("$PY" -c 'import sys; print("Python %d.%d" % sys.version_info[:2])');" \
+         "installing PyPI's CUDA build (about 4.5 GB with its nvidia-* packages; it runs on CPU too)" >&2
+  fi
+  "$PY" -m pip install -q "$TORCH"
 fi
 # Reinstall when anything is missing, or when `mnb` resolves to another checkout.
 if ! "$PY" -I -c "import mnb, megatron.core, nbclient, pytest_timeout, os, sys; \
