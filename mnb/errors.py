@@ -131,6 +131,14 @@ class CompositeRankError(Exception):
         return out
 
 
+class RequestRefused(ValueError):
+    """A request the pool refused before sending anything (bad ranks, a layout change on some ranks).
+
+    Its message says what to change; ``%%megatron`` shows it as a usage error.
+    Other exceptions from a request are never dressed up as usage errors.
+    """
+
+
 class PoolError(RuntimeError):
     """The pool cannot do what was asked (not started, busy, dead ranks).
 

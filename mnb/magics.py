@@ -49,7 +49,7 @@ from mnb.config import ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
 from mnb.controller.pool import DEFAULT_GRACE_S
 from mnb.controller.preflight import check_cell
-from mnb.errors import interrupted
+from mnb.errors import RequestRefused, interrupted
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -437,7 +437,7 @@ class MegatronMagics(Magics):
             raise UsageError("refused before running on the ranks:\n  " + "\n  ".join(problems))
         try:
             pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace)
-        except ValueError as exc:
+        except RequestRefused as exc:
             raise UsageError(str(exc)) from None
         except KeyboardInterrupt as exc:
             if hasattr(exc, "_render_traceback_"):  # the pool's one-line account of the interrupt

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from mnb.controller.guards import NO_LATCH, InterruptLatch
 from mnb.controller.output import LineFolder, ProgressLine, show_bundle
 from mnb.protocol import Message
 
@@ -103,14 +104,24 @@ class Collector:
         self._muted = False  # after an interrupt: count the cell's output, show none
         self._failed_at: float | None = None
         self._unshown: Message | None = None  # the first failure, until it is shown
+        self._latch: InterruptLatch = NO_LATCH
 
     # ------------------------------------------------------------------ wait
-    def wait(self, interrupted: bool = False) -> Outcome:
-        """Wait until every target replied or the wait had to end; never raises KeyboardInterrupt."""
+    def wait(self, latch: InterruptLatch = NO_LATCH) -> Outcome:
+        """Wait until every target replied or the wait had to end; never raises KeyboardInterrupt.
+
+        Interrupts come from ``latch`` (the request's, see guards.py), taken between
+        steps of the loop; a KeyboardInterrupt raised anyway (no latch) counts too.
+        """
+        self._latch = latch
         start = time.monotonic()
         next_check = start
+        interrupted = False
         try:
-            while not interrupted and self._pending():
+            while self._pending():
+                if latch.take():
+                    interrupted = True
+                    break
                 now = time.monotonic()
                 if self.timeout_s is not None and now - start > self.timeout_s:
                     self.outcome.timed_out, self.outcome.timeout_s = True, self.timeout_s
@@ -165,7 +176,10 @@ class Collector:
                     if self.any_dead():
                         self.outcome.died = True
                         break
-            except KeyboardInterrupt:  # a second interrupt while the first takes effect
+                second = self._latch.take()
+            except KeyboardInterrupt:
+                second = True
+            if second:  # a second interrupt while the first takes effect
                 self._muted = True
                 if deferred:
                     break

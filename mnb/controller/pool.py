@@ -45,12 +45,13 @@ import psutil
 from mnb.config import ParallelConfig
 from mnb.controller import reports
 from mnb.controller.collector import Collector, Outcome
-from mnb.controller.guards import exclusive, sigint_deferred
+from mnb.controller.guards import NO_LATCH, InterruptLatch, exclusive
 from mnb.controller.launcher import LaunchSpec, Launcher, resolve_device
 from mnb.controller.output import coords_label
 from mnb.controller.registry import set_last_run
 from mnb.controller.transport import Transport
-from mnb.errors import CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, interrupted
+from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
+                        interrupted)
 from mnb.protocol import ConnectionInfo, Message, new_key
 from mnb.values import ValueDecodeError, decode_values, encode_push
 
@@ -104,6 +105,7 @@ class Pool:
         self._broken: str | None = None
         self._lock = threading.RLock()
         self._lock_holder = ""
+        self._latches: dict[int, InterruptLatch] = {}  # thread id -> the latch of its request (guards.py)
         self._transport: Transport | None = None
         self._launcher: Launcher | None = None
         self._owns_workdir = owns_workdir
@@ -177,7 +179,7 @@ class Pool:
         ).write(self.spec.connection_file)
         launcher = Launcher(self.spec)
         self._transport, self._launcher = transport, launcher
-        self.ranks.clear()
+        self.ranks = {}  # a new table, never one emptied under a thread iterating it
         self._broken = None
         self.layout = ParallelConfig().resolve(self.spec.world_size)
         launcher.start()
@@ -195,13 +197,14 @@ class Pool:
 
     def _await_hellos(self, transport: Transport, launcher: Launcher) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        while len(self.ranks) < self.spec.world_size:
+        ready: dict[int, RankInfo] = {}
+        while len(ready) < self.spec.world_size:
             if self._cancel_relaunch.is_set():
                 raise PoolError("the start was cancelled")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PoolError(
-                    f"only {len(self.ranks)} of {self.spec.world_size} ranks were ready after "
+                    f"only {len(ready)} of {self.spec.world_size} ranks were ready after "
                     f"{self.start_timeout_s:.0f} s; raise --timeout, or read the log {self.spec.log_file}:\n"
                     + launcher.log_tail()
                 )
@@ -227,8 +230,9 @@ class Pool:
                 backend=message["backend"], local=local, coords=message.get("coords") or {},
                 device_name=message.get("device_name", ""),
             )
-            self.ranks[info.rank] = info
+            ready[info.rank] = info
             launcher.adopt(info.rank, info.pid, local)
+        self.ranks = dict(sorted(ready.items()))  # one assignment: readers see the old table or the new
 
     def stop(self) -> None:
         """Shut ranks down, end every process the pool started, remove its folder and secret."""
@@ -319,8 +323,12 @@ class Pool:
                     self._launcher.stop(grace_s=0)  # its hello wait sees torchrun exit and returns
             else:
                 print("mnb: waiting for the restarted ranks...", flush=True)
+            latch = self._latch()
             try:
-                thread.join()
+                while thread.is_alive():
+                    thread.join(0.1)
+                    if latch.take():
+                        raise KeyboardInterrupt
             except KeyboardInterrupt:
                 raise interrupted("stopped waiting for the restarting ranks; they go on starting "
                                   "in the background") from None
@@ -381,10 +389,13 @@ class Pool:
             "code": code, "display_ranks": list(display_ranks), "want_value": True, "show_result": show_result,
         }
         if layout is not None:
-            resolved = layout.resolve(self.world_size)
+            try:
+                resolved = layout.resolve(self.world_size)
+            except ValueError as exc:
+                raise RequestRefused(str(exc)) from None
             if resolved != self.layout:
                 if len(targets) != self.world_size:
-                    raise ValueError(
+                    raise RequestRefused(
                         f"changing the layout ({self.layout.describe()} -> {resolved.describe()}) "
                         f"needs every rank, but the cell runs on {len(targets)} of {self.world_size}; "
                         "drop --ranks or change the layout in a cell of its own"
@@ -520,7 +531,7 @@ class Pool:
         targets = sorted(self.ranks) if ranks is None else sorted(set(ranks))
         bad = [r for r in targets if r not in self.ranks]
         if bad or not targets:
-            raise ValueError(
+            raise RequestRefused(
                 f"rank(s) {bad or '(none)'} not in this pool of world size {self.world_size} "
                 f"(valid: 0-{self.world_size - 1})"
             )
@@ -577,11 +588,10 @@ class Pool:
             grace_s=self.grace_s if grace is None else grace, stream=stream, any_dead=self._any_dead,
             event_handlers=self.event_handlers, on_stray=self._handle_stray,
         )
-        with sigint_deferred() as interrupt_arrived:
-            for rank in targets:
-                self.ranks[rank].state, self.ranks[rank].request_id = "busy", message.id
-                transport.send(rank, message)
-        outcome = collector.wait(interrupted=interrupt_arrived())
+        for rank in targets:
+            self.ranks[rank].state, self.ranks[rank].request_id = "busy", message.id
+            transport.send(rank, message)
+        outcome = collector.wait(self._latch())
         for rank in outcome.replies:
             self.ranks[rank].state, self.ranks[rank].request_id = "idle", None
         return outcome
@@ -606,6 +616,10 @@ class Pool:
             raise CellTimeoutError(reports.timeout_text(outcome, targets, self._labels(), note), outcome.stacks)
         if errors or outcome.waiting:
             raise reports.failure_error(errors, outcome, targets, self._labels(), note)
+
+    def _latch(self) -> InterruptLatch:
+        """This thread's request's interrupt latch (every rank gets a request or none: see guards.py)."""
+        return self._latches.get(threading.get_ident(), NO_LATCH)
 
     def _labels(self) -> dict[int, str]:
         layout = self.layout.as_dict()

@@ -91,6 +91,7 @@ class Transport:
         self._push = self._context.socket(zmq.PUSH)
         self._push.connect(self._outbox_addr)
         self._push_lock = threading.Lock()
+        self._outbox: collections.deque[tuple[int, list[bytes]]] = collections.deque()
         self.inbox: _Inbox = _Inbox()
         self.last_heartbeat: dict[int, float] = {}
         self.busy: dict[int, bool] = {}
@@ -119,9 +120,15 @@ class Transport:
 
     def send(self, rank: int, message: Message) -> None:
         """Queue ``message`` for ``rank``; safe from any thread.  Held until the rank's route is known."""
-        frames = [str(rank).encode(), *self._signer.encode(message)]
+        frames = self._signer.encode(message)
+        # A deque append and a one-frame wake-up: Jupyter's interrupt (KeyboardInterrupt at any
+        # bytecode) cannot leave half a multipart message on a socket for the next send to extend.
+        self._outbox.append((rank, frames))
         with self._push_lock:
-            self._push.send_multipart(frames)
+            try:
+                self._push.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # wake-ups already queued: the I/O thread is about to empty the outbox
+                pass
 
     def get(self, timeout: float | None = None) -> Message:
         """The next message for the notebook (raises :class:`queue.Empty` after ``timeout`` s)."""
@@ -184,7 +191,9 @@ class Transport:
             except zmq.ZMQError:
                 break
             if self._pull in events:
-                drain(self._pull, self._forward)
+                drain(self._pull, lambda _wake: None)
+            while self._outbox:  # also what an interrupted send queued without its wake-up
+                self._forward(*self._outbox.popleft())
             if self._router in events:
                 drain(self._router, self._receive)
             now = time.monotonic()
@@ -200,8 +209,7 @@ class Transport:
         except zmq.ZMQError as exc:  # e.g. host unreachable: the rank is gone, its death is reported elsewhere
             log.debug("send failed: %s", exc)
 
-    def _forward(self, frames: list[bytes]) -> None:
-        rank, body = int(frames[0]), frames[1:]
+    def _forward(self, rank: int, body: list[bytes]) -> None:
         identity = self._routes.get(rank)
         if identity is not None:
             self._send_to(identity, body)

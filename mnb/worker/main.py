@@ -55,6 +55,8 @@ QUIET_WARNINGS = (
     r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to load in a single process",
     r"`load_state_dict` is deprecated and will be removed",
     r"Please use DTensor instead and we are deprecating ShardedTensor",
+    # torch's checkpoint API on Megatron 0.19's positional call (mnb.load)
+    r"The argument order of (load|save) has been changed",
 )
 
 

@@ -199,5 +199,6 @@ def test_pulling_a_torch_function_keeps_torch_out_of_the_kernel(kernel):
     assert kernel.value("mnb.pool().pull('x')[1].tolist()") == [1.0, 1.0]
     assert kernel.value("'torch' in sys.modules") is False
     pushed = kernel.execute("mnb.pool().push({'g': lambda v: v})")
-    assert pushed.error["ename"] == "TypeError" and "'g'" in rendered(pushed)
+    assert pushed.error["ename"] == "PushRefused"  # a TypeError: `except TypeError` catches it
+    assert "TypeError: " in rendered(pushed) and "'g'" in rendered(pushed)
     assert kernel.ok("%mnb status").count("idle") == 2
