@@ -9,10 +9,11 @@ Notebook side::
     run = mnb.train(model, steps=20, data="stdlib")
 
 Everything here is imported lazily: ``import mnb`` in the notebook kernel
-pulls in neither torch nor Megatron.  ``mnb.gpt``, ``mnb.train``, ``mnb.save``
-and ``mnb.load`` are rank-side functions (they need torch and run inside
+pulls in neither torch nor Megatron.  ``mnb.gpt``, ``mnb.train``, ``mnb.record``,
+``mnb.save`` and ``mnb.load`` are rank-side functions (they need torch and run inside
 ``%%megatron`` cells); ``mnb.pool``, ``mnb.last_run``, ``mnb.estimate``,
-``mnb.explorer`` and ``mnb.sweep`` belong to the notebook side.
+``mnb.explorer``, ``mnb.sweep`` and ``mnb.export`` (Megatron-LM / torchrun / Slurm
+launches of the notebook's layout) belong to the notebook side.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ __all__ = [
     "estimate",
     "gpt",
     "train",
+    "record",
     "save",
     "load",
     "explorer",
     "sweep",
+    "export",
     "ParallelConfig",
     "ModelConfig",
     "TrainConfig",
@@ -48,10 +51,12 @@ _LAZY = {
     "estimate": ("mnb.estimate", None),
     "gpt": ("mnb.megatron.model", "gpt"),
     "train": ("mnb.megatron.train", "train"),
+    "record": ("mnb.megatron.autorecord", "record"),
     "save": ("mnb.megatron.checkpoint", "save"),
     "load": ("mnb.megatron.checkpoint", "load"),
     "explorer": ("mnb.widgets", "explorer"),
     "sweep": ("mnb.widgets", "sweep"),
+    "export": ("mnb.exports", "export"),
     "ParallelConfig": ("mnb.config", "ParallelConfig"),
     "ModelConfig": ("mnb.config", "ModelConfig"),
     "TrainConfig": ("mnb.config", "TrainConfig"),

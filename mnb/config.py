@@ -63,7 +63,8 @@ class ParallelConfig:
     vpp: int | None = None
     """Virtual pipeline stages per rank (interleaved 1F1B); None = plain 1F1B."""
     cp: int = 1
-    """Context-parallel size (needs Transformer Engine attention)."""
+    """Context-parallel size: each sequence split over cp ranks (TE attention when installed, else
+    mnb's all-gather attention on the local spec, mnb.megatron.context_parallel)."""
     ep: int = 1
     """Expert-parallel size (MoE models); must divide dp * cp * tp... see resolve()."""
     dp: int | None = None
@@ -150,6 +151,13 @@ class ParallelConfig:
         if self.sequence_parallel:
             parts.append("sp")
         return " ".join(parts)
+
+
+TRANSFORMER_DEFAULTS: dict[str, Any] = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+"""TransformerConfig values mnb changes from Megatron's defaults (overridable through ``extra``).
+
+Here, not in the rank-side model code, so that an export to Megatron-LM (:mod:`mnb.exports`)
+writes the same values the ranks trained with."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,6 +309,12 @@ class ModelConfig:
             raise ValueError(
                 f"seq_length({self.seq_length}) is not divisible by 2 * cp({parallel.cp}) = "
                 f"{2 * parallel.cp}"
+            )
+        local = self.seq_length // parallel.cp
+        if parallel.cp > 1 and parallel.sequence_parallel and local % parallel.tp:
+            raise ValueError(
+                f"seq_length({self.seq_length}) / cp({parallel.cp}) = {local} tokens per cp rank are "
+                f"not divisible by tp({parallel.tp}) under sequence parallel"
             )
         if self.vocab_size < 1:
             raise ValueError("vocab_size must be positive")

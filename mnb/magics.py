@@ -10,7 +10,10 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb restart         stop and start the same pool (same size, device and GPUs)
     %mnb stacks          each rank's current Python stack (where is it stuck?)
     %mnb plot memory|timeline|mfu      plots of mnb.last_run, predicted beside measured
+    %mnb run [--ranks R] [--timeout S] [--grace S] SCRIPT [ARGS...]   a torchrun script, unmodified
     %mnb plan --model PRESET --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K]
+    %mnb start --slurm --nodes N [--gpus-per-node G] [--partition P] [--time T] [--account A] [--sbatch-arg ARG]
+    %mnb export [megatron-lm|torchrun|slurm] [--nodes N] [--gpus-per-node G] [-o FILE] [--model PRESET] ...
 
 Cell magic (``%%megatron?`` or ``%%megatron --help`` prints its flags)::
 
@@ -36,6 +39,7 @@ same size, device and layout (see docs/playbook.md, "When things go wrong").
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 from dataclasses import replace
@@ -48,7 +52,8 @@ from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 from mnb.config import ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
 from mnb.controller.pool import DEFAULT_GRACE_S
-from mnb.controller.preflight import check_cell
+from mnb.controller.preflight import cell_settings, check_cell
+from mnb.controller.registry import remember_settings
 from mnb.errors import RequestRefused, interrupted
 
 
@@ -98,7 +103,7 @@ def _non_negative_float(text: str) -> float:
 LAYOUT_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "sp")
 """The %%megatron flags that name a layout: a cell naming any of them runs under exactly that layout."""
 
-MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "plot", "plan")
+MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "plot", "plan", "run", "export")
 
 
 class _HelpFormatter(MagicHelpFormatter):
@@ -128,6 +133,7 @@ def start_parser() -> MagicArgumentParser:
         "%mnb start                      # one rank per visible GPU, else 2 CPU ranks",
         "%mnb start -n 2 --device cpu --cell-timeout 600",
         "%mnb start -n 8 --device cuda --nnodes 2 --rdzv-endpoint node0:29400 --ip 0.0.0.0",
+        "%mnb start --slurm --nodes 2 --gpus-per-node 8 --partition gpu --time 2:00:00 --ip 0.0.0.0",
     ])
     p.add_argument("-n", type=int, default=None, metavar="N",
                    help="ranks on this host (default: one per visible GPU, else 2 CPU ranks)")
@@ -152,12 +158,29 @@ def start_parser() -> MagicArgumentParser:
     p.add_argument("--verbose", action="store_true", default=False,
                    help="show known third-party warnings (Megatron, torch, the TE/apex fallbacks) in the cells; "
                         "by default they go to the pool's log, mnb.pool().spec.log_file (default: off)")
+    _slurm_arguments(p)
     return p
+
+
+def _slurm_arguments(p: MagicArgumentParser) -> None:
+    """``%mnb start --slurm``: the ranks as one Slurm job (mnb/controller/slurm.py)."""
+    g = p.add_argument_group("slurm (the ranks run as one job on an allocation; docs/several-machines.md)")
+    g.add_argument("--slurm", action="store_true", default=False,
+                   help="submit one Slurm job whose tasks run torchrun and join this pool (default: off)")
+    g.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes of the job (default: 1 with --slurm)")
+    g.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="GPUs, and ranks, per node (default: none: CPU ranks, -n per node)")
+    g.add_argument("--partition", default=None, metavar="P", help="Slurm partition (default: the cluster's)")
+    g.add_argument("--time", default=None, metavar="T", help="Slurm time limit, e.g. 2:00:00 (default: the partition's)")
+    g.add_argument("--account", default=None, metavar="A", help="Slurm account (default: yours)")
+    g.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="a further sbatch option, repeatable: --sbatch-arg=--qos=debug (default: none)")
 
 
 def status_parser() -> MagicArgumentParser:
     return _parser("%mnb status", "Per rank: pid, host, state (idle/busy/restarting/dead), device, memory in use "
-                   "and coordinates; then the layout and the pool's log file. Answers also while a cell runs.",
+                   "and coordinates; then the layout, the Slurm job and its state (--slurm pools) and the pool's "
+                   "log file. Answers also while a cell runs.",
                    ["%mnb status"])
 
 
@@ -208,7 +231,7 @@ def megatron_parser() -> MagicArgumentParser:
     sizes = p.add_argument_group("layout (naming any of these sets the whole layout)")
     names = {"tp": "tensor-parallel size", "pp": "pipeline-parallel size",
              "vpp": "virtual pipeline stages per rank (interleaved 1F1B; needs --pp 2 or more)",
-             "cp": "context-parallel size (needs Transformer Engine)", "ep": "expert-parallel size (MoE models)"}
+             "cp": "context-parallel size (long sequences; TE attention when installed, else mnb's)", "ep": "expert-parallel size (MoE models)"}
     for name, what in names.items():
         sizes.add_argument(f"--{name}", type=int, default=None, metavar="N",
                            help=f"{what} (default: {getattr(defaults, name) or 1} when the cell names "
@@ -246,10 +269,82 @@ def plan_parser() -> MagicArgumentParser:
     return p
 
 
+def run_parser() -> MagicArgumentParser:
+    p = _parser("%mnb run", "Run a script written for torchrun on the ranks, unmodified, as torchrun --nproc-per-node N "
+                "SCRIPT ARGS would (on the warm pool: no start-up); its globals stay for later cells, like %run. "
+                "init_process_group, set_device and Megatron's parallel-state calls are adopted (docs/magics.md); "
+                "its get_forward_backward_func steps are measured into mnb.last_run.", [
+        "%mnb run train.py --lr 3e-4 --steps 20",
+        "%mnb run --timeout 600 examples/pretrain_gpt.py --tensor-model-parallel-size 2",
+        "%mnb run --ranks 0 prepare_data.py      # a script that uses no process group",
+    ])
+    p.add_argument("--ranks", default=None, metavar="0,2-3",
+                   help="run on these ranks only; a script that joins the process group needs them all "
+                        "(default: every rank)")
+    p.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="seconds before the script is stopped (default: the pool's --cell-timeout, else none)")
+    p.add_argument("--grace", type=_non_negative_float, default=None, metavar="SECONDS",
+                   help="seconds the other ranks may take to finish after one rank failed (default: the pool's)")
+    p.add_argument("script", metavar="SCRIPT", help="the script's path (options for %%mnb run come before it)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments (sys.argv[1:])")
+    return p
+
+
+def export_parser() -> MagicArgumentParser:
+    from mnb.exports import KINDS
+
+    p = _parser("%mnb export", "Write the current layout and the last mnb.gpt/mnb.train settings as Megatron-LM "
+                "pretrain_gpt.py arguments, torchrun command lines or an sbatch script for N nodes x G GPUs; "
+                "refused, with the numbers, when they cannot run there (mnb/exports.py).", [
+        "%mnb export                                   # Megatron-LM arguments for the notebook's world",
+        "%mnb export torchrun --nodes 2 --gpus-per-node 8",
+        "%mnb export slurm --nodes 4 --gpus-per-node 8 --gbs 256 -o train.sbatch --sbatch-arg=--partition=gpu",
+        "%mnb export megatron-lm --model llama-8b --tp 4 --pp 2 --nodes 2 --gpus-per-node 8",
+    ])
+    p.add_argument("kind", nargs="?", default="megatron-lm", choices=list(KINDS), help="what to write")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes of the target")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="GPUs per node (default: the pool's world size, on one node)")
+    p.add_argument("-o", "--output", default=None, metavar="FILE", help="write to FILE instead of printing (default: print)")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="slurm: a further #SBATCH option, repeatable (default: none)")
+    settings = p.add_argument_group("settings (default: the notebook's last mnb.gpt/mnb.train, else mnb's defaults)")
+    settings.add_argument("--model", default=None, metavar="PRESET", help="model preset, e.g. llama-8b (default: the last)")
+    for flag, field, kind, what in (("--seq", "seq_length", int, "sequence length"),
+                                    ("--steps", "steps", int, "training iterations"),
+                                    ("--mbs", "micro_batch_size", int, "micro batch size"),
+                                    ("--gbs", "global_batch_size", int, "global batch size"),
+                                    ("--lr", "lr", float, "peak learning rate"),
+                                    ("--data", "data", str, "data: mock, or a Megatron .bin/.idx prefix")):
+        settings.add_argument(flag, dest=field, type=kind, default=None, metavar=field.split("_")[0].upper(),
+                              help=f"{what} (default: the last)")
+    layout = p.add_argument_group("layout (naming any of these sets the whole layout, as in %%megatron; "
+                                  "default: the pool's, dp recomputed for the target)")
+    for name in ("tp", "pp", "vpp", "cp", "ep"):
+        layout.add_argument(f"--{name}", type=int, default=None, metavar="N", help=f"{name} size (default: see above)")
+    layout.add_argument("--sp", dest="sp", action="store_true", default=None,
+                        help="sequence parallelism on (default: see above)")
+    return p
+
+
 SUBCOMMAND_PARSERS: dict[str, Callable[[], MagicArgumentParser]] = {
     "start": start_parser, "status": status_parser, "stop": stop_parser, "restart": restart_parser,
-    "stacks": stacks_parser, "plot": plot_parser, "plan": plan_parser,
+    "stacks": stacks_parser, "plot": plot_parser, "plan": plan_parser, "run": run_parser,
+    "export": export_parser,
 }
+
+
+def _before_script(words: list[str]) -> list[str]:
+    """The words of ``%mnb run`` that are its own: ``-h`` after SCRIPT is the script's."""
+    own, valued = [], {"--ranks", "--timeout", "--grace"}
+    words = iter(words)
+    for word in words:
+        if not word.startswith("-"):
+            break
+        own.append(word)
+        if word in valued:
+            own.append(next(words, ""))
+    return own
 
 
 def mnb_overview() -> str:
@@ -321,7 +416,7 @@ class MegatronMagics(Magics):
 
     @line_magic
     def mnb(self, line: str) -> Any:
-        """Manage the rank pool: %mnb start|status|stop|restart|stacks|plot|plan (replaced by mnb_help())."""
+        """Manage the rank pool: %mnb start|status|stop|restart|stacks|plot|plan|run (replaced by mnb_help())."""
         words = shlex.split(line, comments=True)
         if not words or words[0].rstrip("?") in ("", "-h", "--help", "help"):
             if len(words) > 1 and words[0] == "help":  # %mnb help start
@@ -336,7 +431,7 @@ class MegatronMagics(Magics):
         if make_parser is None:
             raise UsageError(f"unknown %mnb command {command!r}; use {', '.join(MNB_COMMANDS)} (%mnb --help)")
         parser = make_parser()
-        if wants_help(rest):
+        if wants_help(_before_script(rest) if command == "run" else rest):
             print(parser.format_help())
             return None
         return getattr(self, f"_cmd_{command}")(parser.parse_args(rest))
@@ -350,7 +445,7 @@ class MegatronMagics(Magics):
                 args.n, device=args.device, gpus=parse_gpus(args.gpus) if args.gpus else None,
                 timeout=args.timeout, cell_timeout=args.cell_timeout, grace=args.grace, nnodes=args.nnodes,
                 rdzv_endpoint=args.rdzv_endpoint, bind_ip=args.ip, threads_per_rank=args.threads,
-                extra_env={"MNB_VERBOSE": "1"} if args.verbose else {},
+                extra_env={"MNB_VERBOSE": "1"} if args.verbose else {}, slurm=slurm_request(args),
             )
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -374,6 +469,9 @@ class MegatronMagics(Magics):
              for r in rows],
         ))
         print(f"layout: {pool.layout.describe()}  ({pool!r})")
+        launch = pool.launch_description()
+        if launch:
+            print(launch)
         print(f"log: {pool.spec.log_file}")
 
     def _cmd_stop(self, args: argparse.Namespace) -> None:
@@ -402,6 +500,51 @@ class MegatronMagics(Magics):
             raise UsageError("no run yet: train in a %%megatron cell with mnb.train(...) first")
         # Inside a kernel the figure is a pyplot one and shows itself inline.
         getattr(run, f"plot_{args.kind}")()
+
+    def _cmd_run(self, args: argparse.Namespace) -> None:
+        pool = current_pool(required=False)
+        if pool is None:
+            raise UsageError("no pool is running; start one with %mnb start")
+        ranks = parse_ranks(args.ranks) if args.ranks else None
+        if ranks is not None and max(ranks) >= pool.world_size:
+            raise UsageError(f"--ranks {args.ranks}: rank {max(ranks)} does not exist in world size {pool.world_size}")
+        if not os.path.isfile(os.path.expanduser(args.script)):
+            raise UsageError(f"no script {args.script!r} (relative paths start in {os.getcwd()}); "
+                             "%mnb run's own options come before the script, its arguments after it")
+        try:
+            pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace)
+        except RequestRefused as exc:
+            raise UsageError(str(exc)) from None
+        except KeyboardInterrupt as exc:
+            if hasattr(exc, "_render_traceback_"):  # the pool's one-line account of the interrupt
+                raise
+            raise interrupted("interrupted in the notebook kernel after the ranks had finished the script") from None
+        if pool.last_cell_records:
+            print(last_run().summary())
+
+    def _cmd_export(self, args: argparse.Namespace) -> None:
+        from mnb.exports import export
+
+        settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
+                                                  "lr", "data") if getattr(args, k) is not None}
+        named = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name) is not None}
+        try:
+            layout = None
+            if named:
+                vpp = named.get("vpp")
+                layout = ParallelConfig(tp=named.get("tp", 1), pp=named.get("pp", 1),
+                                        vpp=None if vpp in (None, 1) else vpp, cp=named.get("cp", 1),
+                                        ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")))
+            exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
+                              layout=layout, output=args.output, sbatch_options=args.sbatch_arg, **settings)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if args.output:
+            then = {"slurm": f"; submit it with: sbatch {args.output}", "torchrun": f"; run it: bash {args.output}"}
+            print(f"wrote {args.output}: {args.kind} for {exported.model.name}, {exported.layout.describe()} on "
+                  f"{exported.nodes} node(s) x {exported.gpus_per_node} GPU(s)" + then.get(args.kind, ""))
+        else:
+            print(exported.text, end="")
 
     def _cmd_plan(self, args: argparse.Namespace) -> None:
         from mnb.estimate import plan
@@ -443,8 +586,27 @@ class MegatronMagics(Magics):
             if hasattr(exc, "_render_traceback_"):  # the pool's one-line account of the interrupt
                 raise
             raise interrupted("interrupted in the notebook kernel after the ranks had finished the cell") from None
+        remember_settings(**cell_settings(cell))  # what %mnb export takes as "the last settings"
         if pool.last_cell_records:
             print(last_run().summary())
+
+
+def slurm_request(args: argparse.Namespace) -> Any:
+    """The SlurmRequest of ``%mnb start --slurm ...``, None without --slurm; UsageError for a stray Slurm flag."""
+    given = [f"--{n.replace('_', '-')}" for n in ("nodes", "gpus_per_node", "partition", "time", "account")
+             if getattr(args, n) is not None] + (["--sbatch-arg"] if args.sbatch_arg else [])
+    if not args.slurm:
+        if given:
+            raise UsageError(f"{', '.join(given)} only apply with --slurm (for hosts joined by hand use --nnodes)")
+        return None
+    from mnb.controller.slurm import SlurmRequest
+
+    try:
+        return SlurmRequest(nodes=1 if args.nodes is None else args.nodes, gpus_per_node=args.gpus_per_node,
+                            partition=args.partition, time=args.time, account=args.account,
+                            sbatch_args=tuple(args.sbatch_arg))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def attach_live_progress(pool: Pool) -> None:

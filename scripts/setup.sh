@@ -38,3 +38,14 @@ fi
 if ! "$PY" -c "import playwright.sync_api" 2>/dev/null; then
   "$PY" -m pip install -q playwright || echo "setup: could not pip install playwright" >&2
 fi
+
+# ---- Slurm (tests/controller/test_slurm.py): Debian's slurm-wlm (slurmctld, slurmd, slurm-client) + munge ----
+# The tests start their own one-node cluster on localhost (tests/slurm_local.py); nothing is
+# configured or started here.  Skipped when installed; without it those tests skip with the reason.
+if ! { command -v sbatch && command -v slurmctld && command -v slurmd && command -v munged; } >/dev/null 2>&1 \
+   && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo -n"
+  ($SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+      slurmctld slurmd slurm-client munge) >/dev/null 2>&1 \
+    || echo "setup: could not install Slurm with apt-get; the Slurm tests will be skipped" >&2
+fi

@@ -73,6 +73,7 @@ def test_wheel_holds_the_package_presets_and_kernelspec(wheel):
         missing = {f"{inside}/{f}" for f in _source_files(folder)} - names
         assert not missing, f"{folder}/ files missing from the wheel: {sorted(missing)}"
     assert "mnb/templates/presets/tiny.json" in names and "mnb/kernels/mnb/kernel.json" in names
+    assert "mnb/templates/launch/pool.sbatch" in names  # %mnb start --slurm and %mnb export slurm render it
     # pyproject.toml lists mnb's packages by hand: a new subpackage must be added there.
     missing = {f"mnb/{f}" for f in _source_files("mnb", ".py")} - names
     assert not missing, f"modules missing from the wheel (add their package to pyproject.toml): {sorted(missing)}"

@@ -27,11 +27,13 @@ import os
 import re
 import signal
 import site
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -57,6 +59,8 @@ class LaunchSpec:
     loopback: bool = True
     """One host, controller on 127.0.0.1: torchrun's stores and gloo/NCCL stay on loopback."""
     extra_env: dict[str, str] = field(default_factory=dict)
+    slurm: Any = None
+    """A :class:`mnb.controller.slurm.SlurmRequest`: the ranks run as one Slurm job (``%mnb start --slurm``)."""
 
     @property
     def world_size(self) -> int:
@@ -227,6 +231,15 @@ class Launcher:
             found[int(match["rank"])] = describe_exit(code) + f" (pid {match['pid']})"
         return found
 
+    def describe(self) -> str | None:
+        """A line on how the ranks were launched, where there is more to say than the rank table."""
+        return None
+
+    def not_ready_error(self, ready: int, world: int, timeout_s: float) -> str:
+        """What the notebook is told when only ``ready`` of ``world`` ranks joined within ``timeout_s``."""
+        return (f"only {ready} of {world} ranks were ready after {timeout_s:.0f} s; raise --timeout, or read the "
+                f"log {self.spec.log_file}:\n" + self.log_tail())
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             text = self.spec.log_file.read_text(errors="replace")
@@ -293,6 +306,26 @@ class Launcher:
         if self.process is not None:
             pids.append(self.process.pid)
         return pids
+
+
+def make_launcher(spec: LaunchSpec) -> Launcher:
+    """The launcher ``spec`` asks for: torchrun on this host, or one Slurm job (``spec.slurm``)."""
+    if spec.slurm is not None:
+        from mnb.controller.slurm import SlurmLauncher
+
+        return SlurmLauncher(spec)
+    return Launcher(spec)
+
+
+def reachable_address(address: str) -> str:
+    """The address ranks connect to: a wildcard bind (``tcp://0.0.0.0:PORT``) names this host instead.
+
+    A rank on another host that connected to 0.0.0.0 would reach itself, not the controller.
+    """
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if host in ("0.0.0.0", "*", "::", "[::]"):
+        return f"tcp://{socket.gethostname()}:{port}"
+    return address
 
 
 def _zombie_exit_status(pid: int) -> str | None:

@@ -38,7 +38,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import psutil
 
@@ -46,7 +46,7 @@ from mnb.config import ParallelConfig
 from mnb.controller import reports
 from mnb.controller.collector import Collector, Outcome
 from mnb.controller.guards import NO_LATCH, InterruptLatch, exclusive
-from mnb.controller.launcher import LaunchSpec, Launcher, resolve_device
+from mnb.controller.launcher import LaunchSpec, Launcher, make_launcher, reachable_address, resolve_device
 from mnb.controller.output import coords_label
 from mnb.controller.registry import set_last_run
 from mnb.controller.transport import Transport
@@ -54,6 +54,9 @@ from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDie
                         interrupted)
 from mnb.protocol import ConnectionInfo, Message, new_key
 from mnb.values import ValueDecodeError, decode_values, encode_push
+
+if TYPE_CHECKING:
+    from mnb.controller.slurm import SlurmRequest
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +134,38 @@ class Pool:
         workdir: str | Path | None = None,
         threads_per_rank: int | None = None,
         extra_env: dict[str, str] | None = None,
+        slurm: "SlurmRequest | None" = None,
     ) -> "Pool":
-        """Validate the request, launch torchrun and wait until every rank said hello."""
-        device, nproc = resolve_device(device, nproc, gpus)
+        """Validate the request, launch torchrun and wait until every rank said hello.
+
+        With ``slurm`` (a :class:`~mnb.controller.slurm.SlurmRequest`) the ranks run as one Slurm
+        job of ``slurm.nodes`` nodes instead (``nproc`` is then per node; ``nnodes`` and
+        ``rdzv_endpoint`` come from the allocation).
+        """
+        if slurm is not None:
+            from mnb.controller.slurm import require_slurm, shared_pool_dir
+
+            require_slurm()
+            if gpus is not None or nnodes != 1 or rdzv_endpoint:
+                raise ValueError("--slurm chooses the nodes and GPUs: drop --gpus, --nnodes and --rdzv-endpoint "
+                                 "(use --nodes and --gpus-per-node)")
+            device, nproc = slurm.resolve(device, nproc)
+            nnodes = slurm.nodes
+            if bind_ip.startswith("127.") or bind_ip in ("localhost", "::1"):
+                print(f"mnb: the controller listens on {bind_ip} (loopback): only ranks on this host can "
+                      "reach it; for nodes of the cluster add --ip 0.0.0.0 (or this host's address on their "
+                      "network)", flush=True)
+            if workdir is None:
+                workdir = tempfile.mkdtemp(prefix="mnb-pool-", dir=shared_pool_dir())
+                owns = True
+        else:
+            device, nproc = resolve_device(device, nproc, gpus)
+            owns = workdir is None
         if nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
-        if nnodes > 1 and not rdzv_endpoint:
+        if nnodes > 1 and not rdzv_endpoint and slurm is None:
             rdzv_endpoint = f"{socket.gethostname()}:29400"
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="mnb-pool-"))
         work.mkdir(parents=True, exist_ok=True)
@@ -146,15 +173,16 @@ class Pool:
             nproc_per_node=nproc,
             device=device,
             connection_file=work / "pool.json",
-            log_file=work / "torchrun.log",
+            log_file=work / ("job.log" if slurm is not None else "torchrun.log"),
             gpus=gpus,
             nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint,
             threads_per_rank=threads_per_rank,
             loopback=bind_ip.startswith("127."),
             extra_env=dict(extra_env or {}),
+            slurm=slurm,
         )
-        pool = cls(spec, bind_ip, timeout, cell_timeout, grace_s=grace, owns_workdir=workdir is None)
+        pool = cls(spec, bind_ip, timeout, cell_timeout, grace_s=grace, owns_workdir=owns)
         try:
             pool._launch()
         except BaseException:
@@ -170,20 +198,24 @@ class Pool:
         transport = Transport(key, ip=self.bind_ip)
         transport.expect(self.spec.world_size)
         ConnectionInfo(
-            address=transport.address,
+            address=reachable_address(transport.address),
             key=key,
             world_size=self.spec.world_size,
             controller_pid=os.getpid(),
             controller_host=socket.gethostname(),
             controller_started=psutil.Process().create_time(),
         ).write(self.spec.connection_file)
-        launcher = Launcher(self.spec)
+        launcher = make_launcher(self.spec)
         self._transport, self._launcher = transport, launcher
         self.ranks = {}  # a new table, never one emptied under a thread iterating it
         self._broken = None
         self.layout = ParallelConfig().resolve(self.spec.world_size)
-        launcher.start()
-        if self.spec.nnodes > 1:
+        try:
+            launcher.start()
+        except BaseException:
+            self._teardown()
+            raise
+        if self.spec.nnodes > 1 and self.spec.slurm is None:
             print(
                 f"Waiting for {self.spec.nnodes - 1} more node(s). On each, with the connection file "
                 f"copied to the same path, run:\n  {self.spec.remote_command()}"
@@ -203,11 +235,7 @@ class Pool:
                 raise PoolError("the start was cancelled")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PoolError(
-                    f"only {len(ready)} of {self.spec.world_size} ranks were ready after "
-                    f"{self.start_timeout_s:.0f} s; raise --timeout, or read the log {self.spec.log_file}:\n"
-                    + launcher.log_tail()
-                )
+                raise PoolError(launcher.not_ready_error(len(ready), self.spec.world_size, self.start_timeout_s))
             if launcher.returncode() is not None:
                 raise PoolError(
                     f"torchrun exited with code {launcher.returncode()} before all ranks were ready; "
@@ -281,6 +309,9 @@ class Pool:
         if self.spec.nnodes > 1:
             self._teardown(grace_s=0)
             self._broken = why
+            if self.spec.slurm is not None:
+                return (f"{why}; the pool's Slurm job spans {self.spec.nnodes} nodes and was cancelled: "
+                        "run %mnb restart to submit a new one")
             return (f"{why}; the pool spans {self.spec.nnodes} hosts, so mnb cannot restart it on its own: "
                     "run %mnb restart, then the join command on the other hosts")
         self._relaunch_error = None
@@ -353,6 +384,10 @@ class Pool:
     def pids(self) -> list[int]:
         return self._launcher.all_pids() if self._launcher else []
 
+    def launch_description(self) -> str | None:
+        """How the ranks were launched where the rank table does not say it (the Slurm job and its state)."""
+        return self._launcher.describe() if self._launcher is not None else None
+
     def descendants(self) -> list[int]:
         """PIDs of every live process the pool started: torchrun, ranks, and what the ranks started."""
         return [p.pid for p in self._launcher.descendants()] if self._launcher else []
@@ -408,6 +443,50 @@ class Pool:
         errors, values = self._absorb(outcome)
         self._raise_for(outcome, targets, errors)
         return values
+
+    @exclusive
+    def run_script(
+        self,
+        path: str | os.PathLike,
+        args: Iterable[str] = (),
+        ranks: Iterable[int] | None = None,
+        timeout: float | None = None,
+        *,
+        display_ranks: Iterable[int] = (0,),
+        quiet: bool = False,
+        grace: float | None = None,
+    ) -> None:
+        """Run a script written for torchrun on the ranks, unmodified (what ``%mnb run`` does)::
+
+            pool.run_script("train.py", ["--lr", "3e-4"])    # as torchrun --nproc-per-node N train.py --lr 3e-4
+
+        The ranks give it ``__name__ == "__main__"``, ``sys.argv``, torchrun's environment, and
+        adopt its ``init_process_group``, ``set_device`` and Megatron parallel-state calls
+        (``mnb.worker.script``, ``mnb.megatron.adopt``); its globals stay for later cells and the
+        pool's layout is restored after it.  Output, errors, timeouts and interrupts are a cell's.
+        """
+        script = Path(path).expanduser()
+        if not script.is_file():
+            raise FileNotFoundError(f"no script {str(script)!r} (relative paths start in {os.getcwd()})")
+        targets = self._targets(ranks)
+        header: dict[str, Any] = {
+            "code": "", "script": {"path": str(script.resolve()), "args": [str(a) for a in args]},
+            "ranks": targets, "display_ranks": list(display_ranks), "want_value": False, "show_result": False,
+        }
+        outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
+        for rank, reply in outcome.replies.items():  # label by the pool's coordinates, not the script's
+            reply.header["coords"] = self.ranks[rank].coords
+        errors, _ = self._absorb(outcome)
+        records = self.last_cell_records
+        if not (outcome.died or outcome.unreleased or outcome.waiting):
+            # Every rank is idle: rebuild the pool's layout (collectives) in a request of its own.
+            after = self._exchange("execute", targets, {"code": "None", "after_script": True, "want_value": False},
+                                   timeout=self.start_timeout_s, stream=False)
+            errors += self._absorb(after)[0]
+            self.last_cell_records = records
+            if after.died or after.unreleased or after.waiting or after.timed_out:
+                outcome = after
+        self._raise_for(outcome, targets, errors)
 
     def _absorb(self, outcome: Outcome) -> tuple[list[RankError], dict[int, Any]]:
         """Coordinates, layout, run records and values of an execute's replies (in arrival order)."""

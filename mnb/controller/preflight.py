@@ -18,6 +18,8 @@ from mnb.config import ParallelConfig, TrainConfig, model_config
 
 _MODEL_FUNCS = {"gpt"}
 _TRAIN_FUNCS = {"train"}
+_GPT_OWN_ARGS = {"seed", "init", "fusions", "sequence_parallel"}
+"""Arguments of ``mnb.gpt`` that are not model settings (the layout's, or how weights are made)."""
 
 
 def _call_name(node: ast.Call) -> str | None:
@@ -71,3 +73,32 @@ def check_cell(code: str, parallel: ParallelConfig) -> list[str]:
             except (ValueError, TypeError) as exc:
                 problems.append(f"mnb.train(...) under {parallel.describe()}: {exc}")
     return problems
+
+
+def cell_settings(code: str) -> dict[str, dict[str, Any]]:
+    """The settings of the cell's last ``mnb.gpt(...)`` and ``mnb.train(...)``, when all their arguments are literals.
+
+    ``{"model": ModelConfig fields, "train": TrainConfig fields}``, either missing when the
+    cell has no such call or one with a non-literal argument (what the ranks computed is
+    then known only from the run records).  ``%mnb export`` starts from these.
+    """
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return {}
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and _call_name(n) in ("gpt", "train")),
+                   key=lambda n: (n.lineno, n.col_offset))
+    found: dict[str, dict[str, Any]] = {}
+    for node in calls:
+        kwargs = _literal_kwargs(node)
+        if len(kwargs) != len(node.keywords):
+            continue  # a non-literal or **kwargs argument
+        try:
+            if _call_name(node) == "gpt" and len(node.args) == 1:
+                model = {k: v for k, v in kwargs.items() if k not in _GPT_OWN_ARGS}
+                found["model"] = model_config(ast.literal_eval(node.args[0]), **model).to_dict()
+            elif _call_name(node) == "train" and len(node.args) <= 1:
+                found["train"] = TrainConfig(**kwargs).to_dict()
+        except (ValueError, TypeError):
+            continue
+    return found

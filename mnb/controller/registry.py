@@ -1,4 +1,4 @@
-"""What the notebook side remembers between cells: the current pool and the last run.
+"""What the notebook side remembers between cells: the current pool, the last run and settings.
 
 Behind ``mnb.pool()`` and ``mnb.last_run``; plain module state of the notebook kernel
 (no process groups, no torch).
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 _CURRENT: list["Pool"] = []
 _LAST_RUN: list[Any] = []
 _CPU_PEAK: dict[str, float] = {}
+_SETTINGS: dict[str, Any] = {}
 
 
 def current_pool(required: bool = True) -> "Pool | None":
@@ -38,6 +39,8 @@ def set_last_run(records: list[dict[str, Any]]) -> None:
 
     _LAST_RUN.clear()
     _LAST_RUN.append(Run(records))
+    if records:
+        remember_settings(model=records[0].get("model"), train=records[0].get("train"))
     peaks = [r["peak_flops"] for r in records if r.get("peak_flops") and str(r.get("device", "")).startswith("cpu")]
     if peaks:
         _CPU_PEAK["flops"] = min(peaks)
@@ -50,3 +53,21 @@ def measured_cpu_peak_flops() -> float | None:
 
 def last_run() -> Any:
     return _LAST_RUN[-1] if _LAST_RUN else None
+
+
+def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, Any] | None = None) -> None:
+    """Keep the last model (ModelConfig fields) and training (TrainConfig fields) the notebook used.
+
+    Set by each training's run records and by ``%%megatron`` cells whose ``mnb.gpt(...)`` /
+    ``mnb.train(...)`` arguments are literals; read by ``%mnb export``, so a layout found in
+    the notebook goes to the cluster with the settings it was found with.
+    """
+    if model:
+        _SETTINGS["model"] = dict(model)
+    if train:
+        _SETTINGS["train"] = dict(train)
+
+
+def last_settings() -> dict[str, Any]:
+    """``{"model": {...}, "train": {...}}``, each present once the notebook has used one."""
+    return dict(_SETTINGS)

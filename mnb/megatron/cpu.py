@@ -32,9 +32,11 @@ is needed:
      (schedules.py, when ``config.enable_autocast``).
 
    Modules imported later are patched by a ``sys.meta_path`` hook.
-2. ``Tensor.cuda()`` called *from Megatron code* returns the tensor itself
-   (tied embeddings with pp > 1 in language_module.py, optimizer and grad
-   scaler ``load_state_dict``, dist_checkpointing exchange utils).
+2. ``Tensor.cuda()`` and ``Module.cuda()`` called *from Megatron code* return
+   the object itself (tied embeddings with pp > 1 in language_module.py,
+   optimizer and grad scaler ``load_state_dict``, dist_checkpointing exchange
+   utils, Megatron-LM's ``get_model``).  A script run by ``%mnb run`` gets the
+   same (:func:`redirect_namespace`, :func:`script_torch`).
 3. ``Tensor.type()`` called *from Megatron code* reports CPU tensors under
    their ``torch.cuda.*`` names: the optimizers (``Float16OptimizerWith
    Float16Params``, ``DistributedOptimizer``) and ``clip_grad_by_total_norm_
@@ -75,6 +77,10 @@ _REAL_TORCH = torch
 _INSTALLED = False
 _ORIG_TENSOR_CUDA = torch.Tensor.cuda
 _ORIG_TENSOR_TYPE = torch.Tensor.type
+_ORIG_MODULE_CUDA = torch.nn.Module.cuda
+_REDIRECTED: list[dict] = []
+"""Globals of code that is not Megatron's but gets the same redirection (a script run by
+``%mnb run``, see :func:`redirect_namespace`)."""
 
 
 def installed() -> bool:
@@ -161,6 +167,7 @@ class _CudaShim(types.ModuleType):
             is_available=lambda: False,
             is_initialized=lambda: False,
             current_device=lambda: torch.device("cpu"),
+            set_device=lambda device: None,  # torchrun scripts and Megatron-LM's initialize call it
             device_count=lambda: 0,
             synchronize=lambda *a, **k: None,
             empty_cache=lambda: None,
@@ -249,13 +256,64 @@ class _MegatronImportHook(importlib.abc.MetaPathFinder):
 
 def _caller_is_megatron(depth: int = 2) -> bool:
     frame = sys._getframe(depth)
-    return _is_megatron(frame.f_globals.get("__name__", ""))
+    return _is_megatron(frame.f_globals.get("__name__", "")) or any(
+        frame.f_globals is ns for ns in _REDIRECTED)
+
+
+@contextlib.contextmanager
+def redirect_namespace(namespace: dict):
+    """Give the code whose globals are ``namespace`` Megatron's CPU view while the block runs.
+
+    For a torchrun script run on CPU ranks (``%mnb run``): its ``.cuda()`` calls (tensors and
+    modules) return the object itself, as they do for Megatron.  Its ``torch`` name is
+    :func:`script_torch`, bound by the script runner.
+    """
+    _REDIRECTED.append(namespace)
+    try:
+        yield
+    finally:
+        _REDIRECTED[:] = [ns for ns in _REDIRECTED if ns is not namespace]
+
+
+class _DeviceType(type):
+    """``torch.device`` as a CPU-mode script sees it: CUDA spellings make the CPU device."""
+
+    def __call__(cls, *args: Any, **kwargs: Any):
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return _REAL_TORCH.device("cpu")
+        if kwargs.get("type", "").startswith("cuda"):
+            return _REAL_TORCH.device("cpu")
+        return _REAL_TORCH.device(*args, **kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_TORCH.device)
+
+
+def script_torch() -> types.ModuleType:
+    """The ``torch`` a torchrun script sees on a CPU rank: Megatron's CPU view (see module doc),
+    plus ``torch.device("cuda", i)`` giving the CPU device, so ``.to(device)`` stays on the CPU."""
+    view = types.ModuleType("torch", "A torchrun script's view of torch on a CPU rank (mnb.megatron.cpu).")
+    view.__dict__.update({k: v for k, v in _PROXY.__dict__.items() if not k.startswith("__") or k == "__getattr__"})
+    view.__dict__["device"] = _DeviceType("device", (), {"__doc__": "CPU-mode torch.device"})
+    view.__dict__["__mnb_cpu_proxy__"] = True
+    return view
+
+
+def real_torch(value: Any) -> Any:
+    """``value``, or the real torch where ``value`` is one of this module's views of it."""
+    return _REAL_TORCH if getattr(value, "__mnb_cpu_proxy__", False) else value
 
 
 def _tensor_cuda(self, *args: Any, **kwargs: Any):
     if _caller_is_megatron():
         return self
     return _ORIG_TENSOR_CUDA(self, *args, **kwargs)
+
+
+def _module_cuda(self, device: Any = None):
+    if _caller_is_megatron():  # Megatron-LM's get_model moves every chunk with .cuda()
+        return self
+    return _ORIG_MODULE_CUDA(self, device)
 
 
 def _tensor_type(self, dtype=None, non_blocking=False, **kwargs: Any):
@@ -319,6 +377,7 @@ def install() -> None:
     _sweep()
     torch.Tensor.cuda = _tensor_cuda
     torch.Tensor.type = _tensor_type
+    torch.nn.Module.cuda = _module_cuda
     mrandom._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
         new_state

@@ -24,6 +24,7 @@ Sink = Callable[[str, dict], Any]
 _lock = threading.Lock()
 _sink: Sink | None = None
 _records: list[dict] = []
+_flushers: list[Callable[[], Any]] = []
 
 
 def set_sink(fn: Sink | None) -> None:
@@ -48,8 +49,16 @@ def publish_record(record: dict) -> None:
     emit("run_record", record)
 
 
+def on_take(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` first in every :func:`take_records` (a recorder closes the run it still holds open)."""
+    if fn not in _flushers:
+        _flushers.append(fn)
+
+
 def take_records() -> list[dict]:
-    """Return and forget the records published since the last call."""
+    """Return and forget the records published since the last call (open runs are closed first)."""
+    for flush in list(_flushers):
+        flush()
     with _lock:
         taken = list(_records)
         _records.clear()

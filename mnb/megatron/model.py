@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mnb.config import ModelConfig, ParallelConfig, model_config
+from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, model_config
 from mnb.megatron import layout as _layout
 from mnb.megatron.record import device_of
 
@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 VOCAB_MULTIPLE = 128
 """Megatron-LM's default make_vocab_size_divisible_by (times tp)."""
 
-MNB_DEFAULTS: dict[str, Any] = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
-"""TransformerConfig values mnb changes from Megatron's defaults (overridable)."""
+MNB_DEFAULTS: dict[str, Any] = TRANSFORMER_DEFAULTS
+"""TransformerConfig values mnb changes from Megatron's defaults (overridable; kept in mnb.config)."""
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -78,6 +78,9 @@ class MegatronModel:
     history: list[dict] = field(default_factory=list)
     released: str | None = None
     """Why this model's memory was freed (its layout was replaced), or None."""
+    user_model: bool = False
+    """Built by the user's own code (``mnb.train(module, forward_step_func=...)``), not by :func:`gpt`:
+    its TransformerConfig's recompute settings are left as they are unless ``recompute`` is given."""
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -129,8 +132,13 @@ def _release_models(old: ParallelConfig | None, new: ParallelConfig) -> None:
     the notebook's names may still point at them, so the parameters, DDP buffers
     and optimizer state are dropped here rather than when the names go.
     """
+    release_all(f"the layout changed from '{old.describe() if old else '?'}' to '{new.describe()}'")
+
+
+def release_all(reason: str) -> None:
+    """Free every model this rank built (their process groups are going away), saying ``reason``."""
     for model in list(_built):
-        model.release(f"the layout changed from '{old.describe() if old else '?'}' to '{new.describe()}'")
+        model.release(reason)
     import gc
 
     gc.collect()

@@ -118,3 +118,52 @@ def build_record(*, model, train, device: torch.device, num_microbatches: int, s
             meter.peak_allocated_bytes if meter.source == "cuda" else None),
         "megatron_core_version": getattr(megatron.core, "__version__", "unknown"),
     }
+
+
+def describe_model(tconfig, chunks: list, seq_length: int) -> tuple[ModelConfig, int]:
+    """A :class:`ModelConfig` (for FLOPs, estimates and plots) and the vocabulary of a user's model.
+
+    Read from the model's Megatron ``TransformerConfig`` and, where the model is a
+    language model (``GPTModel``: ``vocab_size``, ``max_sequence_length``,
+    ``position_embedding_type``), from the model itself; a model without a vocabulary
+    counts a vocabulary of 1 (no logits FLOPs to speak of).
+    """
+    lm = next((m for chunk in chunks for m in chunk.modules()
+               if hasattr(m, "vocab_size") and hasattr(m, "max_sequence_length")), None)
+    vocab = int(getattr(lm, "vocab_size", 1) or 1)
+    activation = getattr(getattr(tconfig, "activation_func", None), "__name__", "")
+    position = getattr(lm, "position_embedding_type", "learned_absolute")
+    fields = dict(
+        name=type(lm or chunks[0]).__name__,
+        num_layers=tconfig.num_layers, hidden_size=tconfig.hidden_size,
+        num_attention_heads=tconfig.num_attention_heads, num_query_groups=tconfig.num_query_groups,
+        ffn_hidden_size=tconfig.ffn_hidden_size, kv_channels=tconfig.kv_channels, vocab_size=vocab,
+        max_position_embeddings=max(int(getattr(lm, "max_sequence_length", 0) or 0), seq_length),
+        seq_length=seq_length,
+        normalization=tconfig.normalization if tconfig.normalization in ("LayerNorm", "RMSNorm") else "LayerNorm",
+        gated_linear_unit=bool(tconfig.gated_linear_unit), activation="silu" if "silu" in activation else "gelu",
+        position_embedding_type=position if position in ("learned_absolute", "rope") else "learned_absolute",
+        add_bias_linear=bool(tconfig.add_bias_linear), num_moe_experts=tconfig.num_moe_experts,
+        moe_router_topk=tconfig.moe_router_topk or 2, moe_ffn_hidden_size=tconfig.moe_ffn_hidden_size,
+        share_embeddings_and_output_weights=bool(getattr(lm, "share_embeddings_and_output_weights", False)),
+    )
+    return ModelConfig(**fields), vocab
+
+
+def loss_sum_and_count(losses_reduced: list) -> tuple[float, float]:
+    """What a step's loss functions reported, as (sum, count) for an average.
+
+    Megatron's schedules return, on the last pipeline stage, one dict per microbatch
+    from ``loss_func``; the first key is the loss.  A 2-element value is Megatron-LM's
+    per-token form ``[loss sum, number of tokens]``; a scalar is a microbatch's mean.
+    """
+    total, count = 0.0, 0.0
+    for item in losses_reduced or []:
+        if not isinstance(item, dict) or not item:
+            continue
+        value = torch.as_tensor(next(iter(item.values()))).detach().reshape(-1).to("cpu", torch.float64)
+        if value.numel() == 2:
+            total, count = total + float(value[0]), count + float(value[1])
+        elif value.numel():
+            total, count = total + float(value.mean()), count + 1.0
+    return total, count

@@ -18,6 +18,18 @@ dp ranks and microbatches, so layouts can be compared step by step.
 
 Each call returns this rank's run record (schema in :mod:`mnb.megatron.record`)
 and publishes it through :mod:`mnb.megatron.events`.
+
+Your own model and step, with Megatron's own signatures (any ``MegatronModule``
+built under the current layout, e.g. a ``GPTModel`` from your model provider)::
+
+    record = mnb.train(my_gpt, forward_step_func=forward_step, data_iterator=it, steps=20,
+                       micro_batch_size=2, global_batch_size=8, seq_length=512)
+
+``forward_step_func(data_iterator, model) -> (output, loss_func)`` and ``loss_func(output)
+-> (loss, {"name": value})`` or ``(loss, num_tokens, {...})`` as in Megatron-LM; the
+step's loss is the average of the first reported value (a ``[sum, count]`` pair is
+summed).  mnb adds DDP, the optimizer, the schedule and the instruments; a second
+call continues with the same DDP and optimizer.
 """
 
 from __future__ import annotations
@@ -125,7 +137,8 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
         no_sync = [w.no_sync for w in model.wrapped]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     config.fp8 = "hybrid" if tc.fp8 else None
-    _set_recompute(model, tc.recompute)
+    if not model.user_model or tc.recompute != "none":  # your own model keeps its own recompute settings
+        _set_recompute(model, tc.recompute)
     for opt in _sub_optimizers(model.optimizer):
         opt.config.clip_grad = tc.clip_grad
         for group in opt.param_groups:
@@ -191,14 +204,19 @@ def _holds_loss() -> bool:
     return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
 
 
-def _global_loss(losses_reduced: list[dict], device, interrupted: bool = False) -> tuple[float, bool]:
+def _global_loss(losses_reduced: list[dict], device, interrupted: bool = False, own=None) -> tuple[float, bool]:
     """Average per-token loss over the global batch, and whether any rank was interrupted.
 
     Both are identical on every rank: the interrupt flag rides along in the
-    loss's all-reduce, so every rank stops after the same step.
+    loss's all-reduce, so every rank stops after the same step.  With your own
+    loss function (``own``), the average of what it reported (record.loss_sum_and_count).
     """
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    if _holds_loss():
+    if _holds_loss() and own is not None:
+        from mnb.megatron.record import loss_sum_and_count
+
+        totals[0], totals[1] = loss_sum_and_count(losses_reduced)
+    elif _holds_loss():
         for item in losses_reduced:
             totals[:2] += item["lm loss"].to(device=device, dtype=torch.float64)
     totals[2] = float(interrupted)
@@ -223,25 +241,32 @@ def _oom_error(err: BaseException, step: int, meter: MemoryMeter) -> torch.OutOf
     )
 
 
-def train(model: MegatronModel, *, steps: int | None = None, micro_batch_size: int | None = None,
+def train(model: Any, *, steps: int | None = None, micro_batch_size: int | None = None,
           global_batch_size: int | None = None, lr: float | None = None, data: str | None = None,
-          **fields: Any) -> dict:
+          forward_step_func=None, data_iterator=None, seq_length: int | None = None, **fields: Any) -> dict:
     """Train ``model`` for ``steps`` steps; return this rank's run record (see module doc).
 
     Keyword arguments are :class:`mnb.config.TrainConfig` fields (unset ones take
-    its defaults).  Must be called on every rank of the pool.
+    its defaults).  ``model`` is what ``mnb.gpt`` returned, or your own Megatron
+    module with ``forward_step_func`` and ``data_iterator`` (``seq_length``: the
+    schedule's, default the model's ``max_sequence_length``).  Must be called on
+    every rank of the pool.
     """
+    own = None
+    if forward_step_func is not None or not isinstance(model, MegatronModel):
+        from mnb.megatron.own import OwnStep
+
+        own = OwnStep.of(model, forward_step_func, data_iterator, seq_length)
+        model = own.model
     with interrupts.deferred() as flag:  # set-up runs collectives too: never cut it on one rank
-        return _train(model, flag, steps=steps, micro_batch_size=micro_batch_size,
+        return _train(model, flag, own=own, steps=steps, micro_batch_size=micro_batch_size,
                       global_batch_size=global_batch_size, lr=lr, data=data, **fields)
 
 
-def _train(model: MegatronModel, flag: interrupts.InterruptFlag, **settings: Any) -> dict:
+def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **settings: Any) -> dict:
     from megatron.core import parallel_state as ps
 
     tc = train_config(**{k: v for k, v in settings.items() if v is not None})
-    if not isinstance(model, MegatronModel):
-        raise TypeError(f"train() needs the model returned by mnb.gpt(), got {type(model).__name__}")
     model.check_layout()
     parallel = model.parallel
     num_microbatches = tc.num_microbatches(parallel.dp)
@@ -268,7 +293,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, **settings: Any
         dp=parallel.dp,
         dp_rank=ps.get_data_parallel_rank(),
     )
-    dataset = plan.dataset(tc, model, steps=tc.steps)
+    dataset = plan.dataset(tc, model, steps=tc.steps) if own is None else None
     if _agree_to_stop(flag, device):
         raise KeyboardInterrupt(f"mnb.train stopped before its first step on every rank "
                                 f"(steps_done={model.steps_done}); nothing was trained")
@@ -276,7 +301,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, **settings: Any
     try:
         with time_token_dispatch(model.chunks, recorder):
             step_rows, timeline, stopped = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter,
-                                                      device, flag)
+                                                      device, flag, own)
     finally:
         config.timers = None
         components.end_run()
@@ -303,7 +328,7 @@ def _agree_to_stop(flag: interrupts.InterruptFlag, device) -> bool:
     return bool(raised.item() > 0)
 
 
-def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, flag):
+def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, flag, own=None):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -323,8 +348,9 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
                 wrapped.zero_grad_buffer()
             model.optimizer.zero_grad()
             losses = forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=microbatch_iterators(dataset, plan, i, model.chunks, device),
+                forward_step_func=_forward_step if own is None else own.forward_step_func,
+                data_iterator=(microbatch_iterators(dataset, plan, i, model.chunks, device) if own is None
+                               else own.data_iterator),
                 model=model.wrapped,
                 num_microbatches=plan.num_microbatches,
                 seq_length=seq,
@@ -336,7 +362,7 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
             with recorder.span("optimizer"):
                 _, grad_norm, _ = model.optimizer.step()
             scheduler.step(increment=1)
-            loss, stop = _global_loss(losses, device, flag.requested)
+            loss, stop = _global_loss(losses, device, flag.requested, own)
         except torch.OutOfMemoryError as err:
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -153,6 +153,9 @@ class Rank:
         from mnb.megatron import events, layout
 
         layout.apply_layout(ParallelConfig())
+        from mnb.megatron import autorecord
+
+        autorecord.install()  # a cell's or script's own get_forward_backward_func calls are measured
         self.layout = layout.current_layout().as_dict()
         events.set_sink(self._send_event)
         self.cell_id: str | None = None
@@ -280,6 +283,15 @@ class Rank:
                 changed = False
         else:
             changed = False
+        if outcome is None and message.get("script"):  # %mnb run SCRIPT ARGS (mnb.worker.script)
+            from mnb.worker.script import run_script
+
+            outcome = run_script(message["script"], self.namespace, ranks=message.get("ranks") or [self.rank],
+                                 cpu_ranks=self.device.type == "cpu")
+        elif outcome is None and message.get("after_script"):
+            from mnb.worker.script import restore_pool_state
+
+            outcome = restore_pool_state()
         if outcome is None:
             outcome = run_cell(message["code"], self.namespace)
         self.channel.busy.clear()

@@ -1,0 +1,386 @@
+"""From notebook to cluster: the notebook's layout and settings as a Megatron-LM launch.
+
+The notebook is where a layout is found; a cluster is where it trains.  This
+module writes what a cluster job needs, from the same dataclasses the ranks
+used (:mod:`mnb.config`), so nothing is retyped by hand::
+
+    %mnb export megatron-lm --nodes 2 --gpus-per-node 8      # pretrain_gpt.py arguments
+    %mnb export torchrun --nodes 2 --gpus-per-node 8         # the torchrun command line(s)
+    %mnb export slurm --nodes 2 --gpus-per-node 8 -o train.sbatch
+
+    mnb.export("megatron-lm", model="llama-1b", micro_batch_size=1, global_batch_size=64)
+
+Where the settings come from, each one separately: what the call names, else the last
+training (``mnb.last_run``) or the last ``mnb.gpt(...)``/``mnb.train(...)`` with
+literal arguments a ``%%megatron`` cell ran, else the dataclass defaults; the layout
+is the pool's current one (its ``dp`` is recomputed for the target's world size).
+A request that cannot run on the target is refused before anything is written,
+with the numbers (``global_batch_size(16) is not divisible by ...``).
+
+Megatron-LM's names are its own (``megatron/training/arguments.py``); a test parses
+the output with Megatron's own parser where ``megatron.training`` is installed
+(megatron-core 0.19 on Python 3.12) and compares the values with the notebook's.
+Pure Python: the notebook kernel never imports torch.  The module is ``mnb.exports``, not
+``mnb.export``: importing a submodule binds its name on the package, which would hide the
+function ``mnb.export``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from mnb.config import (TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig, model_config,
+                        package_data)
+
+KINDS = ("megatron-lm", "torchrun", "slurm")
+"""What ``%mnb export`` writes: Megatron-LM's arguments, torchrun command lines, an sbatch script."""
+
+RDZV_PORT = 29500
+"""torchrun's c10d rendezvous port on the first node (the scripts let RDZV_PORT override it)."""
+
+_TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
+_MODEL_FIELDS = {f.name for f in fields(ModelConfig)} - {"name", "extra"}
+_PLACEHOLDER = re.compile(r"@([a-z_]+)@")
+
+
+def render_template(name: str, values: dict[str, Any]) -> str:
+    """Fill ``templates/launch/NAME``: ``@key@`` placeholders, each of which must be given.
+
+    ``@key@`` rather than ``$key`` or ``{key}``: the templates are bash, full of both.
+    """
+    text = (package_data("templates") / "launch" / name).read_text(encoding="utf-8")
+    missing = sorted({m for m in _PLACEHOLDER.findall(text) if m not in values})
+    if missing:
+        raise KeyError(f"template {name} needs values for {missing}")
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What :func:`export` wrote: ``text`` (print it or :meth:`save` it) and the pieces behind it."""
+
+    kind: str
+    text: str
+    args: tuple[str, ...]
+    """Megatron-LM's ``pretrain_gpt.py`` argument list (the same in every kind)."""
+    notes: tuple[str, ...]
+    """What the argument list cannot say (TE, data), also written as comment lines."""
+    model: ModelConfig
+    train: TrainConfig
+    layout: ParallelConfig
+    """Resolved for the target: ``dp = nodes * gpus_per_node / (tp * pp * cp)``."""
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``text`` to ``path`` (an sbatch or shell script is made executable)."""
+        path = Path(path).expanduser()
+        path.write_text(self.text, encoding="utf-8")
+        if self.kind != "megatron-lm":
+            path.chmod(0o755)
+        return path
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return (f"<mnb.Exported {self.kind}: {self.model.name}, {self.layout.describe()} on "
+                f"{self.nodes} x {self.gpus_per_node} GPUs; print() it or .save(path)>")
+
+
+def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | None = None,
+           model: str | ModelConfig | dict | None = None, train: TrainConfig | dict | None = None,
+           layout: ParallelConfig | None = None, output: str | Path | None = None,
+           job_name: str | None = None, sbatch_options: list[str] | None = None,
+           **settings: Any) -> Exported:
+    """Megatron-LM arguments, torchrun command lines or an sbatch script for ``nodes`` x ``gpus_per_node``.
+
+    ``settings`` are TrainConfig fields (``global_batch_size=64``, ``lr=1e-4``) or ModelConfig
+    fields (``seq_length=4096``) that replace the notebook's.  ``gpus_per_node`` defaults to the
+    notebook's world size on one node.  ``sbatch_options`` (slurm: e.g. ``["--partition=gpu",
+    "--time=4:00:00"]``) become ``#SBATCH`` lines.  ``output`` also writes the text there.
+    Raises ValueError, saying what to change, when the request cannot run on the target.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown export {kind!r}; choose from {', '.join(KINDS)}")
+    remembered = _notebook_settings()
+    model_cfg, train_cfg = _model_and_train(model, train, settings, remembered)
+    if not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
+    if gpus_per_node is None:
+        if nodes > 1 or not remembered.get("world_size"):
+            raise ValueError("say how many GPUs each node has: --gpus-per-node G (gpus_per_node=G)")
+        gpus_per_node = remembered["world_size"]
+    if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
+    base = layout or (ParallelConfig(**remembered["layout"]) if remembered.get("layout") else ParallelConfig())
+    resolved = check_target(model_cfg, train_cfg, base, nodes, gpus_per_node)
+    args, notes = megatron_lm_args(model_cfg, train_cfg, resolved)
+    header = _header(model_cfg, resolved, nodes, gpus_per_node)
+    if kind == "megatron-lm":
+        text = "\n".join([header, *(f"# {n}" for n in notes), format_args(args, continuation=True)]) + "\n"
+    elif kind == "torchrun":
+        text = _torchrun_text(header, notes, args, nodes, gpus_per_node, model_cfg.name)
+    else:
+        text = render_template("megatron-lm.sbatch", {
+            "header": "\n".join([header, *(f"# {n}" for n in notes)]),
+            "job_name": job_name or f"megatron-{model_cfg.name}",
+            "nodes": nodes, "gpus_per_node": gpus_per_node,
+            "sbatch_options": "\n".join(f"#SBATCH {o}" for o in (sbatch_options or [])),
+            "args": format_args(args, indent="  "),
+            "rdzv_port": RDZV_PORT,
+        })
+    exported = Exported(kind=kind, text=text, args=tuple(args), notes=tuple(notes), model=model_cfg,
+                        train=train_cfg, layout=resolved, nodes=nodes, gpus_per_node=gpus_per_node)
+    if output is not None:
+        exported.save(output)
+    return exported
+
+
+# ------------------------------------------------------------------ settings
+def _notebook_settings() -> dict[str, Any]:
+    """The notebook's last model/train settings, its current layout and world size (all optional)."""
+    from mnb.controller.registry import current_pool, last_settings
+
+    found = dict(last_settings())
+    pool = current_pool(required=False)
+    if pool is not None:
+        found["layout"] = pool.layout.as_dict()
+        found["world_size"] = pool.world_size
+    return found
+
+
+def _model_and_train(model: Any, train: Any, settings: dict[str, Any],
+                     remembered: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
+    unknown = sorted(set(settings) - _TRAIN_FIELDS - _MODEL_FIELDS)
+    if unknown:
+        raise TypeError(f"export() got unknown settings {unknown}; use TrainConfig fields "
+                        f"({', '.join(sorted(_TRAIN_FIELDS))}) or ModelConfig fields (e.g. seq_length)")
+    if model is None:
+        if not remembered.get("model"):
+            raise ValueError("no model to export: name one (--model PRESET, model='llama-1b'), or run "
+                             "mnb.gpt(...) / mnb.train(...) in a %%megatron cell first")
+        model = _model_from_dict(remembered["model"])
+    model_cfg = model_config(model)
+    model_overrides = {k: v for k, v in settings.items() if k in _MODEL_FIELDS}
+    if model_overrides:
+        model_cfg = model_cfg.with_overrides(**model_overrides)
+    if train is None:
+        train = remembered.get("train") or {}
+    train_fields = train.to_dict() if isinstance(train, TrainConfig) else dict(train)
+    train_fields.update({k: v for k, v in settings.items() if k in _TRAIN_FIELDS})
+    return model_cfg, TrainConfig(**{k: v for k, v in train_fields.items() if k in _TRAIN_FIELDS})
+
+
+def _model_from_dict(data: dict[str, Any]) -> ModelConfig:
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in data.items() if k in known})
+
+
+def check_target(model: ModelConfig, train: TrainConfig, layout: ParallelConfig, nodes: int,
+                 gpus_per_node: int) -> ParallelConfig:
+    """The layout resolved for ``nodes * gpus_per_node`` ranks, or ValueError with the numbers."""
+    world = nodes * gpus_per_node
+    where = f"on {nodes} node(s) x {gpus_per_node} GPU(s) = world size {world}"
+    try:
+        resolved = replace(layout, dp=None).resolve(world)
+        model.check_parallel(resolved)
+    except ValueError as exc:
+        raise ValueError(f"{exc} ({where})") from None
+    per_step = train.micro_batch_size * resolved.dp
+    gbs = train.global_batch_size or per_step
+    if gbs % per_step:
+        low = max(per_step, gbs - gbs % per_step)
+        raise ValueError(
+            f"global_batch_size({gbs}) is not divisible by micro_batch_size({train.micro_batch_size}) * "
+            f"dp({resolved.dp}) = {per_step} {where} with {resolved.describe()}; use a multiple of "
+            f"{per_step} (e.g. {low} or {low + per_step}), another micro batch size, or more tp/pp"
+        )
+    if resolved.ep > 1 and resolved.tp > 1 and not resolved.sequence_parallel:
+        raise ValueError(f"Megatron-LM needs sequence parallelism with ep({resolved.ep}) and tp({resolved.tp}) "
+                         "> 1: add --sp (sequence_parallel=True) to the layout")
+    if train.warmup_steps >= train.steps and train.lr_decay_style != "constant":
+        raise ValueError(f"warmup_steps({train.warmup_steps}) must be smaller than steps({train.steps}) "
+                         f"for lr_decay_style={train.lr_decay_style!r}")
+    return resolved
+
+
+# ------------------------------------------------------------------ Megatron-LM
+def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelConfig) -> tuple[list[str], list[str]]:
+    """``pretrain_gpt.py`` arguments for a resolved layout, and notes on what they cannot say.
+
+    Values mnb sets differently from Megatron-LM's defaults are written out (dropout 0,
+    per-token loss, Adam betas, weight decay), so the cluster trains what the notebook did.
+    """
+    a: list[tuple[str, Any]] = []
+    notes: list[str] = []
+
+    def add(flag: str, value: Any = None) -> None:
+        a.append((flag, value))
+
+    # model shape
+    add("--num-layers", model.num_layers)
+    add("--hidden-size", model.hidden_size)
+    add("--ffn-hidden-size", model.ffn)
+    add("--num-attention-heads", model.num_attention_heads)
+    if model.kv_channels is not None:
+        add("--kv-channels", model.kv_channels)
+    if model.query_groups != model.num_attention_heads:
+        add("--group-query-attention")
+        add("--num-query-groups", model.query_groups)
+    add("--seq-length", model.seq_length)
+    add("--max-position-embeddings", model.max_position_embeddings)
+    add("--position-embedding-type", model.position_embedding_type)
+    if model.position_embedding_type == "rope":
+        add("--rotary-base", model.rotary_base)
+    add("--normalization", model.normalization)
+    add("--norm-epsilon", model.layernorm_epsilon)
+    if model.gated_linear_unit and model.activation == "silu":
+        add("--swiglu")
+    elif model.gated_linear_unit or model.activation != "gelu":
+        raise ValueError(f"Megatron-LM's arguments have no {'gated ' if model.gated_linear_unit else ''}"
+                         f"{model.activation} MLP (only gelu and SwiGLU); change the model's activation")
+    if not model.add_bias_linear:
+        add("--disable-bias-linear")
+    if not model.share_embeddings_and_output_weights:
+        add("--untie-embeddings-and-output-weights")
+    add("--init-method-std", model.init_method_std)
+    if model.is_moe:
+        add("--num-experts", model.num_moe_experts)
+        add("--moe-router-topk", model.moe_router_topk)
+        add("--moe-ffn-hidden-size", model.moe_ffn)
+        add("--moe-token-dispatcher-type", "alltoall" if layout.ep > 1 else "allgather")
+    extra = {**TRANSFORMER_DEFAULTS, **model.extra}
+    for name, value in extra.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            add(flag)
+        elif value is False or value is None:
+            notes.append(f"{name}={value!r} (ModelConfig.extra) has no Megatron-LM flag written here; check "
+                         "that Megatron-LM's default matches")
+        else:
+            add(flag, value)
+    # vocabulary and data
+    add("--tokenizer-type", "NullTokenizer")
+    add("--vocab-size", model.vocab_size)
+    add("--make-vocab-size-divisible-by", 128)
+    notes += _data_args(train.data, add)
+    # parallelism
+    add("--tensor-model-parallel-size", layout.tp)
+    add("--pipeline-model-parallel-size", layout.pp)
+    if (layout.vpp or 1) > 1:
+        add("--num-layers-per-virtual-pipeline-stage", model.num_layers // (layout.pp * layout.vpp))
+    add("--context-parallel-size", layout.cp)
+    if layout.cp > 1:
+        notes.append(f"--context-parallel-size {layout.cp}: Megatron-LM needs Transformer Engine for cp > 1 "
+                     "(its local attention asserts cp == 1); keep the default --transformer-impl "
+                     "transformer_engine")
+    add("--expert-model-parallel-size", layout.ep)
+    if layout.sequence_parallel and layout.tp > 1:
+        add("--sequence-parallel")
+    # batch, schedule, optimizer
+    add("--micro-batch-size", train.micro_batch_size)
+    add("--global-batch-size", train.global_batch_size or train.micro_batch_size * layout.dp)
+    add("--train-iters", train.steps)
+    add("--optimizer", "adam")
+    add("--lr", train.lr)
+    add("--min-lr", train.min_lr)
+    add("--lr-decay-style", train.lr_decay_style)
+    add("--lr-warmup-iters", train.warmup_steps)
+    add("--lr-decay-iters", max(train.steps, train.warmup_steps + 1))
+    add("--weight-decay", train.weight_decay)
+    add("--clip-grad", train.clip_grad)
+    add("--adam-beta1", train.adam_beta1)
+    add("--adam-beta2", train.adam_beta2)
+    add("--calculate-per-token-loss")
+    # precision and memory
+    if train.bf16:
+        add("--bf16")
+    if train.fp8:
+        add("--fp8-format", "hybrid")
+        notes.append("--fp8-format hybrid needs Transformer Engine and Hopper-or-newer GPUs")
+    if train.recompute == "selective":
+        add("--recompute-granularity", "selective")
+    elif train.recompute == "full":
+        add("--recompute-granularity", "full")
+        add("--recompute-method", "uniform")
+        add("--recompute-num-layers", 1)
+    if train.use_distributed_optimizer:
+        add("--use-distributed-optimizer")
+    add("--seed", train.seed)
+    add("--log-interval", train.log_every)
+    add("--eval-iters", 0)
+    if layout.tp > 1 or layout.cp > 1:
+        notes.append("Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp or cp > 1 (before Blackwell): "
+                     "export it in the job (the torchrun and slurm exports do)")
+    notes.append("the notebook's ranks used mnb's local spec (SDPA attention, torch norms); Megatron-LM "
+                 "defaults to Transformer Engine: add --transformer-impl local where TE is missing")
+    return [str(x) for flag, value in a for x in ((flag,) if value is None else (flag, value))], notes
+
+
+def _data_args(data: str, add) -> list[str]:
+    """Megatron-LM's data arguments for mnb's ``data=`` and what they leave out."""
+    if data.endswith((".bin", ".idx")) or Path(data + ".bin").is_file():
+        prefix = data[:-4] if data.endswith((".bin", ".idx")) else data
+        add("--data-path", prefix)
+        add("--split", "100,0,0")
+        return [f"data: {prefix}.bin/.idx, read with NullTokenizer (token ids as stored)"]
+    add("--mock-data")
+    if data == "mock":
+        return ["data: synthetic tokens (--mock-data); for real data use --data-path PREFIX (a Megatron "
+                ".bin/.idx) and its tokenizer"]
+    return [f"data: the notebook trained on {data!r}, which Megatron-LM cannot read: --mock-data stands in; "
+            f"build its .bin/.idx on a rank with mnb.megatron.data.prepare({data!r}) and pass --data-path PREFIX"]
+
+
+# ------------------------------------------------------------------ rendering
+def format_args(args: list[str] | tuple[str, ...], *, continuation: bool = False, indent: str = "") -> str:
+    """One flag (and its value) per line, shell-quoted; ``continuation`` ends lines with `` \\``."""
+    lines: list[list[str]] = []
+    for word in args:
+        if word.startswith("--") or not lines:
+            lines.append([word])
+        else:
+            lines[-1].append(word)
+    rendered = [indent + " ".join(shlex.quote(w) for w in line) for line in lines]
+    if continuation:
+        rendered = [line + " \\" for line in rendered[:-1]] + rendered[-1:]
+    return "\n".join(rendered)
+
+
+def _header(model: ModelConfig, layout: ParallelConfig, nodes: int, gpus_per_node: int) -> str:
+    from mnb import __version__
+
+    return (f"# Megatron-LM pretrain_gpt.py, exported by mnb {__version__}: {model.name} "
+            f"({_count(model.num_parameters())} parameters), {layout.describe()} on "
+            f"{nodes} node(s) x {gpus_per_node} GPU(s)")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.0f} K"
+
+
+def _torchrun_text(header: str, notes: list[str], args: list[str], nodes: int, gpus_per_node: int,
+                   name: str) -> str:
+    launch = [f"torchrun --standalone --nproc-per-node={gpus_per_node}"] if nodes == 1 else [
+        f"torchrun --nnodes={nodes} --nproc-per-node={gpus_per_node} --rdzv-id=mnb-{name} --rdzv-backend=c10d "
+        f'--rdzv-endpoint="$HEAD_NODE:${{RDZV_PORT:-{RDZV_PORT}}}"'
+    ]
+    where = (f"# on the one node ({gpus_per_node} GPUs):" if nodes == 1 else
+             f"# on each of the {nodes} nodes ({gpus_per_node} GPUs each), HEAD_NODE being the first "
+             "node's hostname (the same on all):")
+    return "\n".join([
+        header, *(f"# {n}" for n in notes),
+        "MEGATRON_LM=${MEGATRON_LM:-$HOME/Megatron-LM}   # a Megatron-LM checkout (pretrain_gpt.py)",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron-LM's own scripts set this: TP communication overlaps compute",
+        "ARGS=(", format_args(args, indent="  "), ")", where,
+        f'{launch[0]} "$MEGATRON_LM/pretrain_gpt.py" "${{ARGS[@]}}"',
+    ]) + "\n"

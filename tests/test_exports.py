@@ -1,0 +1,195 @@
+"""``%mnb export`` / ``mnb.export``: the notebook's layout and settings as a Megatron-LM launch.
+
+Megatron-LM's own argument parser (``megatron.training.arguments``, shipped by
+megatron-core 0.19 on Python 3.12: CI's second leg) reads the exported arguments
+and its ``validate_args`` derives the same data-parallel size, virtual stages and
+batch split as the notebook.  No pool is started here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import mnb
+from mnb.config import ParallelConfig, TrainConfig, load_preset
+from mnb.controller import registry
+from mnb.controller.preflight import cell_settings
+from mnb.exports import export
+
+
+def pairs(args) -> dict[str, str | None]:
+    """``--flag value`` / ``--flag`` -> {flag: value or None}."""
+    out: dict[str, str | None] = {}
+    for i, word in enumerate(args):
+        if word.startswith("--"):
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            out[word] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+LLAMA = dict(model="llama-1b", nodes=2, gpus_per_node=8, micro_batch_size=2, global_batch_size=64, bf16=True,
+             recompute="selective", use_distributed_optimizer=True, warmup_steps=2, lr_decay_style="cosine",
+             steps=50, layout=ParallelConfig(tp=2, pp=2, vpp=2, sequence_parallel=True))
+
+
+def test_megatron_lm_arguments_carry_the_model_layout_and_training():
+    e = export("megatron-lm", **LLAMA)
+    got = pairs(e.args)
+    cfg = load_preset("llama-1b")
+    expected = {
+        "--num-layers": "16", "--hidden-size": "2048", "--ffn-hidden-size": "8192", "--num-attention-heads": "32",
+        "--num-query-groups": "8", "--seq-length": str(cfg.seq_length), "--rotary-base": "500000",
+        "--normalization": "RMSNorm", "--vocab-size": "128256", "--tensor-model-parallel-size": "2",
+        "--pipeline-model-parallel-size": "2", "--num-layers-per-virtual-pipeline-stage": "4",
+        "--context-parallel-size": "1", "--micro-batch-size": "2", "--global-batch-size": "64",
+        "--train-iters": "50", "--lr-warmup-iters": "2", "--lr-decay-style": "cosine",
+        "--recompute-granularity": "selective", "--hidden-dropout": "0.0",
+    }
+    assert {k: got.get(k) for k in expected} == expected
+    for flag in ("--swiglu", "--group-query-attention", "--sequence-parallel", "--bf16", "--disable-bias-linear",
+                 "--use-distributed-optimizer", "--untie-embeddings-and-output-weights", "--mock-data"):
+        assert flag in got and got[flag] is None, flag
+    assert e.layout.dp == 4 and e.world_size == 16
+    assert e.text.startswith("# Megatron-LM pretrain_gpt.py") and "tp2 pp2 vpp2 dp4 sp" in e.text.splitlines()[0]
+    assert shlex.split(e.text.replace("\\\n", " "), comments=True) == list(e.args)  # the text is the list
+
+
+def test_a_batch_that_does_not_split_on_the_target_is_refused_with_the_numbers():
+    with pytest.raises(ValueError) as err:
+        export("slurm", model="tiny", nodes=2, gpus_per_node=8, micro_batch_size=4, global_batch_size=16)
+    text = str(err.value)
+    assert "global_batch_size(16)" in text and "micro_batch_size(4) * dp(16) = 64" in text
+    assert "2 node(s) x 8 GPU(s) = world size 16" in text and "multiple of 64" in text
+    with pytest.raises(ValueError, match=r"tp\(3\) \* pp\(1\) \* cp\(1\) = 3 does not divide world size 8"):
+        export("megatron-lm", model="tiny", gpus_per_node=8, layout=ParallelConfig(tp=3))
+    with pytest.raises(ValueError, match=r"num_attention_heads\(4\) is not divisible by tp\(8\)"):
+        export("megatron-lm", model="tiny", gpus_per_node=8, layout=ParallelConfig(tp=8))
+    with pytest.raises(TypeError, match="unknown settings"):
+        export("megatron-lm", model="tiny", gpus_per_node=2, learning_rate=1)
+
+
+def test_context_parallel_says_megatron_lm_needs_transformer_engine():
+    e = export("megatron-lm", model="tiny", gpus_per_node=4, layout=ParallelConfig(cp=2))
+    assert pairs(e.args)["--context-parallel-size"] == "2"
+    assert any(line.startswith("#") and "Transformer Engine for cp > 1" in line for line in e.text.splitlines())
+
+
+def test_torchrun_and_slurm_exports_are_valid_bash_with_the_arguments(tmp_path):
+    one = export("torchrun", model="tiny", gpus_per_node=4)
+    many = export("torchrun", model="tiny", nodes=2, gpus_per_node=4)
+    script = export("slurm", model="moe-tiny", nodes=3, gpus_per_node=4, layout=ParallelConfig(ep=2),
+                    sbatch_options=["--partition=gpu", "--time=1:00:00"], output=tmp_path / "train.sbatch")
+    assert "torchrun --standalone --nproc-per-node=4" in one.text
+    assert "--nnodes=2 --nproc-per-node=4" in many.text and "--rdzv-backend=c10d" in many.text
+    text = (tmp_path / "train.sbatch").read_text()
+    for line in ("#SBATCH --nodes=3", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=1:00:00", "--rdzv-endpoint=\"$HEAD_NODE:$RDZV_PORT\""):
+        assert line in text
+    assert "--num-experts 4" in text and "--expert-model-parallel-size 2" in text
+    assert "@" + "args@" not in text and os.access(tmp_path / "train.sbatch", os.X_OK)
+    for exported, body in ((one, one.text), (many, many.text), (script, text)):
+        # bash reads it (syntax) and the ARGS array holds exactly the exported arguments
+        probe = body.split("\ntorchrun")[0].split("\nsrun")[0] + '\nprintf "%s\\n" "${ARGS[@]}"\n'
+        done = subprocess.run(["bash", "-c", probe.replace("$(scontrol", "$(echo")], capture_output=True, text=True,
+                              env={**os.environ, "SLURM_JOB_NODELIST": "n1"})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split("\n")[:-1] == list(exported.args)
+
+
+def test_settings_come_from_the_notebook_when_not_named(monkeypatch):
+    monkeypatch.setattr(registry, "_SETTINGS", {})
+    with pytest.raises(ValueError, match="no model to export"):
+        export("megatron-lm", gpus_per_node=2)
+    found = cell_settings("model = mnb.gpt('tiny', num_layers=8, fusions=False)\n"
+                          "mnb.train(model, steps=7, micro_batch_size=2, global_batch_size=8, lr=1e-3)\n"
+                          "mnb.train(model, steps=n)\n")  # not literal: not taken
+    registry.remember_settings(**found)
+    e = export("megatron-lm", gpus_per_node=2)
+    got = pairs(e.args)
+    assert (got["--num-layers"], got["--train-iters"], got["--global-batch-size"], got["--lr"]) == ("8", "7", "8",
+                                                                                                    "0.001")
+    assert "--fusions" not in got
+    assert export("megatron-lm", gpus_per_node=2, steps=3).train == TrainConfig(**{**found["train"], "steps": 3})
+
+
+def test_export_magic_prints_writes_and_refuses(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(registry, "_SETTINGS", {})
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    shell.run_line_magic("mnb", "export --model tiny --gpus-per-node 2 --tp 2 --sp --gbs 8 --mbs 2")
+    out = capsys.readouterr().out
+    assert "--tensor-model-parallel-size 2 \\" in out and "--sequence-parallel \\" in out and "dp1" in out
+    path = tmp_path / "job.sbatch"
+    shell.run_line_magic("mnb", f"export slurm --model tiny --nodes 2 --gpus-per-node 4 -o {path} "
+                                "--sbatch-arg=--qos=debug")
+    assert f"sbatch {path}" in capsys.readouterr().out and "#SBATCH --qos=debug" in path.read_text()
+    with pytest.raises(UsageError, match=r"micro_batch_size\(2\) \* dp\(8\) = 16"):
+        shell.run_line_magic("mnb", "export --model tiny --nodes 2 --gpus-per-node 4 --mbs 2 --gbs 24")
+    assert callable(mnb.export) and "export" in mnb.__all__
+
+
+def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch):
+    """Megatron-LM's parse_args + validate_args on the exported list, as rank 0 of the target world."""
+    arguments = pytest.importorskip("megatron.training.arguments",
+                                    reason="megatron.training ships with megatron-core >= 0.17 (Python 3.12)")
+    # validate_args asks the GPU's architecture for tp > 1; the target is a Hopper cluster, not this host.
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    cases = [
+        LLAMA,
+        dict(model="moe-tiny", nodes=1, gpus_per_node=4, micro_batch_size=1, global_batch_size=8,
+             recompute="full", layout=ParallelConfig(tp=2, ep=2, sequence_parallel=True)),
+        dict(model="gpt2-124m", nodes=1, gpus_per_node=4, micro_batch_size=2, lr=6e-4, min_lr=6e-5,
+             weight_decay=0.1, lr_decay_style="linear", warmup_steps=5, steps=20, layout=ParallelConfig(cp=2)),
+    ]
+    for case in cases:
+        e = export("megatron-lm", **case)
+        monkeypatch.setenv("WORLD_SIZE", str(e.world_size))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # the torchrun/slurm exports set it
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *e.args])
+        args = arguments.parse_args()
+        arguments.validate_args(args)
+        m, t, lay = e.model, e.train, e.layout
+        got = {k: getattr(args, k) for k in (
+            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+            "seq_length", "max_position_embeddings", "position_embedding_type", "normalization", "layernorm_epsilon",
+            "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "init_method_std", "vocab_size",
+            "hidden_dropout", "attention_dropout", "num_experts", "moe_router_topk",
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "data_parallel_size",
+            "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_decay_style",
+            "lr_warmup_iters", "lr_decay_iters", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "bf16",
+            "recompute_granularity", "use_distributed_optimizer", "seed", "calculate_per_token_loss")}
+        want = {
+            "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn,
+            "num_attention_heads": m.num_attention_heads,
+            "num_query_groups": m.query_groups if m.query_groups != m.num_attention_heads else 1,
+            "seq_length": m.seq_length, "max_position_embeddings": m.max_position_embeddings,
+            "position_embedding_type": m.position_embedding_type, "normalization": m.normalization,
+            "layernorm_epsilon": m.layernorm_epsilon, "swiglu": m.gated_linear_unit,
+            "add_bias_linear": m.add_bias_linear,
+            "untie_embeddings_and_output_weights": not m.share_embeddings_and_output_weights,
+            "init_method_std": m.init_method_std, "vocab_size": m.vocab_size, "hidden_dropout": 0.0,
+            "attention_dropout": 0.0, "num_experts": m.num_moe_experts,
+            "moe_router_topk": m.moe_router_topk, "tensor_model_parallel_size": lay.tp,
+            "pipeline_model_parallel_size": lay.pp,
+            "virtual_pipeline_model_parallel_size": lay.vpp if (lay.vpp or 1) > 1 else None,
+            "context_parallel_size": lay.cp, "expert_model_parallel_size": lay.ep,
+            "sequence_parallel": lay.sequence_parallel and lay.tp > 1, "data_parallel_size": lay.dp,
+            "micro_batch_size": t.micro_batch_size,
+            "global_batch_size": t.global_batch_size or t.micro_batch_size * lay.dp, "train_iters": t.steps,
+            "lr": t.lr, "min_lr": t.min_lr, "lr_decay_style": t.lr_decay_style, "lr_warmup_iters": t.warmup_steps,
+            "lr_decay_iters": max(t.steps, t.warmup_steps + 1), "weight_decay": t.weight_decay,
+            "clip_grad": t.clip_grad, "adam_beta1": t.adam_beta1, "adam_beta2": t.adam_beta2, "bf16": t.bf16,
+            "recompute_granularity": None if t.recompute == "none" else t.recompute,
+            "use_distributed_optimizer": t.use_distributed_optimizer, "seed": t.seed,
+            "calculate_per_token_loss": True,
+        }
+        assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
