@@ -67,6 +67,9 @@ def test_model_checks_against_layout():
         odd.check_parallel(ParallelConfig(tp=2, sequence_parallel=True).resolve(2))
     with pytest.raises(ValueError, match=r"seq_length\(63\) is not divisible by 2 \* cp\(2\) = 4"):
         odd.check_parallel(ParallelConfig(cp=2).resolve(2))
+    wide = tiny.with_overrides(seq_length=8, num_attention_heads=8, num_query_groups=8)
+    with pytest.raises(ValueError, match=r"seq_length\(8\) / cp\(2\) = 4 tokens per cp rank are not divisible by tp\(8\)"):
+        wide.check_parallel(ParallelConfig(cp=2, tp=8, sequence_parallel=True).resolve(16))
 
 
 def test_batch_divisibility():

@@ -21,7 +21,9 @@ instead), dropout masks only when ``model.extra`` sets dropout > 0 (mnb's
 default is 0), and MoE layers (top-k routed copies of
 each token; the routing probabilities scale the experts' activation output, so
 the combine keeps nothing).  Checked per component against the tensors CPU
-ranks save for backward (tests/megatron/test_memory.py).  Context parallelism divides the sequence: s -> s/cp.
+ranks save for backward (tests/megatron/test_memory.py).  Context parallelism divides the sequence: s -> s/cp,
+and mnb's all-gather cp attention (mnb.megatron.context_parallel) keeps the whole
+sequence's K/V in each layer (:func:`cp_attention_bytes`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class LayerShape:
     cpu_kernels: bool = False
     """CPU ranks: torch's CPU norms are decomposed and keep the normalised input and the
     inverse RMS beside their input (measured with ``saved_tensors_hooks``)."""
+    cp: int = 1
+    """Context-parallel size (``seq`` is already divided by it)."""
 
 
 def layer_activation_bytes(model: ModelConfig, shape: LayerShape) -> float:
@@ -99,6 +103,8 @@ def full_layer_bytes(model: ModelConfig, shape: LayerShape) -> float:
             if attn_drop:
                 attn += scores * (1 + e)  # dropout mask + dropout output
     attn += s * b * q * e / t
+    if shape.cp > 1 and not selective:
+        attn += cp_attention_bytes(model, shape)
     if hidden_drop:
         attn += mask
 
@@ -131,3 +137,28 @@ def norm_extra_bytes(shape: LayerShape, hidden: int) -> float:
         return 0.0
     sp_div = shape.tp if shape.sequence_parallel else 1
     return shape.seq * shape.micro_batch * (hidden * shape.element_bytes + 4) / sp_div
+
+
+def cp_attention_bytes(model: ModelConfig, shape: LayerShape) -> float:
+    """What mnb's all-gather cp attention keeps beyond cp=1's core attention, one layer, one microbatch.
+
+    SDPA saves the gathered keys and values of the whole sequence (``2 * kv *
+    seq * cp``) and the outputs of its two query chunks, which are copied into the
+    output projection's input (at cp=1 that input is a view of SDPA's output).
+    With RoPE the rotated query is still saved but the QKV projection output
+    and the rotated keys no longer are; without RoPE the query is a view of that
+    output, which stays.  CPU ranks materialise each lower-right causal mask
+    (fp32, chunk x keys seen; the largest rank holds ``(2cp+1) * chunk**2``).
+    Measured with ``saved_tensors_hooks`` on CPU ranks (tests/megatron/test_memory.py).
+    With selective recompute the checkpoint keeps only the local Q/K/V: nothing extra.
+    """
+    s, b, t, e, cp = shape.seq, shape.micro_batch, shape.tp, shape.element_bytes, shape.cp
+    q = model.num_attention_heads * model.head_dim
+    kv = model.query_groups * model.head_dim
+    extra = 2 * s * cp * b * kv * e / t + s * b * q * e / t
+    if model.position_embedding_type == "rope":
+        extra -= s * b * (q + 2 * kv) * e / t + s * b * kv * e / t
+    if shape.cpu_kernels:
+        chunk = s // 2
+        extra += 4 * chunk * chunk * (2 * cp + 1)
+    return extra

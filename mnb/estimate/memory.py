@@ -15,8 +15,9 @@ Sources:
 Beyond Megatron-LM's estimator (first stage only): every stage, embedding on
 the first / output layer on the last, logits (s*b*V/tp on the last stage, plus
 the fp32 softmax Megatron's unfused vocab-parallel cross entropy keeps), MoE experts split by
-ep, full recompute, context parallelism, and a small allocator/workspace
-overhead ("other").
+ep, full recompute, context parallelism (the sequence / cp on every rank, plus the K/V of the
+whole sequence that mnb's all-gather cp attention keeps per layer; TE's ring attention, used
+when TE is installed, keeps less), and a small allocator/workspace overhead ("other").
 
     >>> import mnb.estimate as est
     >>> from mnb.config import ParallelConfig, TrainConfig
@@ -217,7 +218,7 @@ def memory(
     shape = LayerShape(
         seq=s_local, micro_batch=b, tp=tp, sequence_parallel=sp, element_bytes=e,
         recompute=train.recompute, fused_attention=fused_attention,
-        fused_kernels=fused_kernels, cpu_kernels=cpu_kernels,
+        fused_kernels=fused_kernels, cpu_kernels=cpu_kernels, cp=cp,
     )
     per_layer = layer_activation_bytes(model, shape)
     one_full_layer = full_layer_bytes(model, shape)

@@ -6,8 +6,9 @@
     ('tp1 pp1 dp8', 'none')
 
 Rules: tp divides heads and query groups and stays within a node; pp divides
-the layers; tp*pp*cp divides the GPUs; sequence parallel is on when tp > 1;
-the distributed optimizer is on when dp > 1; vpp in ``vpps`` where layers
+the layers; tp*pp*cp divides the GPUs, cp a power of two that splits the sequence
+into 2*cp chunks; sequence parallel is on when tp > 1;
+the distributed optimizer is on when dp*cp > 1 (Megatron shards it over both); vpp in ``vpps`` where layers
 split evenly and m >= pp; ep (MoE) divides the experts and dp*cp; recompute
 in ``recomputes``.  Rows are sorted: fitting layouts first, then by predicted
 step time, then by memory.
@@ -25,6 +26,10 @@ from ._inputs import as_model, as_train
 from .memory import MemoryEstimate, memory
 from .pipeline import bubble
 from .timing import StepTimeEstimate, step_time
+
+
+MAX_CP = 8
+"""Largest context-parallel size the plan tries by default (long sequences need more: pass ``cps``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +109,7 @@ def plan(
     tps: Iterable[int] | None = None,
     pps: Iterable[int] | None = None,
     vpps: Sequence[int | None] = (None, 2),
-    cps: Iterable[int] = (1,),
+    cps: Iterable[int] | None = None,
     eps: Iterable[int] | None = None,
     recomputes: Sequence[str] = ("none", "selective", "full"),
     gpus_per_node: int = 8,
@@ -116,6 +121,9 @@ def plan(
     ``gbs`` defaults to ``train.global_batch_size`` or 4 * gpus * mbs;
     ``seq`` overrides ``model.seq_length``; ``train`` supplies precision and
     other settings (default: bf16).  ``capacity_bytes`` overrides the device's.
+    ``cps`` defaults to 1 and the powers of two up to ``MAX_CP`` that divide the
+    GPUs (context parallelism runs with or without Transformer Engine; its memory
+    is that of mnb's all-gather attention, see :mod:`mnb.estimate.activations`).
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
@@ -137,6 +145,7 @@ def plan(
     pp_choices = list(pps) if pps is not None else [
         p for p in divisors(gpus) if model.num_layers % p == 0
     ]
+    cp_choices = list(cps) if cps is not None else [c for c in divisors(gpus) if c <= MAX_CP and c & (c - 1) == 0]
     ep_choices = list(eps) if eps is not None else (
         divisors(model.num_moe_experts) if model.is_moe else [1]
     )
@@ -144,7 +153,7 @@ def plan(
     rows: list[PlanRow] = []
     for tp in tp_choices:
         for pp in pp_choices:
-            for cp in cps:
+            for cp in cp_choices:
                 if gpus % (tp * pp * cp):
                     continue
                 dp = gpus // (tp * pp * cp)

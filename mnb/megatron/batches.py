@@ -97,13 +97,14 @@ def _collate(dataset, indices: range, device) -> dict[str, torch.Tensor]:
 
 def _microbatches(dataset, plan: BatchPlan, step: int, device):
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
-    cp = ps.get_context_parallel_world_size()
+    from mnb.megatron.context_parallel import split_batch
+
+    group = ps.get_context_parallel_group()
     # Every microbatch of the step is copied up front, before the schedule's first kernel.
     batches = [_collate(dataset, plan.indices(step, j), device) for j in range(plan.num_microbatches)]
     # Context parallelism: this rank's 2 of the 2*cp sequence chunks (Megatron's split).
-    return iter([get_batch_on_this_cp_rank(batch) if cp > 1 else batch for batch in batches])
+    return iter([split_batch(batch, group) for batch in batches])
 
 
 def microbatch_iterators(dataset, plan: BatchPlan, step: int, chunks, device) -> list:

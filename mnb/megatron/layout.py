@@ -135,14 +135,6 @@ def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
     resolved = parallel.resolve(torch.distributed.get_world_size())
     if resolved.vpp == 1:
         resolved = dataclasses.replace(resolved, vpp=None)
-    if resolved.cp > 1:
-        from mnb.megatron.spec import have_te
-
-        if not have_te():
-            raise ValueError(
-                f"cp({resolved.cp}) needs Transformer Engine attention, which is not installed "
-                "on these ranks; use cp=1"
-            )
     now = current_layout()
     if now is not None and _same_groups(now, resolved):
         _current = resolved

@@ -14,7 +14,9 @@
     all-reduces them across tp.  (``WrappedTorchNorm`` refuses sequence
     parallelism; apex/TE norms are not needed.)
 
-  Context parallelism needs TE attention: :func:`layer_spec` refuses cp > 1.
+  With context parallelism (cp > 1) :class:`SDPAttention` all-gathers keys and
+  values over the cp group and attends its two sequence chunks against them
+  (:mod:`mnb.megatron.context_parallel`); with TE, Megatron's TE attention does cp.
 """
 
 from __future__ import annotations
@@ -65,11 +67,19 @@ class SDPAttention(torch.nn.Module):
         **_: object,
     ) -> None:
         super().__init__()
+        from megatron.core.transformer.enums import AttnMaskType
+
+        self.cp_group = None
         if config.context_parallel_size > 1:
-            raise ValueError(
-                f"context parallelism (cp={config.context_parallel_size}) needs Transformer "
-                "Engine attention; the local SDPA spec supports cp=1 only"
-            )
+            from mnb.megatron import context_parallel
+
+            context_parallel.check_comm_type(cp_comm_type)
+            if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+                raise ValueError(
+                    f"context parallelism (cp={config.context_parallel_size}) on the local spec "
+                    f"supports causal or unmasked attention, not {attn_mask_type.name}; use cp=1"
+                )
+            self.cp_group = context_parallel.cp_group(pg_collection)
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
@@ -93,6 +103,17 @@ class SDPAttention(torch.nn.Module):
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, dim = query.shape
+        dropout_p = self.dropout_p if self.training else 0.0
+        if self.cp_group is not None:
+            if attention_bias is not None or (attention_mask is not None and mask_type != AttnMaskType.causal):
+                raise NotImplementedError(
+                    "an attention mask or bias with cp > 1 needs Transformer Engine attention; "
+                    "the local spec's cp attends causally or to every key")
+            from mnb.megatron.context_parallel import attention
+
+            out = attention(query, key, value, group=self.cp_group, causal=mask_type == AttnMaskType.causal,
+                            scale=self.softmax_scale, dropout_p=dropout_p)
+            return out.reshape(sq, b, heads * dim)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         causal = mask_type == AttnMaskType.causal
@@ -106,7 +127,7 @@ class SDPAttention(torch.nn.Module):
             k,
             v,
             attn_mask=mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            dropout_p=dropout_p,
             is_causal=causal and mask is None,
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != heads,
@@ -197,11 +218,6 @@ def layer_spec(model: ModelConfig, transformer_config, *, use_te: bool | None = 
     ``fused``: the local spec's dense SwiGLU MLP runs mnb's compiled SwiGLU.
     """
     use_te = have_te() if use_te is None else use_te
-    if transformer_config.context_parallel_size > 1 and not use_te:
-        raise ValueError(
-            f"context parallelism (cp={transformer_config.context_parallel_size}) needs "
-            "Transformer Engine, which is not installed on these ranks; use cp=1"
-        )
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:

@@ -146,8 +146,18 @@ def test_full_recompute_and_context_parallel():
     assert st.activations_bytes == pytest.approx(expected)
     cp1 = est.memory(LLAMA, ParallelConfig(dp=1), TrainConfig(bf16=True)).stages[0]
     cp2 = est.memory(LLAMA, ParallelConfig(cp=2, dp=1), TrainConfig(bf16=True)).stages[0]
-    assert cp2.activations_bytes == pytest.approx(cp1.activations_bytes / 2)
+    # mnb's all-gather cp attention, per layer (bf16, local sequence s/2, MHA: kv = q = 4096):
+    s2, q, kv = s // 2, 4096, 4096
+    gathered = 2 * (2 * s2) * 2 * kv  # K and V of the whole sequence
+    chunk_outputs = 2 * s2 * q  # apart from the output projection's input
+    not_saved = 2 * s2 * (q + 2 * kv) + 2 * s2 * kv  # the QKV output and the rotated K
+    assert cp2.activations_bytes == pytest.approx(
+        cp1.activations_bytes / 2 + 32 * (gathered + chunk_outputs - not_saved))
     assert cp2.logits_bytes == pytest.approx(cp1.logits_bytes / 2)
+    # Selective recompute checkpoints the core attention: its inputs are the local Q/K/V only.
+    sel = TrainConfig(bf16=True, recompute="selective")
+    assert est.memory(LLAMA, ParallelConfig(cp=2, dp=1), sel).stages[0].activations_bytes == pytest.approx(
+        est.memory(LLAMA, ParallelConfig(dp=1), sel).stages[0].activations_bytes / 2)
 
 
 def test_moe_experts_split_by_ep():

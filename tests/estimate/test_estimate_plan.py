@@ -21,7 +21,7 @@ def test_llama7b_on_8_h200_prefers_data_parallel():
         p = r.parallel
         assert p.tp * p.pp * p.cp * p.dp == 8
         assert p.sequence_parallel == (p.tp > 1)
-        assert r.use_distributed_optimizer == (p.dp > 1)
+        assert r.use_distributed_optimizer == (p.dp * p.cp > 1)  # Megatron shards over dp x cp
     fits = [r.fits for r in rows]
     assert fits == sorted(fits, reverse=True)
     assert "tp1 pp1 dp8" in est.format_plan(rows[:3])
@@ -71,3 +71,21 @@ def test_notebook_modules_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "torch" not in out.stdout
+
+
+def test_long_sequences_are_offered_context_parallelism():
+    """cp runs without TE (mnb's all-gather attention), so the plan offers it by default."""
+    rows = est.plan("llama-8b", gpus=8, gpu="h200", seq=65536, mbs=1, gbs=8)
+    with_cp = [r for r in rows if r.parallel.cp > 1]
+    assert {r.parallel.cp for r in with_cp} == {2, 4, 8}
+    assert any(r.fits for r in with_cp)
+    # cp divides the activations of the sequence; the whole sequence's K/V stays per layer.
+    from mnb.config import load_preset
+
+    long = load_preset("llama-8b").with_overrides(seq_length=65536)
+    cp1 = est.memory(long, {"tp": 2, "dp": 4, "sequence_parallel": True},
+                     {"bf16": True, "global_batch_size": 8}, fused_loss=True).stages[0]
+    cp2 = next(r for r in rows if (r.parallel.tp, r.parallel.cp, r.recompute) == (2, 2, "none"))
+    assert cp2.memory_estimate.stages[0].activations_bytes < 0.6 * cp1.activations_bytes
+    with pytest.raises(ValueError, match=r"no valid layout"):
+        est.plan("tiny", gpus=2, seq=6, cps=[2], tps=[1], pps=[1])  # 6 tokens are not 4 equal chunks

@@ -45,5 +45,5 @@ def test_layout_walk(world2):
         assert dp2["coords"] == {**COORDS0, "dp": rank}
         assert ep2["rebuilt"] is True and ep2["coords"] == {**COORDS0, "dp": rank, "ep": rank}
         assert "does not divide world size 2" in bad_tp["error"]
-        assert "Transformer Engine" in bad_cp["error"]
+        assert "cp(4) = 4 does not divide world size 2" in bad_cp["error"]
         assert after["after_bad"] == ep2["layout"]  # a refused layout leaves the groups alone

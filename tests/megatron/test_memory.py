@@ -26,6 +26,7 @@ CASES = [
     ("tiny", ParallelConfig(), ", recompute='selective'"),
     ("tiny", ParallelConfig(tp=2, sequence_parallel=True), ", recompute='full'"),
     ("tiny", ParallelConfig(), ", use_distributed_optimizer=True"),
+    ("tiny", ParallelConfig(cp=2), ""),  # mnb's cp attention: the whole sequence's K/V in every layer
     ("moe-tiny", ParallelConfig(ep=2), ""),
     ("moe-tiny", ParallelConfig(tp=2, sequence_parallel=True), ""),
 ]

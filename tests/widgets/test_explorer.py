@@ -162,3 +162,15 @@ def test_choices_helpers():
     assert nearest(8, [1, 2, 4]) == 4 and nearest(3, [2, 4]) == 2
     with pytest.raises(ValueError, match="sequence parallel needs tp > 1"):
         check_layout(tiny, ParallelConfig(sequence_parallel=True), 2)
+
+
+def test_context_parallelism_is_offered_without_transformer_engine():
+    """cp runs on the local spec (mnb's all-gather attention): the explorer offers it and estimates it."""
+    ex = explorer(model="llama-8b", gpus=8, gpu="h200", bf16=True, global_batch_size=8, seq_length=65536)
+    assert {1, 2, 4, 8} <= set(ex.options["cp"])
+    one = dict(ex.predicted["components"])
+    ex.cp = 2
+    assert ex.predicted["layout"] == "tp1 pp1 cp2 dp4"
+    assert ex.predicted["components"]["activations"] < 0.6 * one["activations"]
+    ex.seq_length = 65534  # not 4 equal chunks: cp moves to a size that splits it
+    assert ex.cp == 1 and "2 * cp(2)" in ex.unavailable["cp"]["2"]
