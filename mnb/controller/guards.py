@@ -5,10 +5,11 @@ Both guards live on the notebook side and never touch a rank.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from mnb.errors import PoolError, interrupted
 
@@ -51,6 +52,29 @@ class InterruptLatch:
             self.taken = self.count
             return True
         return False
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Jupyter's interrupt over a short section that takes a lock, then deliver it.
+
+    CPython may raise KeyboardInterrupt between acquiring a lock in ``with lock:``
+    and entering its body, or between the body and the release; a lock the I/O
+    thread also takes would then stay held for good.  An interrupt arriving in the
+    section goes, at its end, to the handler that was in place (the request's
+    :class:`InterruptLatch` counts it, Python's default raises KeyboardInterrupt).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if arrived and callable(previous):
+            previous(signal.SIGINT, None)
 
 
 NO_LATCH = InterruptLatch()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -34,12 +35,13 @@ from typing import Any, Iterable
 
 import zmq
 
+from mnb.controller.guards import interrupts_held
 from mnb.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, Signer, drain
+from mnb.timeouts import HEARTBEAT_INTERVAL_S
 from mnb.values import loads_safe
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 1.0
 STREAM_QUEUE_MAX_CHARS = 16 * 2**20
 """Characters of stream text of one cell waiting in the inbox; more is dropped (and counted) on arrival."""
 PENDING_PER_RANK = 64
@@ -85,16 +87,16 @@ class Transport:
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         port = self._router.bind_to_random_port(f"tcp://{ip}")
         self.address = f"tcp://{ip}:{port}"
-        self._outbox_addr = f"inproc://mnb-controller-{id(self)}"
-        self._pull = self._context.socket(zmq.PULL)
-        self._pull.bind(self._outbox_addr)
-        self._push = self._context.socket(zmq.PUSH)
-        self._push.connect(self._outbox_addr)
-        self._push_lock = threading.Lock()
+        # Outgoing messages: a deque any thread appends to, and a pipe byte that wakes the I/O
+        # thread.  Neither takes a lock nor a socket, so Jupyter's interrupt (KeyboardInterrupt
+        # at almost any bytecode) can neither leave half a multipart message for the next send
+        # to extend nor leave a lock held (CPython can raise between a ``with lock`` and its body).
         self._outbox: collections.deque[tuple[int, list[bytes]]] = collections.deque()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self.inbox: _Inbox = _Inbox()
         self.last_heartbeat: dict[int, float] = {}
-        self.busy: dict[int, bool] = {}
         self.known_ranks: set[int] = set()  # ranks with a route (their first valid message arrived)
         self.dropped = 0
         self.received: collections.Counter[str] = collections.Counter()
@@ -120,15 +122,13 @@ class Transport:
 
     def send(self, rank: int, message: Message) -> None:
         """Queue ``message`` for ``rank``; safe from any thread.  Held until the rank's route is known."""
-        frames = self._signer.encode(message)
-        # A deque append and a one-frame wake-up: Jupyter's interrupt (KeyboardInterrupt at any
-        # bytecode) cannot leave half a multipart message on a socket for the next send to extend.
-        self._outbox.append((rank, frames))
-        with self._push_lock:
-            try:
-                self._push.send(b"", zmq.NOBLOCK)
-            except zmq.Again:  # wake-ups already queued: the I/O thread is about to empty the outbox
-                pass
+        self._outbox.append((rank, self._signer.encode(message)))
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups: the I/O thread is about to empty the outbox
+            pass
+        except OSError:  # closed: the transport is gone, as its ranks are
+            pass
 
     def get(self, timeout: float | None = None) -> Message:
         """The next message for the notebook (raises :class:`queue.Empty` after ``timeout`` s)."""
@@ -136,19 +136,25 @@ class Transport:
 
     def take_dropped(self, cell_id: Any) -> int:
         """Lines of ``cell_id``'s output dropped because too much was queued; resets the count."""
-        with self._lock:
+        with interrupts_held(), self._lock:
             return self._dropped_lines.pop(cell_id, 0)
 
     def ask(self, kind: str, ranks: Iterable[int], timeout_s: float) -> dict[int, Message]:
         """Send one ``status``/``stacks``/``interrupt`` to ``ranks``; ``{rank: reply}`` of those that
-        answered within ``timeout_s``.  Safe from any thread, also while another reads the inbox."""
+        answered within ``timeout_s``.  Safe from any thread, also while another reads the inbox.
+
+        An interrupt is held until the answers are in (at most ``timeout_s``): taken inside,
+        it could leave the lock or the reply queue's mutex held, and the I/O thread would
+        block on it for good."""
         if kind not in ASK_TYPES:
             raise ValueError(f"ask sends one of {sorted(ASK_TYPES)}, not {kind!r}")
-        targets = set(ranks)
+        with interrupts_held():
+            return self._ask(Message(kind, header={}), set(ranks), timeout_s)
+
+    def _ask(self, message: Message, targets: set[int], timeout_s: float) -> dict[int, Message]:
         answers: dict[int, Message] = {}
         if not targets:
             return answers
-        message = Message(kind, header={})
         replies: queue.Queue[Message] = queue.Queue()
         with self._lock:
             self._waiters[message.id] = replies
@@ -175,23 +181,28 @@ class Transport:
     def close(self) -> None:
         self._closing.set()
         self._thread.join(timeout=2)
-        for sock in (self._router, self._pull, self._push):
-            sock.close(linger=0)
+        self._router.close(linger=0)
         self._context.term()
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
 
     # --------------------------------------------------------- I/O thread
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         next_beat = 0.0
         while not self._closing.is_set():
             try:
                 events = dict(poller.poll(200))
             except zmq.ZMQError:
                 break
-            if self._pull in events:
-                drain(self._pull, lambda _wake: None)
+            if self._wake_read in events:
+                try:
+                    while os.read(self._wake_read, 4096):
+                        pass
+                except OSError:  # empty (BlockingIOError), or closed by close()
+                    pass
             while self._outbox:  # also what an interrupted send queued without its wake-up
                 self._forward(*self._outbox.popleft())
             if self._router in events:
@@ -247,7 +258,6 @@ class Transport:
         self.received[message.type] += 1
         self.last_heartbeat[rank] = time.monotonic()
         if message.type == "heartbeat":
-            self.busy[rank] = bool(message.get("busy"))
             return
         if message.type == "reply":
             with self._lock:
