@@ -33,7 +33,7 @@ PRETRAIN_ARGS = [
     "--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "4096",
     "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "4",
     "--global-batch-size", "16", "--train-iters", "10", "--lr", "3e-4", "--bf16", "--vocab-size", "32000",
-    "--transformer-impl", "local", "--eval-iters", "0", "--log-interval", "5", "--no-gradient-accumulation-fusion",
+    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--eval-iters", "0", "--log-interval", "5", "--no-gradient-accumulation-fusion",
     "--use-distributed-optimizer", "--mock-data", "--tokenizer-type", "NullTokenizer",
 ]
 FIRST = re.compile(r"first step at ([0-9.]+) s")
@@ -46,13 +46,13 @@ def cold(nproc: int) -> dict:
          *PRETRAIN_ARGS], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first_wall, inner, tail = None, None, []
     for line in proc.stdout:
-        tail = (tail + [line])[-30:]
+        tail.append(line)
         match = FIRST.search(line)
         if match and first_wall is None:
             first_wall, inner = time.perf_counter() - start, float(match.group(1))
     code = proc.wait()
     return {"first_step_wall_s": first_wall, "first_step_in_script_s": inner, "total_s": time.perf_counter() - start,
-            "exit_code": code, "tail": "".join(tail) if code else ""}
+            "exit_code": code, "output": "".join(tail[:60] + ["...\n"] + tail[-60:]) if code else ""}
 
 
 def warm(pool, label: str) -> dict:

@@ -63,7 +63,21 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
+def use_shipped_dataset_helpers() -> None:
+    """megatron-core's wheel ships ``helpers_cpp`` built but not its Makefile, and Megatron-LM's
+    ``initialize_megatron`` runs ``make`` on rank 0 anyway, which then fails ("No targets
+    specified and no makefile found") and exits.  Keep the build when the shipped one imports."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    dataset_utils.compile_helpers = lambda: None
+
+
 if __name__ == "__main__":
+    use_shipped_dataset_helpers()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer", "mock_data": True})
     cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step)

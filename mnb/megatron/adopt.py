@@ -158,12 +158,31 @@ def restore() -> bool:
     return True
 
 
+def _fresh_megatron_training_globals() -> None:
+    """Megatron-LM's globals (args, tokenizer, timers, the rerun state machine) start unset, as in a
+    fresh torchrun process.
+
+    ``megatron.training`` (shipped with megatron-core 0.19) refuses to set its args twice
+    ("args is already initialized"), so a second ``%mnb run`` of a ``pretrain()`` script
+    would fail where a second ``torchrun`` would not.
+    """
+    import sys
+
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is not None and hasattr(global_vars, "unset_global_variables"):
+        global_vars.unset_global_variables()
+    rerun = sys.modules.get("megatron.core.rerun_state_machine")  # initialize_megatron sets it once too
+    if rerun is not None and hasattr(rerun, "destroy_rerun_state_machine"):
+        rerun.destroy_rerun_state_machine()
+
+
 @contextlib.contextmanager
 def adopted(*, ranks: list[int], cpu_ranks: bool) -> Iterator[_Adoption]:
     """While the block runs, the script's start-up calls adopt the pool's state (module doc)."""
     if not dist.is_initialized():
         raise RuntimeError("adopted() runs in pool ranks, whose default process group exists")
     adoption = _Adoption(ranks, cpu_ranks)
+    _fresh_megatron_training_globals()
     with _parallel_state_for_script(adoption.ranks, adoption.world):
         _set("init_process_group", adoption.init_process_group)
         _set("destroy_process_group", adoption.destroy_process_group)

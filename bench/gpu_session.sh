@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every GPU check of a change in one call on the lent device machine (one H200, no internet):
+#
+#   run(command="bash bench/gpu_session.sh", carry=[".whl"])
+#
+# .whl/ holds the wheels the machine lacks (megatron-core 0.19.2 for Python 3.12, pyzmq,
+# pytest and its dependencies); they go to /tmp/site, never into the system Python.
+# Each step writes its own file under $OUT (default ./gpu-out) and a failing step
+# does not stop the others; the table at the end says what ran and how it ended.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+python3 -c "import sys, torch, megatron.core as m; print(sys.version.split()[0], torch.__version__, m.__version__)" \
+  >>"$OUT/gpu.txt" 2>&1
+
+declare -a ROWS=()
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS rc=0
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  ROWS+=("$(printf '%-24s exit %-4s %4ds' "$name" "$rc" $((SECONDS - start)))")
+}
+
+step gpu_smoke_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_gpu_smoke.py
+step run_script 270 python3 bench/gpu_run_script.py --gpus 1 --out "$OUT/run_script.json"
+step cp_attention 150 python3 bench/gpu_cp_attention.py --json "$OUT/cp_attention.json"
+
+printf '%s\n' "${ROWS[@]}" | tee "$OUT/steps.txt"
