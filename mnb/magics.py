@@ -51,10 +51,11 @@ from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
 from mnb.config import ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
-from mnb.controller.pool import DEFAULT_GRACE_S
 from mnb.controller.preflight import cell_settings, check_cell
 from mnb.controller.registry import remember_settings
 from mnb.errors import RequestRefused, interrupted
+from mnb.timeouts import DEFAULT_GRACE_S, START_TIMEOUT_S
+from mnb.units import format_bytes
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -141,7 +142,7 @@ def start_parser() -> MagicArgumentParser:
                    help="auto: cuda when a GPU is visible, else cpu with gloo")
     p.add_argument("--gpus", default=None, metavar="0,1,..",
                    help="GPU ids, sets CUDA_VISIBLE_DEVICES (default: every visible GPU)")
-    p.add_argument("--timeout", type=_positive_float, default=180.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=_positive_float, default=START_TIMEOUT_S, metavar="SECONDS",
                    help="seconds to wait for the ranks to be ready")
     p.add_argument("--cell-timeout", type=_positive_float, default=None, metavar="SECONDS",
                    help="default timeout of every cell (default: none)")
@@ -469,6 +470,9 @@ class MegatronMagics(Magics):
              for r in rows],
         ))
         print(f"layout: {pool.layout.describe()}  ({pool!r})")
+        versions = sorted({(r["torch"], r["megatron"]) for r in rows if r.get("torch")})
+        if versions:
+            print("versions: " + "; ".join(f"torch {t}, megatron-core {m}" for t, m in versions))
         launch = pool.launch_description()
         if launch:
             print(launch)
@@ -624,16 +628,6 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def format_bytes(value: int | None) -> str:
-    if value is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return str(value)
 
 
 # What %mnb? and %%megatron? show: generated from the parsers, never a hand-written copy.

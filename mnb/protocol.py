@@ -55,12 +55,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from mnb.units import MIB, format_mib
+
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 
-MAX_MESSAGE_BYTES = 256 * 2**20
+MAX_MESSAGE_BYTES = 256 * MIB
 """The largest message (header + payload) either side builds or accepts."""
+
+EXITS_DIR_ENV = "MNB_EXITS_DIR"
+"""The folder (set by the controller's launcher) where torchrun's agent, ``mnb.worker.agent``,
+records how failed ranks ended: the one other thing besides messages that crosses the sides."""
 
 CONTROLLER_TYPES = frozenset(
     {"execute", "push", "pull", "status", "stacks", "interrupt", "heartbeat", "shutdown"}
@@ -84,12 +90,6 @@ class MessageTooLarge(ProtocolError):
             f"a {kind} message would be {format_mib(size_bytes)}, over the {format_mib(limit_bytes)} "
             "limit of one message; send less at once (e.g. pull a slice or a summary of the value)"
         )
-
-
-def format_mib(size_bytes: int) -> str:
-    """'600 MiB' (one decimal below 10 MiB)."""
-    mib = size_bytes / 2**20
-    return f"{mib:.1f} MiB" if mib < 10 else f"{mib:.0f} MiB"
 
 
 @dataclass

@@ -81,8 +81,14 @@ class Run:
         return list(self._records)
 
     @property
-    def ranks(self) -> dict[int, dict[str, Any]]:
+    def records_by_rank(self) -> dict[int, dict[str, Any]]:
+        """Each rank's record: ``{rank: record}``."""
         return {int(r.get("rank", i)): r for i, r in enumerate(self._records)}
+
+    @property
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        """The same as :attr:`records_by_rank` (the older name; it holds records, not rank numbers)."""
+        return self.records_by_rank
 
     @property
     def _first(self) -> dict[str, Any]:
@@ -221,7 +227,7 @@ class Run:
         """Measured peak bytes per rank: the CUDA allocator's, or on CPU the counted tensors'
         (weights + gradients + optimizer + activations in flight; see :attr:`measured_memory`)."""
         out = {}
-        for rank, rec in self.ranks.items():
+        for rank, rec in self.records_by_rank.items():
             peak = (rec.get("memory_components") or {}).get("peak")
             if peak is None:
                 peak = (rec.get("memory") or {}).get("peak_allocated_bytes")
@@ -240,7 +246,7 @@ class Run:
         CUDA allocator's peak on GPUs, the counted total on CPU.  Ranks of older records
         without these counts are left out."""
         out = {}
-        for rank, rec in self.ranks.items():
+        for rank, rec in self.records_by_rank.items():
             counted = rec.get("memory_components")
             if counted:
                 out[rank] = {name: int(counted.get(name) or 0) for name in MEASURED_COMPONENTS}
@@ -299,7 +305,7 @@ class Run:
         return mem
 
     def stage_of_rank(self, rank: int) -> int:
-        coords = self.ranks[rank].get("coords") or {}
+        coords = self.records_by_rank[rank].get("coords") or {}
         if "pp" in coords:
             return int(coords["pp"])
         return self.predicted_memory.stage_of_rank(rank)
@@ -313,7 +319,7 @@ class Run:
         idle time is measured against the others' work.
         """
         chosen: dict[int, int] = {}
-        for rank, rec in self.ranks.items():
+        for rank, rec in self.records_by_rank.items():
             if rec.get("timeline"):
                 stage = int((rec.get("coords") or {}).get("pp", rec["timeline"][0].get("stage", 0)))
                 chosen.setdefault(stage, rank)
@@ -323,7 +329,7 @@ class Run:
         wanted = steps[-1] if step is None else step
         events = []
         for stage, rank in chosen.items():
-            for ev in self.ranks[rank]["timeline"]:
+            for ev in self.records_by_rank[rank]["timeline"]:
                 if int(ev.get("step", 0)) == wanted:
                     events.append(dict(ev, stage=ev.get("stage", stage)))
         origin = min((float(ev["origin_s"]) for ev in events if "origin_s" in ev), default=None)
@@ -481,3 +487,20 @@ class Run:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Run":
         return cls(data["records"], gpu=data.get("gpu"), peak_flops=data.get("peak_flops"))
+
+
+def as_run(obj: Any) -> Run:
+    """A :class:`Run` from a Run, a list of rank records, a single record or ``Run.to_dict()``.
+
+    The one place that turns records into what plots read (``plot_memory(as_run(records))``);
+    the plots themselves take any object with a run's fields.
+    """
+    if isinstance(obj, Run):
+        return obj
+    if isinstance(obj, dict) and "records" in obj:
+        return Run.from_dict(obj)
+    if isinstance(obj, dict):
+        return Run([obj])
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(r, dict) for r in obj):
+        return Run(obj)
+    raise TypeError(f"expected a Run or rank records, got {type(obj).__name__}")

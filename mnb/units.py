@@ -1,10 +1,18 @@
-"""Units and their formatting, one place for both sides (stdlib only).
+"""Units, their formatting, and where the code runs: one place for both sides (stdlib only).
 
     >>> format_bytes(3 * 2**30), format_bytes(45.6 * 2**20), format_bytes(512)
     ('3.00 GiB', '45.6 MiB', '512 B')
+    >>> format_mib(600 * MIB), format_mib(int(2.5 * MIB))
+    ('600 MiB', '2.5 MiB')
+
+``in_kernel()`` / ``ipython_shell()`` answer "is this a Jupyter kernel / an IPython shell"
+without importing IPython (both are only true when something else already imported it).
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 KIB = 2**10
 MIB = 2**20
@@ -19,3 +27,23 @@ def format_bytes(value: float | None) -> str:
         if abs(value) >= size:
             return f"{value / size:.2f} {unit}" if unit == "GiB" else f"{value / size:.1f} {unit}"
     return f"{value:.0f} B"
+
+
+def format_mib(size_bytes: float) -> str:
+    """'600 MiB' (one decimal below 10 MiB): sizes compared with a MiB limit."""
+    mib = size_bytes / MIB
+    return f"{mib:.1f} MiB" if mib < 10 else f"{mib:.0f} MiB"
+
+
+def ipython_shell() -> Any:
+    """The running IPython shell (terminal or kernel), or None; never imports IPython itself."""
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return get_ipython() if get_ipython else None
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter (ipykernel) kernel: displays, pyplot figures and widget messages show there."""
+    if "ipykernel" not in sys.modules:
+        return False
+    shell = ipython_shell()
+    return shell is not None and hasattr(shell, "kernel")

@@ -7,15 +7,37 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def cpu_pool():
-    """A 2-rank CPU pool shared by the tests of one module."""
+def module_pool():
+    """A 2-rank CPU pool started once per test module; tests take :func:`cpu_pool`, which resets it."""
     from mnb.controller import Pool
 
     pool = Pool.start(2, device="cpu", timeout=180)
+    pool.seen_pids = set(pool.pids())  # every process it had, also those an earlier restart replaced
     yield pool
-    pids = pool.pids()
+    pool.seen_pids |= set(pool.pids())
     pool.stop()
-    assert_no_orphans(pids)
+    assert_no_orphans(sorted(pool.seen_pids))
+
+
+@pytest.fixture
+def cpu_pool(module_pool):
+    """The module's pool, reset before each test so one test's failure cannot cascade into the next."""
+    reset_pool(module_pool)
+    return module_pool
+
+
+def reset_pool(pool) -> None:
+    """Running ranks (restarted if the last test broke, interrupted or left them busy), the default
+    layout, no event handlers a test added."""
+    from mnb.config import ParallelConfig
+
+    pool.event_handlers.clear()
+    try:
+        pool.run("pass", layout=ParallelConfig(), quiet=True, timeout=120)
+    except Exception:  # noqa: BLE001 - whatever the last test left: start the same pool again
+        pool.seen_pids |= set(pool.pids())
+        pool.restart()
+    pool.seen_pids |= set(pool.pids())
 
 
 def alive_pids(pids: list[int]) -> list[int]:

@@ -142,6 +142,7 @@ def test_magics_end_to_end(shell, capsys):
     shell.run_line_magic("mnb", "status")
     out = capsys.readouterr().out
     assert "idle" in out and "layout: tp2 pp1 dp1" in out and "torchrun.log" in out  # where warnings went
+    assert "versions: torch " in out and ", megatron-core " in out  # the ranks' own, from their hello
 
     pool = __import__("mnb").pool()
     pids = pool.pids()

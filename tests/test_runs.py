@@ -81,7 +81,7 @@ def test_losses_times_and_layout():
     assert run.tokens_per_s == pytest.approx([256 / 17, 256 / 18])  # as recorded (min over ranks)
     assert run.layout == ParallelConfig(tp=1, pp=2, dp=1)
     assert run.model.name == "tiny" and run.train.global_batch_size == 4
-    assert sorted(run.ranks) == [0, 1]
+    assert sorted(run.records_by_rank) == [0, 1] and run.ranks == run.records_by_rank
     assert run.peak_memory_bytes == {0: 2_000_000, 1: 2_000_001}
 
 

@@ -31,17 +31,12 @@ from typing import Any, Callable
 from mnb.controller.guards import NO_LATCH, InterruptLatch
 from mnb.controller.output import LineFolder, ProgressLine, show_bundle
 from mnb.protocol import Message
+from mnb.timeouts import ASK_TIMEOUT_S, DEFERRED_STOP_S, INTERRUPT_ACK_S, INTERRUPT_RELEASE_MAX_S, RELEASE_S
 
 CHECK_INTERVAL_S = 0.1
 """How often the ranks' processes are checked (a timer, never per message)."""
-RELEASE_S = 1.0
 SHOW_FAILURE_AFTER_S = 0.3
 """A first failure is shown once the other ranks have not followed within this long (they often fail alike)."""
-"""How long a rank may take to return after its interrupt before it counts as unreleased."""
-STACKS_TIMEOUT_S = 3.0
-DEFERRED_STOP_S = 300.0
-"""How long an interrupted mnb.train may take to reach its step boundary (a second interrupt stops at once)."""
-"""How long to wait for the ranks' I/O threads to send their stacks."""
 
 EventHandler = Callable[[int, str, dict], None]
 
@@ -148,16 +143,16 @@ class Collector:
     def _interrupt_release_s(self) -> float:
         """An interrupted mnb.train stops at the next step boundary: allow that step to end."""
         step = self.outcome.last_step_time_s or 0.0
-        return min(60.0, max(self.grace_s, RELEASE_S) + 2 * step)
+        return min(INTERRUPT_RELEASE_MAX_S, max(self.grace_s, RELEASE_S) + 2 * step)
 
     def _end(self, release_s: float, stacks_first: bool = True) -> Outcome:
         """Interrupt the pending ranks and wait ``release_s`` for them; record where they were."""
         pending = self._pending()
         if stacks_first and pending:
-            self.outcome.stacks = _stack_texts(self.transport.ask("stacks", pending, STACKS_TIMEOUT_S))
+            self.outcome.stacks = _stack_texts(self.transport.ask("stacks", pending, ASK_TIMEOUT_S))
         deferred = False
         if pending:
-            answers = self.transport.ask("interrupt", pending, 1.0)
+            answers = self.transport.ask("interrupt", pending, INTERRUPT_ACK_S)
             deferred = any(answer.get("deferred") for answer in answers.values())
         if deferred:  # mnb.train finishes its step on every rank first
             release_s = max(release_s, DEFERRED_STOP_S)
@@ -185,7 +180,7 @@ class Collector:
                     break
         still = self._pending()
         if still and not self.outcome.stacks:
-            self.outcome.stacks = _stack_texts(self.transport.ask("stacks", still, STACKS_TIMEOUT_S))
+            self.outcome.stacks = _stack_texts(self.transport.ask("stacks", still, ASK_TIMEOUT_S))
         self.outcome.unreleased = [] if self.outcome.died else still
         return self._finish(where_for=pending)
 

@@ -11,20 +11,23 @@ ranks' process groups, also those whose rank already died and that were
 re-parented to init (each checked against its start time, so a reused PID
 is never hit).  Processes are never looked up or signalled by name.
 
-On one host torchrun runs through :mod:`mnb.worker.agent`, so its
-unauthenticated stores listen on 127.0.0.1 only, and gloo/NCCL bootstrap on
-the loopback interface.
+torchrun runs through :mod:`mnb.worker.agent`: on one host its unauthenticated
+stores listen on 127.0.0.1 only (``--loopback-stores``), and gloo/NCCL bootstrap on
+the loopback interface; on every host it records how failed ranks ended.
 
 How a rank ended: its exit status read from ``/proc/PID/stat`` while it is a
-zombie, else torchrun's failure summary ("exitcode : -11 (pid: 123)"), else,
-when torchrun saw no failure although the rank is gone, exit code 0.
+zombie (before torchrun reaps it), else torchrun's own record of the failure,
+written by the agent as JSON into ``LaunchSpec.exits_dir`` (exit code or signal,
+pid), else, when torchrun saw no failure although the rank is gone, exit code 0.
+Nothing is parsed from torchrun's log text.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import re
+import shutil
 import signal
 import site
 import socket
@@ -37,11 +40,12 @@ from typing import Any
 
 import psutil
 
+from mnb.protocol import EXITS_DIR_ENV
+from mnb.timeouts import DEATH_REPORT_WAIT_S, TEARDOWN_GRACE_S
+from mnb.units import GIB, MIB
+
 log = logging.getLogger(__name__)
 
-_FAILURE = re.compile(
-    r"rank\s*:\s*(?P<rank>\d+)[^\n]*\n\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)"
-)
 
 
 @dataclass
@@ -66,10 +70,17 @@ class LaunchSpec:
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def exits_dir(self) -> Path:
+        """Where torchrun's agents record how failed ranks ended (mnb.worker.agent), in the pool's folder."""
+        return self.log_file.parent / "exits"
+
     def command(self) -> list[str]:
         single_host = self.nnodes == 1 and self.rdzv_endpoint is None
-        agent = "mnb.worker.agent" if single_host and self.loopback else "torch.distributed.run"
-        cmd = [sys.executable, "-m", agent, f"--nproc-per-node={self.nproc_per_node}"]
+        cmd = [sys.executable, "-m", "mnb.worker.agent"]
+        if single_host and self.loopback:
+            cmd.append("--loopback-stores")
+        cmd.append(f"--nproc-per-node={self.nproc_per_node}")
         if single_host:
             cmd.append("--standalone")
             if self.loopback:
@@ -101,6 +112,7 @@ class LaunchSpec:
         env["PYTHONUNBUFFERED"] = "1"
         env["MNB_DEVICE"] = self.device
         env["MPLBACKEND"] = "Agg"  # ranks render figures to PNG for the notebook
+        env[EXITS_DIR_ENV] = str(self.exits_dir)
         threads = self.threads_per_rank or max(1, (os.cpu_count() or 2) // self.nproc_per_node)
         env.setdefault("OMP_NUM_THREADS", str(threads))
         if self.device == "cuda":
@@ -145,6 +157,7 @@ class Launcher:
 
     def start(self) -> None:
         self.spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.forget_exits()
         log_handle = open(self.spec.log_file, "ab")
         self.started_at = time.time() - 1.0  # psutil's create_time has ~10 ms resolution
         try:
@@ -193,10 +206,10 @@ class Launcher:
             dead.append(rank)
         return dead
 
-    def deaths(self, wait_s: float = 3.0) -> dict[int, str]:
+    def deaths(self, wait_s: float = DEATH_REPORT_WAIT_S) -> dict[int, str]:
         """How each dead local rank ended: ``{rank: "exit code 3 (pid 123)"}``.
 
-        Waits up to ``wait_s`` for torchrun to write its failure summary (it tears
+        Waits up to ``wait_s`` for torchrun to record the failure (it tears
         down the other ranks after a non-zero exit).  A rank that is gone while
         torchrun saw no failure exited with code 0.
         """
@@ -219,16 +232,20 @@ class Launcher:
                 described[rank] = "exited"
         return described
 
+    def forget_exits(self) -> None:
+        """Remove what an earlier launch in the same folder recorded (a restart starts clean)."""
+        shutil.rmtree(self.spec.exits_dir, ignore_errors=True)
+
     def failures(self) -> dict[int, str]:
-        """How ranks died, from torchrun's failure summary: {rank: 'exit code 3'}."""
-        try:
-            text = self.spec.log_file.read_text(errors="replace")
-        except FileNotFoundError:
-            return {}
+        """How ranks died, as torchrun recorded it (mnb.worker.agent): ``{rank: 'exit code 3 (pid 123)'}``."""
         found: dict[int, str] = {}
-        for match in _FAILURE.finditer(text):
-            code = int(match["code"])
-            found[int(match["rank"])] = describe_exit(code) + f" (pid {match['pid']})"
+        for path in sorted(self.spec.exits_dir.glob("*.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            for rank, failure in data.items():
+                found[int(rank)] = describe_exit(int(failure["exitcode"])) + f" (pid {failure['pid']})"
         return found
 
     def describe(self) -> str | None:
@@ -279,7 +296,7 @@ class Launcher:
                     continue
         return [p for p in found.values() if _running(p)]
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = TEARDOWN_GRACE_S) -> None:
         """SIGTERM every process of the pool, then SIGKILL what is left after ``grace_s`` (0: at once)."""
         alive = self.descendants()
         if self.process is not None and self.process.poll() is None and grace_s > 0:
@@ -306,15 +323,6 @@ class Launcher:
         if self.process is not None:
             pids.append(self.process.pid)
         return pids
-
-
-def make_launcher(spec: LaunchSpec) -> Launcher:
-    """The launcher ``spec`` asks for: torchrun on this host, or one Slurm job (``spec.slurm``)."""
-    if spec.slurm is not None:
-        from mnb.controller.slurm import SlurmLauncher
-
-        return SlurmLauncher(spec)
-    return Launcher(spec)
 
 
 def reachable_address(address: str) -> str:
@@ -422,7 +430,7 @@ def resolve_device(device: str, nproc: int | None, gpus: list[int] | None) -> tu
 
 MAX_CPU_RANKS_PER_CORE = 4
 """Beyond this, CPU ranks spend their time switching and gloo's collectives time out."""
-CPU_RANK_BYTES = 600 * 2**20
+CPU_RANK_BYTES = 600 * MIB
 """What one CPU rank holds once torch and Megatron-Core are imported (measured 0.5-0.7 GiB)."""
 
 
@@ -432,5 +440,5 @@ def cpu_rank_limit() -> tuple[int, str]:
     free = psutil.virtual_memory().available
     by_cores, by_memory = cores * MAX_CPU_RANKS_PER_CORE, max(1, free // CPU_RANK_BYTES)
     why = (f"{cores} core(s) take at most {by_cores} ranks ({MAX_CPU_RANKS_PER_CORE} per core), "
-           f"{free / 2**30:.1f} GiB of free memory about {by_memory} ({CPU_RANK_BYTES / 2**30:.1f} GiB each)")
+           f"{free / GIB:.1f} GiB of free memory about {by_memory} ({CPU_RANK_BYTES / GIB:.1f} GiB each)")
     return min(by_cores, by_memory), why

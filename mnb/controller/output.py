@@ -15,6 +15,8 @@ from collections import deque
 from typing import Any, Callable
 
 from mnb.errors import format_rank_set
+from mnb.progress import Progress
+from mnb.units import in_kernel, ipython_shell
 
 Write = Callable[[str, str], None]  # (stream name, text)
 
@@ -107,7 +109,7 @@ class LineFolder:
 
 def show_bundle(bundle: dict[str, Any]) -> None:
     """Display a MIME bundle in the notebook, or its text where there is none."""
-    ipython = _ipython()
+    ipython = ipython_shell()
     if ipython is not None:
         from IPython.display import display
 
@@ -116,27 +118,8 @@ def show_bundle(bundle: dict[str, Any]) -> None:
         print(bundle.get("text/plain", ""))
 
 
-def _ipython() -> Any:
-    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
-    return get_ipython() if get_ipython else None
-
-
-def progress_text(done: int, steps: int, payload: dict[str, Any]) -> str:
-    """'step 3/10 [#########....]  loss 5.1234  8,035 tok/s (this step)  64 ms/step'.
-
-    The rate is the last step's; a run's summary gives the mean of steps 2-N
-    (the first includes warm-up), and says so.
-    """
-    width = 30
-    filled = int(width * done / steps) if steps else 0
-    parts = [f"step {done}/{steps} [{'#' * filled}{'.' * (width - filled)}]"]
-    if payload.get("loss") is not None:
-        parts.append(f"loss {payload['loss']:.4f}")
-    if payload.get("tokens_per_s"):
-        parts.append(f"{payload['tokens_per_s']:,.0f} tok/s (this step)")
-    if payload.get("step_time_s"):
-        parts.append(f"{payload['step_time_s'] * 1000:.0f} ms/step")
-    return "  ".join(parts)
+PRINT_EVERY_S = 2.0
+"""Outside a kernel the progress line is printed at most this often (and at the last step)."""
 
 
 class ProgressLine:
@@ -144,14 +127,12 @@ class ProgressLine:
 
     def __init__(self) -> None:
         self._handle = None
-        self._last_text = ""
         self._last_print = 0.0
 
     def update(self, payload: dict[str, Any]) -> None:
-        step, steps = payload.get("step", 0), payload.get("steps") or 0  # step counts from 1
-        text = progress_text(step, steps, payload)
-        ipython = _ipython()
-        if ipython is not None and hasattr(ipython, "kernel"):
+        progress = Progress.from_payload(payload)
+        text = progress.line()
+        if in_kernel():
             from IPython.display import display
 
             bundle = {"text/plain": text}
@@ -159,8 +140,7 @@ class ProgressLine:
                 self._handle = display(bundle, raw=True, display_id=True)
             else:
                 self._handle.update(bundle, raw=True)
-        elif time.monotonic() - self._last_print > 2.0 or step == steps:
+        elif time.monotonic() - self._last_print > PRINT_EVERY_S or progress.finished:
             # Terminals and nbclient: a plain line now and then, never a flood.
             print(text)
             self._last_print = time.monotonic()
-        self._last_text = text

@@ -46,13 +46,15 @@ from mnb.config import ParallelConfig
 from mnb.controller import reports
 from mnb.controller.collector import Collector, Outcome
 from mnb.controller.guards import NO_LATCH, InterruptLatch, exclusive
-from mnb.controller.launcher import LaunchSpec, Launcher, make_launcher, reachable_address, resolve_device
+from mnb.controller.launcher import LaunchSpec, Launcher, reachable_address, resolve_device
 from mnb.controller.output import coords_label
 from mnb.controller.registry import set_last_run
 from mnb.controller.transport import Transport
 from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
                         interrupted)
 from mnb.protocol import ConnectionInfo, Message, new_key
+from mnb.timeouts import (ASK_TIMEOUT_S, DEATH_REPORT_WAIT_S, DEFAULT_GRACE_S, EXIT_TEARDOWN_GRACE_S,
+                          REMOTE_RANK_SILENCE_S, SHUTDOWN_WAIT_S, START_TIMEOUT_S, TEARDOWN_GRACE_S, VALUES_TIMEOUT_S)
 from mnb.values import ValueDecodeError, decode_values, encode_push
 
 if TYPE_CHECKING:
@@ -62,12 +64,19 @@ log = logging.getLogger(__name__)
 
 _POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 
-DEFAULT_GRACE_S = 3.0
-"""After one rank fails, how long the others may take to finish the cell before they are stopped."""
-REMOTE_SILENCE_S = 20.0
-"""A rank on another host is dead after this long without a heartbeat (ranks give up on the controller at 15 s)."""
-SHUTDOWN_WAIT_S = 3.0
-"""How long ``stop()`` lets idle ranks leave on their own before they are signalled."""
+
+
+def make_launcher(spec: LaunchSpec) -> Launcher:
+    """The launcher ``spec`` asks for: torchrun on this host, or one Slurm job (``spec.slurm``).
+
+    Chosen here, above both launchers, so ``slurm.py`` (a ``Launcher``) and ``launcher.py``
+    never import each other.
+    """
+    if spec.slurm is not None:
+        from mnb.controller.slurm import SlurmLauncher
+
+        return SlurmLauncher(spec)
+    return Launcher(spec)
 
 
 @dataclass
@@ -80,6 +89,9 @@ class RankInfo:
     local: bool
     coords: dict[str, int]
     device_name: str = ""
+    torch_version: str = ""
+    megatron_version: str = ""
+    """megatron-core's version on this rank (``%mnb status`` shows both)."""
     state: str = "idle"  # idle | busy | dead
     request_id: str | None = None
     """The request this rank is running (``state == "busy"``)."""
@@ -125,7 +137,7 @@ class Pool:
         *,
         device: str = "auto",
         gpus: list[int] | None = None,
-        timeout: float = 180.0,
+        timeout: float = START_TIMEOUT_S,
         cell_timeout: float | None = None,
         grace: float = DEFAULT_GRACE_S,
         nnodes: int = 1,
@@ -256,7 +268,8 @@ class Pool:
             info = RankInfo(
                 rank=message["rank"], pid=message["pid"], host=message["host"], device=message["device"],
                 backend=message["backend"], local=local, coords=message.get("coords") or {},
-                device_name=message.get("device_name", ""),
+                device_name=message.get("device_name", ""), torch_version=message.get("torch", ""),
+                megatron_version=message.get("megatron", ""),
             )
             ready[info.rank] = info
             launcher.adopt(info.rank, info.pid, local)
@@ -275,7 +288,7 @@ class Pool:
         self._teardown()
         self._remove_files()
 
-    def _teardown(self, grace_s: float = 5.0) -> None:
+    def _teardown(self, grace_s: float = TEARDOWN_GRACE_S) -> None:
         """End every process of the pool (SIGTERM, SIGKILL after ``grace_s``; 0: SIGKILL at once)."""
         if self._launcher is not None:
             self._launcher.stop(grace_s=grace_s)
@@ -524,7 +537,7 @@ class Pool:
         """
         encoded = encode_push(namespace)  # raises before any rank is touched
         self._raise_errors(self._request("push", self._targets(ranks), {"encoded": True}, payload=encoded,
-                                         timeout=60))
+                                         timeout=VALUES_TIMEOUT_S))
 
     @exclusive
     def pull(self, name: str | list[str], ranks: Iterable[int] | None = None) -> dict[int, Any]:
@@ -536,7 +549,7 @@ class Pool:
         CompositeRankError naming the name(s) and rank(s), and the ranks stay idle.
         """
         names = [name] if isinstance(name, str) else list(name)
-        replies = self._request("pull", self._targets(ranks), {"names": names}, timeout=60)
+        replies = self._request("pull", self._targets(ranks), {"names": names}, timeout=VALUES_TIMEOUT_S)
         self._raise_errors(replies)
         pulled: dict[int, dict[str, Any]] = {}
         errors, failed = [], []
@@ -559,7 +572,7 @@ class Pool:
         return pulled
 
     def status(self) -> list[dict[str, Any]]:
-        """Per rank: pid, host, state, device, memory in use and layout.
+        """Per rank: pid, host, state, device, memory in use, layout, torch and megatron-core versions.
 
         Answered by each rank's I/O thread, also while a cell, a background run
         or an automatic restart holds the pool.
@@ -572,7 +585,8 @@ class Pool:
         transport = self._transport
         restarting = self.restarting
         alive = [r for r, i in self.ranks.items() if i.state != "dead"]
-        answers = transport.ask("status", alive, 3.0) if transport is not None and alive and not restarting else {}
+        asking = transport is not None and alive and not restarting
+        answers = transport.ask("status", alive, ASK_TIMEOUT_S) if asking else {}
         rows = []
         for rank, info in sorted(self.ranks.items()):
             reply = answers.get(rank)
@@ -585,6 +599,7 @@ class Pool:
                 "rank": rank, "pid": info.pid, "host": info.host, "state": state, "device": info.device,
                 "memory_bytes": reply.get("memory_bytes") if reply else None,
                 "layout": self.layout.describe(), "coords": info.label(self.layout.as_dict()),
+                "torch": info.torch_version, "megatron": info.megatron_version,
             })
         return rows
 
@@ -598,7 +613,7 @@ class Pool:
             return {}
         targets = [r for r in (ranks if ranks is not None else self.ranks)
                    if r in self.ranks and self.ranks[r].state != "dead"]
-        return {r: m.get("stacks", "") for r, m in sorted(transport.ask("stacks", targets, 3.0).items())}
+        return {r: m.get("stacks", "") for r, m in sorted(transport.ask("stacks", targets, ASK_TIMEOUT_S).items())}
 
     # ------------------------------------------------------------ internals
     def _targets(self, ranks: Iterable[int] | None) -> list[int]:
@@ -652,7 +667,7 @@ class Pool:
         if launcher.returncode() is not None or launcher.dead_ranks():
             return True
         now = time.monotonic()
-        return any(not info.local and now - transport.last_heartbeat.get(rank, now) > REMOTE_SILENCE_S
+        return any(not info.local and now - transport.last_heartbeat.get(rank, now) > REMOTE_RANK_SILENCE_S
                    for rank, info in self.ranks.items())
 
     def _exchange(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
@@ -710,12 +725,12 @@ class Pool:
 
     def _died_error(self) -> RankDiedError:
         """Say how each rank ended (the first failure first), then replace the pool's processes."""
-        deaths = self._launcher.deaths() if self._launcher is not None else {}
+        deaths = self._launcher.deaths(DEATH_REPORT_WAIT_S) if self._launcher is not None else {}
         now, transport = time.monotonic(), self._transport
         for rank, info in self.ranks.items():
             silent_s = now - transport.last_heartbeat.get(rank, now) if transport is not None else 0.0
-            if not info.local and silent_s > REMOTE_SILENCE_S:
-                deaths.setdefault(rank, f"no heartbeat for {REMOTE_SILENCE_S:.0f} s (host {info.host})")
+            if not info.local and silent_s > REMOTE_RANK_SILENCE_S:
+                deaths.setdefault(rank, f"no heartbeat for {REMOTE_RANK_SILENCE_S:.0f} s (host {info.host})")
         deaths = deaths or {r: "stopped with torchrun" for r in self.ranks}
         lines, first = reports.death_lines(deaths, self._labels())
         lines.append(self._restart_in_background(f"rank(s) {first} died"))
@@ -738,7 +753,7 @@ def _stop_all() -> None:
     for pool in list(_POOLS):
         try:
             pool._join_relaunch(cancel=True)
-            pool._teardown(grace_s=2.0)
+            pool._teardown(grace_s=EXIT_TEARDOWN_GRACE_S)
             pool._remove_files()
         except Exception as exc:  # interpreter is exiting; say what could not be cleaned
             log.warning("could not stop %r: %s", pool, exc)

@@ -6,20 +6,20 @@ Behind ``mnb.pool()`` and ``mnb.last_run``; plain module state of the notebook k
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mnb.errors import PoolError
 
-if TYPE_CHECKING:
-    from mnb.controller.pool import Pool
-
-_CURRENT: list["Pool"] = []
+# The registry sits below the pool: it holds the pool as an opaque object (never imports
+# mnb.controller.pool), and Pool hands it each run's records through set_last_run().
+_CURRENT: list[Any] = []
 _LAST_RUN: list[Any] = []
 _CPU_PEAK: dict[str, float] = {}
 _SETTINGS: dict[str, Any] = {}
 
 
-def current_pool(required: bool = True) -> "Pool | None":
+def current_pool(required: bool = True) -> Any:
+    """The running :class:`mnb.controller.pool.Pool`, or None (``required=False``)."""
     if _CURRENT:
         return _CURRENT[-1]
     if required:
@@ -27,7 +27,7 @@ def current_pool(required: bool = True) -> "Pool | None":
     return None
 
 
-def set_current_pool(pool: "Pool | None") -> None:
+def set_current_pool(pool: Any) -> None:
     _CURRENT.clear()
     if pool is not None:
         _CURRENT.append(pool)

@@ -199,6 +199,7 @@ class SlurmLauncher(Launcher):
     def start(self) -> None:
         spec = self.spec
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.forget_exits()
         self.script.write_text(self.job_script(), encoding="utf-8")
         env = spec.environment()
         if spec.threads_per_rank is None and "OMP_NUM_THREADS" not in os.environ:

@@ -48,6 +48,7 @@ import torch
 from mnb.megatron import events
 from mnb.megatron.memory import ComponentMeter, MemoryMeter
 from mnb.megatron.timing import TimelineRecorder
+from mnb.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -248,9 +249,9 @@ class _Run:
             self.components.count_static(self.holder, self.optimizers)
         total_steps = _state["steps"] or _train_iters()
         if self.reports and total_steps:
-            events.emit("progress", {"step": len(self.rows), "steps": total_steps, "global_step": row["step"],
-                                     "loss": row["loss"], "tokens_per_s": row["tokens_per_s"],
-                                     "step_time_s": step_time})
+            events.emit("progress", Progress(step=len(self.rows), steps=total_steps, global_step=row["step"],
+                                             loss=row["loss"], tokens_per_s=row["tokens_per_s"],
+                                             step_time_s=step_time).as_payload())
 
     def close(self) -> None:
         self.close_step()

@@ -5,11 +5,11 @@ given lives on the CPU.  :func:`install` redirects those calls, **only in the
 rank process that calls it** (the worker calls it when the pool was started
 with ``--device cpu``).  Nothing is changed on GPU ranks.
 
-Written and tested against megatron-core 0.16.1 (Python 3.11 here); the
-0.19.2 call sites listed in shared/MEGATRON_NOTES.md (``current_stream`` in grad
-sync, ...) go through the same proxy, but 0.19 needs Python >= 3.12 and was not
-run here.  Outside ``SUPPORTED`` :func:`install` still runs but warns, because
-new CUDA-only call sites may have appeared.  The redirections, and why each one
+Checked at both ends of ``SUPPORTED``, the two legs of CI (``.ci/run``):
+megatron-core 0.16.1 on Python 3.11 and 0.19.2 on Python 3.12 (0.19 needs
+Python >= 3.12); 0.19's new CUDA call sites (``current_stream`` in grad sync,
+...) go through the same proxy.  Outside ``SUPPORTED`` :func:`install` still
+runs but warns, because new CUDA-only call sites may have appeared.  The redirections, and why each one
 is needed:
 
 1. **Megatron's own view of ``torch``** (one mechanism, most call sites).
@@ -71,7 +71,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SUPPORTED = (">=0.16", "<0.20")
-"""megatron-core versions this module is meant for (tested: 0.16.1)."""
+"""megatron-core versions this module is meant for (checked: 0.16.1 and 0.19.2, CI's two legs)."""
 
 _REAL_TORCH = torch
 _INSTALLED = False

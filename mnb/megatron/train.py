@@ -49,6 +49,8 @@ from mnb.megatron.memory import ComponentMeter, MemoryMeter
 from mnb.megatron.model import MegatronModel
 from mnb.megatron.record import build_record, device_of, model_flops_per_step
 from mnb.megatron.timing import TimelineRecorder, time_token_dispatch
+from mnb.progress import Progress
+from mnb.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -229,13 +231,12 @@ def _oom_error(err: BaseException, step: int, meter: MemoryMeter) -> torch.OutOf
     coords = _layout.coordinates()
     layout = _layout.current_layout()
     mem = meter.now()
-    gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
-    capacity = f" of {gib(mem['capacity'])}" if mem["capacity"] else ""
+    capacity = f" of {format_bytes(mem['capacity'])}" if mem["capacity"] else ""
     return torch.OutOfMemoryError(
         f"rank {torch.distributed.get_rank()} (tp{coords['tp']} pp{coords['pp']} dp{coords['dp']}; "
         f"pipeline stage {coords['pp']} of {layout.pp if layout else 1}) ran out of memory at "
-        f"step {step}: allocated {gib(mem['allocated'])}, peak {gib(mem['peak'])}, reserved "
-        f"{gib(mem['reserved'])}{capacity} ({meter.source}). Try a smaller micro_batch_size, "
+        f"step {step}: allocated {format_bytes(mem['allocated'])}, peak {format_bytes(mem['peak'])}, reserved "
+        f"{format_bytes(mem['reserved'])}{capacity} ({meter.source}). Try a smaller micro_batch_size, "
         f"recompute='selective' or 'full', bf16=True, use_distributed_optimizer=True, or more tp/pp. "
         f"Original error: {err}"
     )
@@ -382,8 +383,8 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
         model.steps_done += 1
         model.consumed_samples += plan.global_batch_size
         if reports:
-            events.emit("progress", {"step": i + 1, "steps": tc.steps, "global_step": step, "loss": loss,
-                                     "tokens_per_s": row["tokens_per_s"], "step_time_s": step_time})
+            events.emit("progress", Progress(step=i + 1, steps=tc.steps, global_step=step, loss=loss,
+                                             tokens_per_s=row["tokens_per_s"], step_time_s=step_time).as_payload())
         if stop:
             break
     return step_rows, timeline, stop

@@ -1,29 +1,33 @@
-"""Accept a Run, its records, or an estimate wherever a plot takes one."""
+"""What a plot takes: any object with a run's fields (e.g. :class:`mnb.runs.Run`), or an estimate.
+
+Plots read data, not classes: nothing here imports :mod:`mnb.runs`.  Turning rank records
+or ``Run.to_dict()`` into a run is :func:`mnb.runs.as_run`'s job, done by the caller.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from mnb.estimate import MemoryEstimate
 
+RUN_FIELDS = ("layout", "model", "steps")
+"""Fields every plot of a run reads; each plot names the others it needs."""
 
-def as_run(obj: Any):
-    """A :class:`mnb.runs.Run` from a Run, a list of rank records, a single record or Run.to_dict()."""
-    from mnb.runs import Run
 
-    if isinstance(obj, Run):
+def as_run(obj: Any, needs: Iterable[str] = ()) -> Any:
+    """``obj`` itself when it has a run's fields (``RUN_FIELDS`` and ``needs``); else TypeError."""
+    missing = [name for name in (*RUN_FIELDS, *needs) if not hasattr(obj, name)]
+    if not missing:
         return obj
-    if isinstance(obj, dict) and "records" in obj:
-        return Run.from_dict(obj)
-    if isinstance(obj, dict):
-        return Run([obj])
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(r, dict) for r in obj):
-        return Run(obj)
-    raise TypeError(f"expected a Run or rank records, got {type(obj).__name__}")
+    hint = ""
+    if isinstance(obj, (dict, list, tuple)):
+        hint = "; for rank records or Run.to_dict() pass mnb.runs.as_run(obj)"
+    raise TypeError(f"expected a Run (or an object with its fields; missing {missing}), "
+                    f"got {type(obj).__name__}{hint}")
 
 
-def as_run_or_estimate(obj: Any):
+def as_run_or_estimate(obj: Any, needs: Iterable[str] = ()) -> tuple[Any, MemoryEstimate | None]:
     """(run, None) or (None, estimate)."""
     if isinstance(obj, MemoryEstimate):
         return None, obj
-    return as_run(obj), None
+    return as_run(obj, needs), None

@@ -16,8 +16,9 @@ No function here calls ``plt.show()`` or changes rcParams or styles.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
+
+from mnb.units import in_kernel
 
 COLORS = {
     "weights": "#4C72B0",
@@ -34,21 +35,9 @@ COLORS = {
 }
 
 
-def in_ipython_kernel() -> bool:
-    """True when running inside a Jupyter (ipykernel) kernel."""
-    if "ipykernel" not in sys.modules:
-        return False
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - ipykernel implies IPython
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
-
-
 def new_axes(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] = (7.0, 4.0), **kw: Any):
     """(figure, axes) without touching pyplot unless a Jupyter kernel will display it."""
-    if in_ipython_kernel():
+    if in_kernel():
         import matplotlib.pyplot as plt
 
         return plt.subplots(nrows, ncols, figsize=figsize, **kw)

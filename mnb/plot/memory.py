@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from mnb.estimate import COMPONENTS
+from mnb.units import GIB, MIB
 
 from ._coerce import as_run_or_estimate
 from ._figure import COLORS, new_axes
 
-GIB = 2**30
-MIB = 2**20
 MAX_RANKS = 8
 """Above this many ranks, one rank per pipeline stage is shown (the one with the highest peak)."""
 SIDE_BY_SIDE = ("weights", "gradients", "optimizer", "activations", "peak")
+MEMORY_FIELDS = ("measured_memory", "predicted_components", "predicted_memory", "peak_memory_bytes",
+                 "records_by_rank", "stage_of_rank", "capacity_bytes", "memory_source")
+"""What plot_memory reads of a run (besides ``layout`` and ``model``)."""
 
 
 def plot_memory(obj: Any, ax=None):
@@ -30,7 +32,7 @@ def plot_memory(obj: Any, ax=None):
     A :class:`~mnb.estimate.MemoryEstimate` alone: the predicted components
     stacked, one bar per pipeline stage.  Returns the Axes.
     """
-    run, estimate = as_run_or_estimate(obj)
+    run, estimate = as_run_or_estimate(obj, MEMORY_FIELDS)
     if run is None or not run.measured_memory:
         return _stacked(run, estimate, ax)
     measured = run.measured_memory
@@ -92,7 +94,7 @@ def _stacked(run: Any, estimate: Any, ax):
     else:
         estimate = run.predicted_memory
         peaks = run.peak_memory_bytes
-        ranks = _ranks_to_show(run, sorted(run.ranks))
+        ranks = _ranks_to_show(run, sorted(run.records_by_rank))
         labels = [f"rank {r}\nstage {run.stage_of_rank(r)}" for r in ranks]
         predicted = [estimate.stages[run.stage_of_rank(r)].components() for r in ranks]
         measured = [peaks.get(r) for r in ranks]

@@ -13,7 +13,7 @@ def plot_mfu(run: Any, ax=None):
     with an ``ax``: MFU (or tokens/s when MFU is unknown) on it, tokens/s and
     loss on twin y-axes.  Returns the top / given Axes.
     """
-    run = as_run(run)
+    run = as_run(run, ("mfu", "tokens_per_s", "losses", "peak_source"))
     steps = run.steps
     mfu = run.mfu
     tps = run.tokens_per_s

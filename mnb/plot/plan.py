@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from mnb.estimate import PlanRow
+from mnb.units import GIB
 
 from ._figure import COLORS, new_axes
-
-GIB = 2**30
 
 
 def plot_plan(rows: Sequence[PlanRow], ax=None, *, label_top: int = 5):

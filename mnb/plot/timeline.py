@@ -72,7 +72,7 @@ def _draw(ax, events: list[dict[str, Any]], pp: int, unit: str, scale: float) ->
 
 def plot_timeline(run: Any, ax=None, step: int | None = None):
     """Gantt chart of one measured step (default: the last) of a Run, per pipeline stage."""
-    run = as_run(run)
+    run = as_run(run, ("timeline", "num_microbatches", "theoretical_bubble"))
     events = run.timeline(step)
     if ax is None:
         _, ax = new_axes(figsize=(9.0, 1.0 + 0.6 * run.layout.pp))

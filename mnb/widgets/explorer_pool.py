@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from mnb.progress import Progress
+
 from . import _explorer_view as view
 from .measure import failure, measure, run_metrics
 
@@ -64,8 +66,7 @@ class PoolRunMixin:
 
     def _on_progress(self, rank: int, kind: str, payload: dict) -> None:
         if kind == "progress":
-            step, steps = payload.get("step", 0) + 1, payload.get("steps") or self.run_steps
-            self.status = f"running on the pool: step {step}/{steps}"
+            self.status = f"running on the pool: {Progress.from_payload(payload).short()}"
 
     def _measure(self, pool: Any, args: dict[str, Any], timeout: float) -> None:
         try:

@@ -34,6 +34,7 @@ import ipywidgets as widgets
 
 from mnb.config import ParallelConfig, TrainConfig, model_config
 from mnb.errors import RankDiedError
+from mnb.progress import Progress
 
 from ._render import in_kernel
 from .choices import check_layout
@@ -235,8 +236,7 @@ class _Progress:
 
     def on_event(self, rank: int, kind: str, payload: dict[str, Any]) -> None:
         if kind == "progress" and self.widget is not None:
-            self.label.value = (f"<code>{self._current}: step {payload.get('step', 0) + 1}"
-                                f"/{payload.get('steps')}</code>")
+            self.label.value = f"<code>{self._current}: {Progress.from_payload(payload).short()}</code>"
 
     def row_done(self, row: SweepRow) -> None:
         if not self.show:

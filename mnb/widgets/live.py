@@ -6,8 +6,9 @@
     attach(mnb.pool())          # then every mnb.train(...) cell shows a live widget
 
 The pool calls its ``event_handlers`` with each rank event; the handler here
-turns ``("progress", {"step", "steps", "loss", "tokens_per_s", "step_time_s"})``
-into one :class:`LiveProgress` widget per training run.  The plot is one
+turns each ``"progress"`` event (a :class:`mnb.progress.Progress` payload; ``step``
+counts from 1 within one ``mnb.train`` call) into one :class:`LiveProgress` widget
+per training call.  The plot is one
 figure redrawn into an ``Image`` (never a new figure per step).
 
 Where widgets cannot render:
@@ -26,7 +27,7 @@ from typing import Any
 import ipywidgets as widgets
 from traitlets import Float, Int, List, Unicode
 
-from mnb.controller.output import progress_text
+from mnb.progress import Progress
 
 from ._render import in_kernel, new_figure, on_main_thread, png_bytes
 
@@ -41,7 +42,8 @@ class LiveProgress(widgets.VBox):
 
     done = Int(0, help="Steps finished in this run.").tag(sync=True)
     steps = Int(0, help="Steps this run will take.").tag(sync=True)
-    global_steps = List(Int(), help="The model's step counter per finished step.").tag(sync=True)
+    step_numbers = List(Int(), help="This run's step number (from 1) per finished step: the plot's x axis.").tag(
+        sync=True)
     losses = List(Float(allow_none=True), help="Loss per finished step.").tag(sync=True)
     tokens_per_s = List(Float(allow_none=True), help="Tokens per second per finished step.").tag(sync=True)
     text = Unicode("", help="The progress line (also the plain-text representation).").tag(sync=True)
@@ -65,12 +67,13 @@ class LiveProgress(widgets.VBox):
     def update(self, payload: dict[str, Any]) -> None:
         """Add one finished step."""
         self.last_event = time.monotonic()
+        progress = Progress.from_payload(payload)
         with self.hold_sync():
-            self.done += 1
-            self.global_steps = [*self.global_steps, int(payload.get("step", self.done - 1))]
-            self.losses = [*self.losses, payload.get("loss")]
-            self.tokens_per_s = [*self.tokens_per_s, payload.get("tokens_per_s")]
-            self.text = progress_text(self.done, self.steps, payload)
+            self.done = progress.step
+            self.step_numbers = [*self.step_numbers, progress.step]
+            self.losses = [*self.losses, progress.loss]
+            self.tokens_per_s = [*self.tokens_per_s, progress.tokens_per_s]
+            self.text = progress.line()
             self._bar.value = min(self.done, self._bar.max)
             self._label.value = f"<code>step {self.done}/{self.steps}  {self.text.split('] ', 1)[-1]}</code>"
             if self.finished:
@@ -90,7 +93,7 @@ class LiveProgress(widgets.VBox):
             a_tps.set_ylabel("tokens/s")
             self._axes = (a_loss, a_tps)
         for line, ax, values in zip(self._lines, self._axes, (self.losses, self.tokens_per_s)):
-            pairs = [(s, v) for s, v in zip(self.global_steps, values) if v is not None]
+            pairs = [(s, v) for s, v in zip(self.step_numbers, values) if v is not None]
             line.set_data([p[0] for p in pairs], [p[1] for p in pairs])
             ax.relim()
             ax.autoscale_view()
@@ -113,10 +116,11 @@ class LiveHandler:
     def __call__(self, rank: int, kind: str, payload: dict[str, Any]) -> None:
         if kind != "progress" or not on_main_thread():
             return  # background runs (the explorer's) report in their own widget
-        steps = int(payload.get("steps") or 0)
+        progress = Progress.from_payload(payload)
+        steps = progress.steps
         cur = self.current
         if (cur is None or cur.finished or cur.steps != steps
-                or (cur.global_steps and int(payload.get("step", 0)) <= cur.global_steps[-1])
+                or (cur.step_numbers and progress.step <= cur.step_numbers[-1])  # a new mnb.train call
                 or time.monotonic() - cur.last_event > NEW_RUN_GAP_S):
             self._start(steps)
         self.current.update(payload)
@@ -138,9 +142,6 @@ def attach(pool: Any) -> LiveHandler | None:
     handler = LiveHandler()
     pool.event_handlers.append(handler)
     return handler
-
-
-install = attach
 
 
 def detach(pool: Any) -> None:

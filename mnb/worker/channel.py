@@ -46,18 +46,18 @@ import psutil
 import zmq
 
 from mnb.protocol import MAX_MESSAGE_BYTES, ConnectionInfo, Message, ProtocolError, Signer, drain
+from mnb.timeouts import CONTROLLER_SILENCE_S, FIRST_CONTACT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from mnb.units import MIB
 
 log = logging.getLogger(__name__)
 
 MAIN_THREAD_TYPES = frozenset({"execute", "push", "pull", "shutdown"})
-HEARTBEAT_INTERVAL_S = 1.0
 LIVENESS_INTERVAL_S = 0.5
-FIRST_CONTACT_TIMEOUT_S = 600.0
 STREAM_INTERVAL_S = 0.02
 """Stream text is sent at most this often (a first chunk after a quiet spell goes at once)."""
 STREAM_CHUNK_CHARS = 2**20
 """Characters of text in one ``stream`` message, at most."""
-BACKLOG_MAX_BYTES = 64 * 2**20
+BACKLOG_MAX_BYTES = 64 * MIB
 """Encoded messages ZeroMQ would not take yet; past this the oldest stream text is dropped."""
 SEND_HWM = 64
 """Messages ZeroMQ itself queues for the controller before sends wait in the backlog."""
@@ -85,7 +85,7 @@ class Channel:
         info: ConnectionInfo,
         rank: int,
         status_fn: Callable[[], dict[str, Any]],
-        controller_timeout_s: float = 15.0,
+        controller_timeout_s: float = CONTROLLER_SILENCE_S,
         deferring_fn: Callable[[], bool] = lambda: False,
     ):
         self.rank = rank
@@ -272,7 +272,7 @@ class Channel:
         self._dropping = False
 
     def _send_heartbeat(self) -> None:
-        beat = Message("heartbeat", header={"rank": self.rank, "busy": self.busy.is_set()})
+        beat = Message("heartbeat", header={"rank": self.rank})  # busy: in status and stacks answers
         try:
             self._socket.send_multipart(self._signer.encode(self._stamped(beat)), zmq.NOBLOCK)
         except zmq.Again:  # a heartbeat that cannot go now is worth nothing later

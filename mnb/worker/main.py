@@ -122,7 +122,6 @@ class Rank:
 
     # -------------------------------------------------------------- start
     def start(self) -> None:
-        t0 = time.perf_counter()
         verbose = verbose_warnings()
         route_warnings(self.rank, verbose)
         import torch
@@ -190,7 +189,6 @@ class Rank:
                     "layout": self.layout,
                     "torch": torch.__version__,
                     "megatron": _megatron_version(),
-                    "startup_s": round(time.perf_counter() - t0, 3),
                 },
             )
         )
@@ -276,13 +274,10 @@ class Rank:
             try:
                 from mnb.config import ParallelConfig
 
-                changed = layout.apply_layout(ParallelConfig(**requested))
+                layout.apply_layout(ParallelConfig(**requested))
                 self.layout = layout.current_layout().as_dict()
             except BaseException as exc:
                 outcome = describe_exception(exc)
-                changed = False
-        else:
-            changed = False
         if outcome is None and message.get("script"):  # %mnb run SCRIPT ARGS (mnb.worker.script)
             from mnb.worker.script import run_script
 
@@ -318,7 +313,6 @@ class Rank:
             traceback=outcome.traceback,
             coords=layout.coordinates(),
             layout=self.layout,
-            relayout=changed,
         )
 
     def _on_push(self, message: Message) -> None:

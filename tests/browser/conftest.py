@@ -1,9 +1,9 @@
 """A real JupyterLab server and a real headless Chromium for the browser tests.
 
-Set-up installs what is missing: Debian's ``chromium`` through apt-get and the
-``playwright`` Python package through pip (never ``playwright install``: the
-browser is the system's).  The tests are skipped, with the reason, only when
-that installation is impossible here.
+``scripts/setup.sh`` installs what they need: Debian's ``chromium`` through apt-get
+and the ``playwright`` Python package through pip (never ``playwright install``: the
+browser is the system's).  A test installs nothing itself: without them it is
+skipped, with the reason and the command that installs them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,38 +28,20 @@ CHROMIUM_ARGS = [
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[bool, str]:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return False, str(err)
-    return done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+SETUP = "bash scripts/setup.sh"
 
 
 def ensure_chromium() -> str:
-    if Path(CHROMIUM).exists():
-        return CHROMIUM
-    apt = shutil.which("apt-get")
-    if apt is None:
-        pytest.skip(f"{CHROMIUM} is missing and there is no apt-get to install Debian's chromium")
-    prefix = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    ok, out = _run(prefix + [apt, "update"], 600)
-    if ok:
-        ok, out = _run(prefix + [apt, "install", "-y", "chromium"], 900)
-    if not ok or not Path(CHROMIUM).exists():
-        pytest.skip(f"could not install chromium with apt-get: {out.strip().splitlines()[-1:] or out}")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing; {SETUP} installs Debian's chromium")
     return CHROMIUM
 
 
 def ensure_playwright():
     try:
-        import playwright.sync_api  # noqa: F401
+        import playwright.sync_api
     except ImportError:
-        ok, out = _run([sys.executable, "-m", "pip", "install", "-q", "playwright"], 900)
-        if not ok:
-            pytest.skip(f"could not pip install playwright: {out.strip().splitlines()[-1:] or out}")
-    import playwright.sync_api
-
+        pytest.skip(f"the playwright package is missing; {SETUP} installs it")
     return playwright.sync_api
 
 

@@ -180,14 +180,24 @@ def test_interrupted_print_loop_is_not_replayed_into_the_next_cell(kernel):
     assert "fresh 0" in following.text and "line" not in following.text and "late" not in following.text
 
 
-def test_status_and_stacks_answer_while_a_background_run_holds_the_pool(kernel):
+def test_status_and_stacks_answer_while_a_background_run_holds_the_pool(kernel, tmp_path):
+    release = tmp_path / "release"  # the background cell runs until the test has asked
+    cell = ("from mnb.megatron import events\nimport os, time\n"
+            f"def wait_for_release():\n    while not os.path.exists({str(release)!r}):\n        time.sleep(0.02)\n"
+            "events.emit('test-running', {})\nwait_for_release()")
     kernel.ok("import threading\n"
-              "bg = threading.Thread(target=lambda: mnb.pool().run('import time\\ntime.sleep(4)', quiet=True))\n"
-              "bg.start()\nimport time; time.sleep(0.5)")
+              "running = set()\n"  # ranks whose cell started: events, not a sleep, order the threads
+              "mnb.pool().event_handlers.append(\n"
+              "    lambda rank, kind, payload: kind == 'test-running' and running.add(rank))\n"
+              f"bg = threading.Thread(target=lambda: mnb.pool().run({cell!r}, quiet=True, timeout=120))\n"
+              "bg.start()\nimport time\ndeadline = time.monotonic() + 60\n"
+              "while len(running) < 2 and time.monotonic() < deadline:\n    time.sleep(0.02)\n"
+              "assert len(running) == 2, running")
     status = kernel.ok("%mnb status")
     assert status.count("busy") == 2, status
     stacks = kernel.ok("%mnb stacks")
-    assert "time.sleep(4)" in stacks
+    assert stacks.count("in wait_for_release") == 2, stacks  # both ranks, where they wait
+    release.touch()
     kernel.ok("bg.join()")
     assert kernel.ok("%mnb status").count("idle") == 2
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -68,14 +67,12 @@ def test_build_and_read_back_exact_ids(corpus, tmp_path):
     assert not list((tmp_path / "out").glob("*.tmp-*"))  # no temporary leftovers
 
 
-def test_cache_hit_is_instant(corpus, tmp_path):
+def test_cache_hit_reuses_the_built_files(corpus, tmp_path):
     files = data.resolve_text_files(corpus)
     prefix = data.build_indexed_dataset(files, str(tmp_path / "c"))
     stamp = os.stat(prefix + ".bin").st_mtime_ns
-    t0 = time.perf_counter()
     assert data.build_indexed_dataset(files, str(tmp_path / "c")) == prefix
-    assert time.perf_counter() - t0 < 0.05
-    assert os.stat(prefix + ".bin").st_mtime_ns == stamp  # not rewritten
+    assert os.stat(prefix + ".bin").st_mtime_ns == stamp  # not rewritten (how fast: a benchmark)
     (corpus / "a.txt").write_text("changed\n")  # new content -> rebuilt
     data.build_indexed_dataset(files, str(tmp_path / "c"))
     assert os.stat(prefix + ".bin").st_mtime_ns != stamp
@@ -110,12 +107,9 @@ def test_large_file_split_into_documents():
 
 
 def test_stdlib_corpus_and_dataset_items():
-    t0 = time.perf_counter()
     prefix = data.prepare("stdlib-small")
-    build_s = time.perf_counter() - t0
     meta = data.read_meta(prefix)
     assert 100_000 < meta["num_tokens"] <= (512 << 10) + meta["num_documents"]
-    assert build_s < 30
     cfg = model_config("tiny", vocab_size=257)
     ds = data.dataset_for("stdlib-small", cfg, seq_length=32, num_samples=50, seed=7)
     assert len(ds) >= 50

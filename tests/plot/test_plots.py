@@ -18,7 +18,7 @@ from test_runs import make_records  # noqa: E402
 import mnb.estimate as est  # noqa: E402
 from mnb.config import ParallelConfig, TrainConfig  # noqa: E402
 from mnb.plot import plot_memory, plot_mfu, plot_plan, plot_schedule, plot_timeline  # noqa: E402
-from mnb.runs import Run  # noqa: E402
+from mnb.runs import Run, as_run  # noqa: E402
 
 
 def save(ax, tmp_path, name):
@@ -52,7 +52,7 @@ def test_plot_memory_into_given_axes(tmp_path):
 
     fig = Figure()
     ax = fig.add_subplot(111)
-    assert plot_memory(make_records(), ax=ax) is ax
+    assert plot_memory(as_run(make_records()), ax=ax) is ax
     save(ax, tmp_path, "memory_given")
 
 
@@ -103,3 +103,23 @@ def test_plot_plan(tmp_path):
 def test_rejects_unknown_input():
     with pytest.raises(TypeError, match="expected a Run"):
         plot_memory(42)
+
+
+def test_rank_records_are_turned_into_a_run_by_runs_not_by_the_plots():
+    with pytest.raises(TypeError, match=r"mnb\.runs\.as_run"):
+        plot_timeline(make_records())
+    run = as_run(make_records())
+    assert as_run(run) is run and as_run(run.to_dict()).records == run.records
+    assert as_run(make_records()[0]).world_size == run.world_size
+
+
+def test_plots_take_any_object_with_a_runs_fields(tmp_path):
+    """Duck typing: an object that is not a Run but has its fields draws the same timeline."""
+    run = Run(make_records())
+
+    class Fields:
+        def __getattr__(self, name):
+            return getattr(run, name)
+
+    ax = plot_timeline(Fields(), step=1)
+    assert "measured bubble 20.0%" in ax.get_title()

@@ -8,13 +8,16 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from mnb.widgets.live import LiveHandler, LiveProgress, attach, detach, progress_text
+from mnb.progress import Progress
+from mnb.widgets.live import LiveHandler, LiveProgress, attach, detach
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
 def _event(step, steps, loss=5.0):
-    return {"step": step, "steps": steps, "loss": loss, "tokens_per_s": 1000.0 + step, "step_time_s": 0.05}
+    """What mnb.train sends: ``step`` counts from 1 within the call."""
+    return Progress(step=step, steps=steps, global_step=step - 1, loss=loss, tokens_per_s=999.0 + step,
+                    step_time_s=0.05).as_payload()
 
 
 def test_attach_is_a_no_op_outside_a_kernel():
@@ -28,14 +31,15 @@ def test_attach_is_a_no_op_outside_a_kernel():
 
 def test_progress_widget_updates_one_figure_in_place():
     live = LiveProgress(steps=3)
-    live.update(_event(0, 3, 5.5))
+    live.update(_event(1, 3, 5.5))
     fig, first_png = live._fig, bytes(live._image.value)
     assert first_png.startswith(b"\x89PNG") and live.done == 1
-    live.update(_event(1, 3, 5.2))
-    live.update(_event(2, 3, 5.0))
+    assert live.text.startswith("step 1/3 [")  # counted once: not "step 2/3"
+    live.update(_event(2, 3, 5.2))
+    live.update(_event(3, 3, 5.0))
     assert live._fig is fig  # the same figure, redrawn
     assert live.finished and live._bar.value == 3 and live._bar.bar_style == "success"
-    assert live.losses == [5.5, 5.2, 5.0] and live.global_steps == [0, 1, 2]
+    assert live.losses == [5.5, 5.2, 5.0] and live.step_numbers == [1, 2, 3]
     assert bytes(live._image.value) != first_png
     assert live.text.startswith("step 3/3 [") and "loss 5.0000" in live.text
     bundle = live._repr_mimebundle_()
@@ -45,20 +49,20 @@ def test_progress_widget_updates_one_figure_in_place():
 
 def test_handler_starts_one_widget_per_training_run():
     handler = LiveHandler()
-    handler(1, "progress", _event(0, 2))
-    first = handler.current
     handler(1, "progress", _event(1, 2))
+    first = handler.current
+    handler(1, "progress", _event(2, 2))
     assert handler.current is first and first.finished
     handler(1, "other", {})
-    handler(1, "progress", _event(2, 2))  # a second mnb.train on the same model
+    handler(1, "progress", _event(1, 2))  # a second mnb.train call: its steps count from 1 again
     assert handler.current is not first and handler.current.done == 1
     second = handler.current
-    handler(1, "progress", _event(0, 2))  # a new model: its step counter starts again
+    handler(1, "progress", _event(1, 2))  # a new call before this one finished (it was interrupted)
     assert handler.current is not second
 
 
-def test_progress_text_matches_the_controller_line():
-    assert progress_text(1, 2, _event(0, 2)) == (
+def test_progress_line_is_the_controllers_line():
+    assert Progress.from_payload(_event(1, 2)).line() == (
         "step 1/2 [###############...............]  loss 5.0000  1,000 tok/s (this step)  50 ms/step")
 
 

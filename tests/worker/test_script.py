@@ -25,10 +25,10 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.fixture(scope="module")
-def shell(cpu_pool):
+def shell(module_pool):
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "mnb")
-    set_current_pool(cpu_pool)
+    set_current_pool(module_pool)
     yield ip
     set_current_pool(None)
 

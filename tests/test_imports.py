@@ -1,0 +1,158 @@
+"""No import circle inside the package: module-level and function-level imports alike.
+
+The graph is built from the source with ``ast`` (nothing is imported): an edge ``a -> b``
+for every ``import``/``from ... import`` in module ``a`` that names module ``b`` of mnb,
+wherever it stands (module level, inside a function, a ``try``).  Not edges:
+
+- imports under ``if TYPE_CHECKING:`` (never executed; type hints only);
+- imports of the root package ``mnb`` itself: it is the lazy facade every ``import mnb.x``
+  passes through anyway, and it imports nothing at module level (checked below).
+
+A circle that is known and owned elsewhere is listed in ``ALLOWED`` with its reason; the test
+fails when such a circle disappears too, so the list stays true.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mnb"
+
+ALLOWED: dict[frozenset[str], str] = {}
+"""{circle: why it stays}.  Empty: the explorer's trio (layout_explorer, _explorer_view,
+explorer_pool) meets only under TYPE_CHECKING; its coupling through attributes is not an import."""
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    """Every import node, skipping ``if TYPE_CHECKING:`` bodies."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node):
+            for other in node.orelse:
+                yield from _imports(ast.Module(body=[other], type_ignores=[]))
+        else:
+            yield from _imports(node)
+
+
+def _targets(module: str, path: Path, node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    if node.level:
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    out = set()
+    for alias in node.names:
+        name = f"{source}.{alias.name}"
+        out.add(name if name in modules else source)  # a submodule, else a name of ``source``
+    return {t for t in out if t in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges: set[str] = set()
+        for node in _imports(tree):
+            edges |= _targets(module, path, node, modules)
+        graph[module] = edges - {module, "mnb"}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph.get(node, ()):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(frozenset(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _describe(component: frozenset[str], graph: dict[str, set[str]]) -> str:
+    return "; ".join(f"{m} -> {sorted(graph[m] & component)}" for m in sorted(component))
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    found = circles(graph)
+    unexpected = [c for c in found if c not in ALLOWED]
+    assert not unexpected, "import circles:\n" + "\n".join(_describe(c, graph) for c in unexpected)
+
+
+def test_allowed_circles_still_exist():
+    """An exception that no longer applies is removed from ALLOWED."""
+    found = circles(import_graph())
+    stale = [sorted(c) for c in ALLOWED if c not in found]
+    assert not stale, f"no longer a circle, remove from ALLOWED: {stale}"
+
+
+def test_root_package_imports_nothing_of_mnb_at_module_level():
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    modules = _modules()
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    named = set().union(*(_targets("mnb", PACKAGE / "__init__.py", n, modules) for n in top)) if top else set()
+    assert not named, f"mnb/__init__.py must stay lazy; it imports {sorted(named)} at module level"
+
+
+def test_plots_do_not_import_runs():
+    """Plots read any object with a run's fields; the coercion into a Run lives in runs.py."""
+    graph = import_graph()
+    offenders = sorted(m for m in graph if m.startswith("mnb.plot") and "mnb.runs" in graph[m])
+    assert not offenders, offenders
+
+
+def test_graph_sees_function_level_imports():
+    """The checker itself: an import inside a function is an edge."""
+    assert "mnb.magics" in import_graph()["mnb"]  # load_ipython_extension imports it when called
+    tree = ast.parse("def f():\n    from mnb.runs import Run\n")
+    edges = set().union(*(_targets("mnb.x", PACKAGE / "x.py", n, _modules()) for n in _imports(tree)))
+    assert edges == {"mnb.runs"}
+    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mnb.runs import Run\n")
+    assert not set().union(*(_targets("mnb.x", PACKAGE / "x.py", n, _modules()) for n in _imports(hidden)))
