@@ -39,6 +39,14 @@ LLAMA = dict(model="llama-1b", nodes=2, gpus_per_node=8, micro_batch_size=2, glo
              steps=50, layout=ParallelConfig(tp=2, pp=2, vpp=2, sequence_parallel=True))
 
 
+@pytest.fixture(autouse=True)
+def fresh_notebook(monkeypatch):
+    """No training run or remembered mnb.gpt/mnb.train call from earlier tests in this process:
+    settings a test does not name would otherwise come from them (as they do in a notebook)."""
+    monkeypatch.setattr(registry, "_LAST_RUN", [])
+    monkeypatch.setattr(registry, "_SETTINGS", {})
+
+
 def test_megatron_lm_arguments_carry_the_model_layout_and_training():
     e = export("megatron-lm", **LLAMA)
     got = pairs(e.args)
