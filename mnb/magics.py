@@ -39,11 +39,12 @@ same size, device and layout (see docs/playbook.md, "When things go wrong").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -515,14 +516,8 @@ class MegatronMagics(Magics):
         if not os.path.isfile(os.path.expanduser(args.script)):
             raise UsageError(f"no script {args.script!r} (relative paths start in {os.getcwd()}); "
                              "%mnb run's own options come before the script, its arguments after it")
-        try:
+        with pool_request("script"):
             pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace)
-        except RequestRefused as exc:
-            raise UsageError(str(exc)) from None
-        except KeyboardInterrupt as exc:
-            if hasattr(exc, "_render_traceback_"):  # the pool's one-line account of the interrupt
-                raise
-            raise interrupted("interrupted in the notebook kernel after the ranks had finished the script") from None
         if pool.last_cell_records:
             print(last_run().summary())
 
@@ -582,14 +577,8 @@ class MegatronMagics(Magics):
         problems = check_cell(cell, layout)
         if problems:
             raise UsageError("refused before running on the ranks:\n  " + "\n  ".join(problems))
-        try:
+        with pool_request("cell"):
             pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace)
-        except RequestRefused as exc:
-            raise UsageError(str(exc)) from None
-        except KeyboardInterrupt as exc:
-            if hasattr(exc, "_render_traceback_"):  # the pool's one-line account of the interrupt
-                raise
-            raise interrupted("interrupted in the notebook kernel after the ranks had finished the cell") from None
         remember_settings(**cell_settings(cell))  # what %mnb export takes as "the last settings"
         if pool.last_cell_records:
             print(last_run().summary())
@@ -611,6 +600,20 @@ def slurm_request(args: argparse.Namespace) -> Any:
                             sbatch_args=tuple(args.sbatch_arg))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def pool_request(what: str) -> Iterator[None]:
+    """How ``%%megatron`` and ``%mnb run`` show a request's end: a refusal as a usage error,
+    an interrupt as one line (the pool's own account when it gave one)."""
+    try:
+        yield
+    except RequestRefused as exc:
+        raise UsageError(str(exc)) from None
+    except KeyboardInterrupt as exc:
+        if hasattr(exc, "_render_traceback_"):  # the pool's one-line account of the interrupt
+            raise
+        raise interrupted(f"interrupted in the notebook kernel after the ranks had finished the {what}") from None
 
 
 def attach_live_progress(pool: Pool) -> None:
