@@ -1,26 +1,32 @@
-"""The tutorial notebooks execute headless on CPU ranks, as a learner would run them."""
+"""The tutorial notebooks execute headless on CPU ranks, as a learner would run them.
+
+Each exercise check must raise on the notebook's wrong answer and pass on its solution
+(tests/notebook_runner.py says how the cells are marked)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+from tests.notebook_runner import execute
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+WORKSHOP_FROM = 5
+"""Notebooks 05 onwards are the workshop: each ends with checked exercises."""
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("0*.ipynb")))
+@pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]-*.ipynb")))
 def test_notebook_executes(name, tmp_path):
-    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
-    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
-    assert not [o for o in outputs if o.output_type == "error"]
+    result = execute(NOTEBOOKS / name, tmp_path)
+    assert not result.problems, result.problems
+    outputs = [o for cell in result.notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert images, f"{name} showed no figure"
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "ranks ready" in text
+    if int(name[:2]) >= WORKSHOP_FROM:
+        assert result.checks >= 2, f"{name} has {result.checks} checked exercises; a workshop notebook needs two or more"
+        assert result.rejected_wrong == result.checks
