@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-from mnb.config import ParallelConfig, TrainConfig
+from mnb.config import ParallelConfig
 from mnb.errors import CellTimeoutError, CompositeRankError, RankDiedError
 
 TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "recompute", "use_distributed_optimizer", "bf16",
               "lr", "data", "seed", "fp8")
-"""TrainConfig fields a sweep or the explorer may set per run."""
+"""TrainConfig fields a sweep grid may set per point (the explorer sends its own TRAIN_TRAITS)."""
 
 
 def training_code(model: str, model_overrides: dict[str, Any], train: dict[str, Any], steps: int) -> str:
@@ -128,9 +128,3 @@ def run_metrics(run: Any) -> dict[str, Any]:
         "theoretical_bubble": run.theoretical_bubble,
         "loss": losses[-1] if losses else None,
     }
-
-
-def train_dict(train: TrainConfig) -> dict[str, Any]:
-    """The TrainConfig fields a measured run passes to ``mnb.train`` (non-defaults only)."""
-    default = TrainConfig()
-    return {k: getattr(train, k) for k in TRAIN_KEYS if getattr(train, k) != getattr(default, k)}
