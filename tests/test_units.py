@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import subprocess
 import sys
 import types
 
@@ -27,3 +28,13 @@ def test_kernel_check_needs_a_shell_with_a_kernel(monkeypatch):
     assert in_kernel()
     monkeypatch.delitem(sys.modules, "ipykernel")
     assert not in_kernel()
+
+
+def test_units_and_the_estimators_need_only_the_standard_library():
+    """mnb.estimate reads its units from mnb.units: neither may pull in torch, numpy or IPython."""
+    code = ("import sys, mnb.units, mnb.estimate\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'megatron', 'numpy', 'IPython', 'ipywidgets', 'matplotlib', 'zmq')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 1024**3
+from mnb.units import GIB
 
 
 @dataclass(frozen=True, kw_only=True)

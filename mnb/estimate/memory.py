@@ -21,9 +21,10 @@ when TE is installed, keeps less), and a small allocator/workspace overhead ("ot
 
     >>> import mnb.estimate as est
     >>> from mnb.config import ParallelConfig, TrainConfig
+    >>> from mnb.units import GIB
     >>> m = est.memory("llama-7b", ParallelConfig(), TrainConfig(bf16=True,
     ...                use_distributed_optimizer=True, global_batch_size=128), gpus=8)
-    >>> round(m.peak_bytes / 2**30)   # GiB on the fullest rank
+    >>> round(m.peak_bytes / GIB)   # on the fullest rank
     67
 """
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
+from mnb.units import GIB
 
 from . import hardware
 from ._inputs import as_model, as_parallel, as_train, dropout, padded_vocab_size
@@ -129,7 +131,6 @@ class MemoryEstimate:
         return self.stages[self.stage_of_rank(rank)]
 
     def summary(self) -> str:
-        gib = 2**30
         lines = [
             f"{self.model} | {self.parallel.describe()} | m={self.num_microbatches} "
             f"mbs={self.micro_batch_size} seq={self.seq_length} recompute={self.recompute}"
@@ -137,11 +138,11 @@ class MemoryEstimate:
         for s in self.stages:
             c = s.components()
             lines.append(
-                f"  stage {s.stage}: " + ", ".join(f"{k} {v / gib:.2f}" for k, v in c.items())
-                + f" -> {s.total_bytes / gib:.2f} GiB"
+                f"  stage {s.stage}: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in c.items())
+                + f" -> {s.total_bytes / GIB:.2f} GiB"
             )
         if self.capacity_bytes:
-            lines.append(f"  capacity {self.capacity_bytes / gib:.1f} GiB; fits: {self.fits}")
+            lines.append(f"  capacity {self.capacity_bytes / GIB:.1f} GiB; fits: {self.fits}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

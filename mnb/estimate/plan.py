@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors
+from mnb.units import GIB
 
 from . import hardware
 from ._inputs import as_model, as_train
@@ -72,13 +73,12 @@ class Plan(list):
         return self.table()
 
     def _repr_html_(self) -> str:
-        gib = 2**30
         head = "".join(f"<th>{c}</th>" for c in ("layout", "memory GiB", "fits", "step s", "MFU", "tokens/s"))
         body = []
         for r in self[:30]:
             style = "" if r.fits else ' style="color:#999"'
             body.append(
-                f"<tr{style}><td>{r.describe()}</td><td>{r.memory_bytes / gib:.1f}</td>"
+                f"<tr{style}><td>{r.describe()}</td><td>{r.memory_bytes / GIB:.1f}</td>"
                 f"<td>{'yes' if r.fits else 'no'}</td><td>{r.step_time_s:.3f}</td>"
                 f"<td>{r.mfu:.1%}</td><td>{r.tokens_per_s:,.0f}</td></tr>"
             )
@@ -87,11 +87,10 @@ class Plan(list):
 
 def format_plan(rows: Iterable[PlanRow]) -> str:
     """Plain-text table of plan rows (layout, memory, fits, step time, MFU, tokens/s)."""
-    gib = 2**30
     lines = [f"{'layout':<50} {'mem GiB':>8} {'fits':>5} {'step s':>8} {'MFU':>6} {'tokens/s':>10}"]
     for r in rows:
         lines.append(
-            f"{r.describe():<50} {r.memory_bytes / gib:8.1f} {'yes' if r.fits else 'no':>5} "
+            f"{r.describe():<50} {r.memory_bytes / GIB:8.1f} {'yes' if r.fits else 'no':>5} "
             f"{r.step_time_s:8.3f} {r.mfu:6.1%} {r.tokens_per_s:10,.0f}"
         )
     return "\n".join(lines)

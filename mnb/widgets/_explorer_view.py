@@ -16,8 +16,9 @@ from traitlets import TraitError
 from mnb.config import ParallelConfig, preset_names
 from mnb.estimate import DEVICES
 from mnb.plot import plot_memory, plot_schedule, plot_timeline
+from mnb.units import format_bytes
 
-from ._render import gib, message_png, new_figure, png_bytes
+from ._render import message_png, new_figure, png_bytes
 from .choices import AXES
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ def _fmt(value: Any, kind: str) -> str:
     if value is None:
         return "n/a"
     if kind == "bytes":
-        return gib(value)
+        return format_bytes(value)
     if kind == "pct":
         return f"{value:.1%}"
     if kind == "s":
@@ -219,14 +220,14 @@ def summary_text(ex: "Explorer") -> str:
     lines = [f"mnb explorer: {ex.model} on {ex.gpus} x {ex.gpu} | {p['layout']} | "
              f"m={p['num_microbatches']} global batch {p['global_batch_size']}"]
     cap = p.get("capacity_bytes")
-    lines.append(f"  predicted: peak {gib(p['peak_bytes'])}/rank"
-                 + (f" of {gib(cap)} ({'fits' if p['fits'] else 'does not fit'})" if cap else "")
+    lines.append(f"  predicted: peak {format_bytes(p['peak_bytes'])}/rank"
+                 + (f" of {format_bytes(cap)} ({'fits' if p['fits'] else 'does not fit'})" if cap else "")
                  + f", bubble {p['bubble']:.1%}, step {p['step_time_s']:.3g} s, "
                  f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} (vs {p.get('peak_source', '?')})")
     if m:
         mfu = "n/a (no peak)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
         lines.append(f"  measured ({m['steps']} steps on the pool): peak "
-                     f"{gib(m.get('peak_memory_bytes'))}/rank ({m.get('memory_source')}), "
+                     f"{_fmt(m.get('peak_memory_bytes'), 'bytes')}/rank ({m.get('memory_source')}), "
                      f"bubble {_fmt(m.get('bubble'), 'pct')}, "
                      f"step {m['step_time_s']:.3g} s, {m['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
     return "\n".join(lines)

@@ -1,16 +1,16 @@
-"""Figures as PNG bytes for ``ipywidgets.Image``, and where output can go.
+"""Figures as PNG bytes for ``ipywidgets.Image``.
 
 Widgets redraw into an ``Image`` rather than displaying figures: the value is
 a widget trait, so it updates in place, works from a background thread and is
 restored from the kernel when the page reloads.  Figures are bare
 ``matplotlib.figure.Figure`` objects on the Agg canvas: no pyplot state, no
-inline-backend display, nothing to close.
+inline-backend display, nothing to close.  Byte units and the "in a kernel"
+check are :mod:`mnb.units`' (both sides share them).
 """
 
 from __future__ import annotations
 
 import io
-import sys
 import threading
 from typing import Any
 
@@ -42,22 +42,5 @@ def message_png(text: str, figsize: tuple[float, float] = (6.0, 1.2)) -> bytes:
     return png_bytes(fig)
 
 
-def in_kernel() -> bool:
-    """True inside a Jupyter kernel (where widget messages have somewhere to go)."""
-    if "ipykernel" not in sys.modules:
-        return False
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
-
-
 def on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-def gib(nbytes: float | None) -> str:
-    """Bytes as GiB, or MiB below 1 GiB (toy models on CPU)."""
-    if nbytes is None:
-        return "n/a"
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -35,8 +35,8 @@ import ipywidgets as widgets
 from mnb.config import ParallelConfig, TrainConfig, model_config
 from mnb.errors import RankDiedError
 from mnb.progress import Progress
+from mnb.units import format_bytes, in_kernel
 
-from ._render import in_kernel
 from .choices import check_layout
 from .measure import TRAIN_KEYS, failure, measure, run_metrics
 from .sweep_result import SweepResult, SweepRow
@@ -243,7 +243,7 @@ class _Progress:
             return
         done = row.index + 1
         if self.widget is None:
-            what = (f"{row.tokens_per_s:,.0f} tokens/s, peak {row.peak_memory_bytes / 2**30:.2f} GiB"
+            what = (f"{row.tokens_per_s:,.0f} tokens/s, peak {format_bytes(row.peak_memory_bytes)}"
                     if row.ok and row.tokens_per_s and row.peak_memory_bytes else row.reason)
             print(f"[{done}/{len(self.result.rows)}] {row.label}: {row.status} {what}", flush=True)
             return

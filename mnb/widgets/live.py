@@ -28,8 +28,9 @@ import ipywidgets as widgets
 from traitlets import Float, Int, List, Unicode
 
 from mnb.progress import Progress
+from mnb.units import in_kernel
 
-from ._render import in_kernel, new_figure, on_main_thread, png_bytes
+from ._render import new_figure, on_main_thread, png_bytes
 
 REDRAW_S = 0.4
 """Least time between two redraws of the plot (the bar and the text update every step)."""

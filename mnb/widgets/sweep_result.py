@@ -22,7 +22,9 @@ import io
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._render import DPI, gib, new_figure
+from mnb.units import GIB, format_bytes, ipython_shell
+
+from ._render import DPI, new_figure
 
 CHART_SIZE = (6.5, 3.6)
 """Inches of the sweep chart (live view and result)."""
@@ -125,7 +127,7 @@ class SweepResult:
 
         return [
             str(r.index), r.label, r.status,
-            "" if r.peak_memory_bytes is None else gib(r.peak_memory_bytes),
+            "" if r.peak_memory_bytes is None else format_bytes(r.peak_memory_bytes),
             num(r.tokens_per_s, ",.0f"),
             "n/a" if r.ok and r.mfu is None else num(r.mfu, ".1%"),
             "" if r.step_time_s is None else f"{r.step_time_s * 1e3:.0f}",
@@ -219,14 +221,14 @@ class SweepResult:
         front = self.pareto()
         others = [r for r in pts if r not in front]
         if others:
-            ax.scatter([r.peak_memory_bytes / 2**30 for r in others], [getattr(r, metric) * scale for r in others],
+            ax.scatter([r.peak_memory_bytes / GIB for r in others], [getattr(r, metric) * scale for r in others],
                        color="#4C72B0", s=30, label="layout", zorder=3)
-        ax.plot([r.peak_memory_bytes / 2**30 for r in front], [getattr(r, metric) * scale for r in front],
+        ax.plot([r.peak_memory_bytes / GIB for r in front], [getattr(r, metric) * scale for r in front],
                 color="#C44E52", linestyle="--", linewidth=1, zorder=2)
-        ax.scatter([r.peak_memory_bytes / 2**30 for r in front], [getattr(r, metric) * scale for r in front],
+        ax.scatter([r.peak_memory_bytes / GIB for r in front], [getattr(r, metric) * scale for r in front],
                    marker="*", s=160, color="#F0B400", edgecolor="black", label="Pareto front", zorder=4)
         for r in pts:
-            ax.annotate(r.label, (r.peak_memory_bytes / 2**30, getattr(r, metric) * scale), fontsize=7,
+            ax.annotate(r.label, (r.peak_memory_bytes / GIB, getattr(r, metric) * scale), fontsize=7,
                         xytext=(5, 4), textcoords="offset points")
         source = next((r.metrics.get("memory_source") for r in pts if r.metrics.get("memory_source")), "")
         ax.set_xlabel(f"measured peak memory per rank (GiB{', ' + source if source else ''})")
@@ -238,9 +240,5 @@ class SweepResult:
 
 def _execution_count() -> int | None:
     """The running cell's number in an IPython shell (constant while the cell runs), else None."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    shell = get_ipython()
+    shell = ipython_shell()
     return getattr(shell, "execution_count", None) if shell is not None else None
