@@ -151,8 +151,9 @@ class Launcher:
         self.spec = spec
         self.process: subprocess.Popen | None = None
         self.started_at = 0.0
+        # Replaced, never changed in place: a background restart adopts ranks while a stop walks them.
         self._rank_processes: dict[int, psutil.Process] = {}
-        self._rank_groups: set[int] = set()
+        self._rank_groups: frozenset[int] = frozenset()
         self._exit_status: dict[int, str] = {}
 
     def start(self) -> None:
@@ -184,12 +185,16 @@ class Launcher:
         if not local:
             return
         try:
-            self._rank_processes[rank] = psutil.Process(pid)
+            process = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            return
+        self._rank_processes = {**self._rank_processes, rank: process}
+        try:
             group = os.getpgid(pid)
-        except (psutil.NoSuchProcess, ProcessLookupError):
+        except ProcessLookupError:
             return
         if group not in (os.getpgid(0), 0, 1):
-            self._rank_groups.add(group)
+            self._rank_groups = self._rank_groups | {group}
 
     def dead_ranks(self) -> list[int]:
         """Local ranks whose process has exited (zombie or gone); their exit status is kept."""
@@ -316,7 +321,7 @@ class Launcher:
                 self.process.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 log.warning("torchrun (pid %d) did not exit after SIGKILL", self.process.pid)
-        self._rank_processes.clear()
+        self._rank_processes = {}
 
     def all_pids(self) -> list[int]:
         pids = [p.pid for p in self._rank_processes.values()]

@@ -353,6 +353,9 @@ class Pool:
                     raise PoolError(f"restoring the layout {layout.describe()} failed: "
                                     + "; ".join(f"{m.get('ename')}: {m.get('evalue')}" for m in failed))
         except BaseException as exc:  # reported to the next request, which cannot run without ranks
+            if self._cancel_relaunch.is_set():  # Pool.stop()/restart() cancelled it: nothing failed
+                log.debug("automatic restart cancelled: %s: %s", type(exc).__name__, exc)
+                return
             self._relaunch_error = f"{type(exc).__name__}: {exc}"
             log.warning("automatic restart failed: %s", self._relaunch_error)
 
