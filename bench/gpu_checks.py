@@ -44,9 +44,8 @@ from pathlib import Path
 from IPython.core.interactiveshell import InteractiveShell
 
 import mnb
+from gpu_measure import GIB, MEASURED_PEAK_FLOPS, plain_torchrun, run_row  # noqa: F401
 
-MEASURED_PEAK_FLOPS = 790e12  # bf16 GEMM peak measured on this H200 (8192^3 matmul)
-GIB = 2**30
 HERE = Path(__file__).resolve().parent
 TWO_GPU_SECTIONS = ("parity", "memory", "bubble", "sweep")
 
@@ -239,47 +238,6 @@ class Checks:
         ax = result.plot()
         if ax is not None:
             ax.figure.savefig(self.out / "sweep.png", dpi=110)
-
-
-def run_row(run, train: str) -> dict:
-    tokens = [x for x in run.tokens_per_s[1:] if x]
-    step_times = [x for x in run.step_times_s[1:] if x]
-    flops = run.model_flops_per_step
-    row = {"layout": run.layout.describe(), "train": train, "m": run.num_microbatches,
-           "tokens_per_s": round(sum(tokens) / len(tokens)) if tokens else None,
-           "mfu_vs_790": round(flops / (sum(step_times) / len(step_times)) / run.world_size / MEASURED_PEAK_FLOPS, 3)
-           if step_times else None}
-    predicted = run.predicted_memory
-    worst = 0.0
-    for rank, rec in sorted(run.ranks.items()):
-        measured = rec["memory"]["peak_allocated_bytes"]
-        pred = predicted.for_rank(rank).total_bytes
-        row[f"r{rank}_meas_GiB"] = round(measured / GIB, 2)
-        row[f"r{rank}_pred_GiB"] = round(pred / GIB, 2)
-        worst = max(worst, abs(pred - measured) / measured)
-    row["worst_mem_err"] = round(worst, 3)
-    if run.layout.pp > 1:
-        row["bubble_measured"] = round(run.measured_bubble, 3)
-        row["bubble_theory"] = round(run.theoretical_bubble, 3)
-    return row
-
-
-def plain_torchrun(out: Path, *, nproc: int, layout: str, steps: int, mbs: int, gbs: int,
-                   preset: str = "llama-1b", seq: int = 2048, device: str = "cuda", bf16: bool = True) -> dict:
-    """Launch bench/plain_torchrun.py cold and read its JSON result."""
-    result = out / f"plain_{nproc}_{layout.replace('=', '').replace(',', '_')}_{steps}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "plain_torchrun.py"), "--layout", layout, "--steps", str(steps), "--mbs", str(mbs),
-           "--gbs", str(gbs), "--preset", preset, "--seq", str(seq), "--device", device,
-           "--result", str(result)] + ([] if bf16 else ["--fp32"])
-    env = dict(os.environ, MNB_LAUNCH_T=repr(time.time()))
-    if device == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode or not result.exists():
-        print(proc.stdout[-3000:], proc.stderr[-3000:])
-        return {"error": f"exit {proc.returncode}"}
-    return json.loads(result.read_text())
 
 
 def _fmt(value) -> str:

@@ -33,7 +33,7 @@ PRETRAIN_ARGS = [
     "--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "4096",
     "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "4",
     "--global-batch-size", "16", "--train-iters", "10", "--lr", "3e-4", "--bf16", "--vocab-size", "32000",
-    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--eval-iters", "0", "--log-interval", "5", "--no-gradient-accumulation-fusion",
+    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "5", "--no-gradient-accumulation-fusion",
     "--use-distributed-optimizer", "--mock-data", "--tokenizer-type", "NullTokenizer",
 ]
 FIRST = re.compile(r"first step at ([0-9.]+) s")

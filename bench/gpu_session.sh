@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of a change in one call on the lent device machine (one H200, no internet):
 #
-#   run(command="bash bench/gpu_session.sh", carry=[".whl"])
+#   run(command="MNB_GPU_STEPS=start,smoke,run_script bash bench/gpu_session.sh", carry=[".whl"])
 #
 # .whl/ holds the wheels the machine lacks (megatron-core 0.19.2 for Python 3.12, pyzmq,
 # pytest and its dependencies); they go to /tmp/site, never into the system Python.
@@ -25,8 +25,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
   ROWS+=("$(printf '%-24s exit %-4s %4ds' "$name" "$rc" $((SECONDS - start)))")
 }
 
-step gpu_smoke_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_gpu_smoke.py
-step run_script 270 python3 bench/gpu_run_script.py --gpus 1 --out "$OUT/run_script.json"
-step cp_attention 150 python3 bench/gpu_cp_attention.py --json "$OUT/cp_attention.json"
+# MNB_GPU_STEPS picks steps (one call is at most 10 minutes): "start" first, while the machine is cold.
+STEPS=${MNB_GPU_STEPS:-start,smoke,run_script}
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+has start && step h200_start 240 python3 bench/h200_limits.py --sections start --out "$OUT/h200_start"
+has smoke && step gpu_smoke_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_gpu_smoke.py
+has run_script && step run_script 200 python3 bench/gpu_run_script.py --gpus 1 --out "$OUT/run_script.json"
+has mfu && step h200_mfu 420 python3 bench/h200_limits.py --sections mfu,profile,plain --out "$OUT/h200_mfu"
+has cp_attention && step cp_attention 150 python3 bench/gpu_cp_attention.py --json "$OUT/cp_attention.json"
 
 printf '%s\n' "${ROWS[@]}" | tee "$OUT/steps.txt"

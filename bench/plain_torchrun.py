@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--fp32", action="store_true", help="train in fp32 (CPU ranks)")
+    parser.add_argument("--num-layers", type=int, default=None, help="override the preset's layers")
+    parser.add_argument("--no-fusions", action="store_true", help="Megatron's own ops (no compiled kernels)")
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
     launched = float(os.environ.get("MNB_LAUNCH_T", time.time()))
@@ -50,7 +52,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     layout = {k: int(v) for k, v in (item.split("=") for item in args.layout.split(","))}
     apply_layout(ParallelConfig(**layout))
-    model = gpt(args.preset, seq_length=args.seq)
+    overrides = {"num_layers": args.num_layers} if args.num_layers else {}
+    if args.no_fusions:
+        overrides["fusions"] = False
+    model = gpt(args.preset, seq_length=args.seq, **overrides)
     bf16 = not args.fp32
     record = train(model, steps=1, micro_batch_size=args.mbs, global_batch_size=args.gbs, bf16=bf16)
     if args.device == "cuda":

@@ -5,6 +5,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
 
     %mnb start [-n N] [--device auto|cpu|cuda] [--gpus 0,1,..] [--timeout SECONDS] [--cell-timeout SECONDS]
                [--grace SECONDS] [--nnodes K] [--rdzv-endpoint HOST:PORT] [--ip 127.0.0.1] [--threads T] [--verbose]
+               [--timings]
     %mnb status          per rank: pid, state (idle/busy/restarting/dead), device, memory, layout
     %mnb stop            stop every rank; no process is left behind
     %mnb restart         stop and start the same pool (same size, device and GPUs)
@@ -160,6 +161,9 @@ def start_parser() -> MagicArgumentParser:
     p.add_argument("--verbose", action="store_true", default=False,
                    help="show known third-party warnings (Megatron, torch, the TE/apex fallbacks) in the cells; "
                         "by default they go to the pool's log, mnb.pool().spec.log_file (default: off)")
+    p.add_argument("--timings", action="store_true", default=False,
+                   help="print where the start's seconds went, stage by stage, for the rank ready last "
+                        "(torchrun, interpreter, torch, CUDA, process group, Megatron-Core, mnb; default: off)")
     _slurm_arguments(p)
     return p
 
@@ -458,6 +462,8 @@ class MegatronMagics(Magics):
             [[i.rank, i.pid, i.host, i.device, i.backend] for i in sorted(pool.ranks.values(), key=lambda i: i.rank)],
         ))
         print(f"{pool.world_size} ranks ready in {pool.startup_s:.1f} s; layout {pool.layout.describe()}")
+        if args.timings:
+            print(pool.start_timings or "no start-up timings: the ranks did not send them")
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
         pool = current_pool(required=False)

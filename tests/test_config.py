@@ -79,7 +79,7 @@ def test_batch_divisibility():
 
 
 def test_presets_have_known_sizes():
-    assert {"tiny", "moe-tiny", "gpt2-124m", "llama-1b", "llama-8b", "llama-70b"} <= set(preset_names())
+    assert {"tiny", "moe-tiny", "gpt2-124m", "llama-1b", "llama-3b", "llama-8b", "llama-70b"} <= set(preset_names())
     sizes = {name: load_preset(name).num_parameters() for name in ("llama-7b", "llama-8b", "llama-70b", "gpt2-124m")}
     assert sizes["llama-7b"] == pytest.approx(6.74e9, rel=0.01)
     assert sizes["llama-8b"] == pytest.approx(8.03e9, rel=0.01)

@@ -48,6 +48,7 @@ from mnb.controller.collector import Collector, Outcome
 from mnb.controller.guards import NO_LATCH, InterruptLatch, exclusive
 from mnb.controller.launcher import LaunchSpec, Launcher, reachable_address, resolve_device
 from mnb.controller.output import coords_label
+from mnb.controller.start_timings import Stage, format_stages, rank_stages
 from mnb.controller.registry import set_last_run
 from mnb.controller.transport import Transport
 from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
@@ -128,6 +129,8 @@ class Pool:
         self._relaunch_error: str | None = None
         self._cancel_relaunch = threading.Event()
         self._stray_lines = 0
+        self.start_timings: str | None = None
+        """Where the last start's seconds went, for the rank ready last (``%mnb start --timings``)."""
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -222,6 +225,7 @@ class Pool:
         self.ranks = {}  # a new table, never one emptied under a thread iterating it
         self._broken = None
         self.layout = ParallelConfig().resolve(self.spec.world_size)
+        launched_at = time.time()  # wall clock: the ranks' start-up stages are compared with it
         try:
             launcher.start()
         except BaseException:
@@ -233,15 +237,16 @@ class Pool:
                 f"copied to the same path, run:\n  {self.spec.remote_command()}"
             )
         try:
-            self._await_hellos(transport, launcher)
+            self._await_hellos(transport, launcher, launched_at)
         except BaseException:
             self._teardown()
             raise
         self.startup_s = time.perf_counter() - t0
 
-    def _await_hellos(self, transport: Transport, launcher: Launcher) -> None:
+    def _await_hellos(self, transport: Transport, launcher: Launcher, launched_at: float) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         ready: dict[int, RankInfo] = {}
+        last_stages: list[Stage] = []
         while len(ready) < self.spec.world_size:
             if self._cancel_relaunch.is_set():
                 raise PoolError("the start was cancelled")
@@ -273,7 +278,12 @@ class Pool:
             )
             ready[info.rank] = info
             launcher.adopt(info.rank, info.pid, local)
+            if message.get("startup"):
+                last_stages = rank_stages(launched_at, message["startup"], time.time(), local)
+                last_rank = info.rank
         self.ranks = dict(sorted(ready.items()))  # one assignment: readers see the old table or the new
+        if last_stages:
+            self.start_timings = format_stages(last_stages, time.time() - launched_at, last_rank)
 
     def stop(self) -> None:
         """Shut ranks down, end every process the pool started, remove its folder and secret."""

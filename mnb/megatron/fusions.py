@@ -26,6 +26,7 @@ kernels (:func:`warm_up`, seconds); later models and layouts reuse them.
 from __future__ import annotations
 
 import functools
+import threading
 import math
 import os
 import time
@@ -39,6 +40,8 @@ COMPILE_ON_CPU = False
 
 _warmed = False
 """Whether this process compiled the loss and RoPE kernels."""
+_warm_lock = threading.Lock()
+"""One warm-up at a time: the pool's background compile and a model's own (mnb.worker.main)."""
 _warm_widths: set = set()
 """(SwiGLU width, dtype) pairs compiled in this process."""
 
@@ -58,7 +61,7 @@ def _kernel(fn, compiled: bool, *, dynamic: bool | None = True):
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
-            swiglu_widths: tuple[int, ...] = ()) -> float:
+            swiglu_widths: tuple[int, ...] = (), announce: bool = True) -> float:
     """Compile every fused kernel on small tensors; the seconds it took.
 
     Dynamo guards on the shapes of views' bases and specialises size-1
@@ -68,40 +71,56 @@ def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
     query group per rank, with sizes that coincide nowhere.  The loss and RoPE
     compile with symbolic shapes, once per process; SwiGLU once per width
     (``swiglu_widths``: fc1 outputs per rank).
-    Rank 0 says what it is doing, as the first time takes seconds.
+    Rank 0 says what it is doing, as the first time takes seconds (``announce``; the pool's
+    own background compile, started when a CUDA rank is ready, is silent).  A call while
+    another thread compiles waits for it, then compiles only what is still missing.
     """
-    global _warmed
     start = time.perf_counter()
+    if announce and _warm_lock.locked() and _is_first_rank():
+        print("mnb: waiting for the fused kernels the pool started compiling when it was ready", flush=True)
+    with _warm_lock:
+        _warm_up(device, dtype, swiglu_widths, announce)
+    return time.perf_counter() - start
+
+
+def _is_first_rank() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _warm_up(device: torch.device, dtype: torch.dtype, swiglu_widths: tuple[int, ...], announce: bool) -> None:
+    global _warmed
     widths = [w for w in dict.fromkeys(swiglu_widths) if (w, dtype) not in _warm_widths]
-    if not _warmed and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+    if not _warmed and announce and _is_first_rank():
         print("mnb: compiling the fused loss, RoPE and SwiGLU kernels (once per pool process; "
               "mnb.gpt(..., fusions=False) skips them)", flush=True)
+    # A private generator: the warm-up may run beside a model's initialisation (the pool's
+    # background compile) and must not move the seeded RNG streams training uses.
+    rng = torch.Generator(device=device).manual_seed(0)
     # (seq, micro batch, query groups on this rank): the last gives RoPE's key [s, 1, 1, hn],
     # micro batch 1 with one group per tp rank, which flattens to a size-1 dimension.
     for seq, batch, groups in ((11, 2, 3), (13, 1, 3), (17, 1, 1)):
         for width in widths:
-            x = torch.randn(seq, batch, width, device=device, dtype=dtype, requires_grad=True)
+            x = torch.randn(seq, batch, width, device=device, dtype=dtype, requires_grad=True, generator=rng)
             swiglu(x).float().sum().backward()
         if _warmed:
             continue
-        logits = torch.randn(seq, batch, 96, device=device, dtype=dtype, requires_grad=True)
-        labels = torch.randint(0, 96, (batch, seq), device=device)
+        logits = torch.randn(seq, batch, 96, device=device, dtype=dtype, requires_grad=True, generator=rng)
+        labels = torch.randint(0, 96, (batch, seq), device=device, generator=rng)
         language_model_loss(labels, logits, None).sum().backward()
         # SelfAttention: fc output [s, b, ng * (np/ng + 2) * hn] -> view -> split; query reshaped.
         per_group, head = 2, 8
         mixed = torch.randn(seq, batch, groups * (per_group + 2) * head, device=device, dtype=dtype,
-                            requires_grad=True)
+                            requires_grad=True, generator=rng)
         query, key, _ = mixed.view(seq, batch, groups, (per_group + 2) * head).split(
             [per_group * head, head, head], dim=3)
         query = query.reshape(seq, batch, -1, head)
-        freqs = torch.randn(seq, 1, 1, head, device=device)
+        freqs = torch.randn(seq, 1, 1, head, device=device, generator=rng)
         rotated = fused_rope(query, freqs), fused_rope(key, freqs)
         sum(r.float().sum() for r in rotated).backward()
     _warm_widths.update((w, dtype) for w in widths)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     _warmed = True
-    return time.perf_counter() - start
 
 
 @functools.lru_cache(maxsize=1)

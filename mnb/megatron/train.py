@@ -145,6 +145,29 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
         opt.config.clip_grad = tc.clip_grad
         for group in opt.param_groups:
             group["betas"] = (tc.adam_beta1, tc.adam_beta2)
+        _use_fused_adam(getattr(opt, "optimizer", None))
+
+
+def _use_fused_adam(inner) -> None:
+    """torch's fused Adam step (one kernel per tensor group) where Megatron fell back to torch's Adam.
+
+    Without Transformer Engine or apex, Megatron builds ``torch.optim.AdamW`` with its default,
+    the multi-tensor ``foreach`` step, which reads and writes each fp32 state several times;
+    ``fused`` does it in one pass.  Only for groups whose parameters are all on a GPU in a
+    floating dtype and whose step counters (if any, e.g. after ``mnb.load``) are on the same
+    device, as the fused kernel requires; anything else keeps Megatron's choice.
+    """
+    if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
+        return
+    for group in inner.param_groups:
+        params = group["params"]
+        on_gpu = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+        steps_fit = all(
+            isinstance(inner.state[p].get("step"), torch.Tensor) and inner.state[p]["step"].device == p.device
+            for p in params if "step" in inner.state.get(p, {})
+        )
+        if on_gpu and steps_fit and not group.get("differentiable") and not group.get("capturable"):
+            group["fused"], group["foreach"] = True, False
 
 
 def _sub_optimizers(optimizer) -> list:

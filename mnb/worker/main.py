@@ -30,6 +30,7 @@ import time
 import warnings
 from typing import Any
 
+from mnb.worker.startup import StartClock  # first: its import time is when the rank's own code began
 from mnb.protocol import ConnectionInfo, Message
 from mnb.worker.capture import RankStream, close_figures, mime_bundle, open_figures
 from mnb.worker.channel import Channel
@@ -119,42 +120,53 @@ class Rank:
         self.stdout = RankStream("stdout", self.channel, self.rank, sys.__stdout__)
         self.stderr = RankStream("stderr", self.channel, self.rank, sys.__stderr__)
         self.display_here = False
+        self.clock = StartClock()
 
     # -------------------------------------------------------------- start
     def start(self) -> None:
+        clock = self.clock
         verbose = verbose_warnings()
         route_warnings(self.rank, verbose)
-        import torch
-        import torch.distributed as dist
+        with clock.stage("torch import"):
+            import torch
+            import torch.distributed as dist
 
+        megatron_import = None
         if self.device_kind == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("--device cuda but torch sees no CUDA device on this host")
-            torch.cuda.set_device(self.local_rank)
+            # Megatron-Core's import is seconds of Python; CUDA's and NCCL's initialisation are
+            # seconds in C: one overlaps the other.
+            megatron_import = _InThread("Megatron-Core import", clock, _import_megatron)
+            with clock.stage("CUDA init"):
+                torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
             backend = "nccl"
         else:
             from mnb.megatron import cpu
 
-            cpu.install()
+            with clock.stage("Megatron-Core import and CPU redirection"):
+                cpu.install()
             route_warnings(self.rank, verbose)  # cpu.install() ignores the apex notices: log or show them
             self.device = torch.device("cpu")
             backend = "gloo"
         kwargs: dict[str, Any] = {"backend": backend}
         if backend == "nccl":
             kwargs["device_id"] = self.device
-        dist.init_process_group(**kwargs)
+        with clock.stage(f"process group ({backend})"):
+            dist.init_process_group(**kwargs)
         self.backend = backend
+        if megatron_import is not None:
+            megatron_import.result()
 
-        from megatron.core import parallel_state
+        with clock.stage("mnb: layout and recording"):
+            from megatron.core import parallel_state
 
-        from mnb.config import ParallelConfig
-        from mnb.megatron import events, layout
+            from mnb.config import ParallelConfig
+            from mnb.megatron import autorecord, events, layout
 
-        layout.apply_layout(ParallelConfig())
-        from mnb.megatron import autorecord
-
-        autorecord.install()  # a cell's or script's own get_forward_backward_func calls are measured
+            layout.apply_layout(ParallelConfig())
+            autorecord.install()  # a cell's or script's own get_forward_backward_func calls are measured
         self.layout = layout.current_layout().as_dict()
         events.set_sink(self._send_event)
         self.cell_id: str | None = None
@@ -189,9 +201,12 @@ class Rank:
                     "layout": self.layout,
                     "torch": torch.__version__,
                     "megatron": _megatron_version(),
+                    "startup": clock.as_header(),
                 },
             )
         )
+        if self.device.type == "cuda":
+            _warm_fused_kernels_in_background(self.device)
 
     def _device_name(self) -> str:
         import torch
@@ -354,6 +369,69 @@ class Rank:
         # so the message itself always unpickles there whatever the values hold.
         encoded = values.encode_values({name: self.namespace[name] for name in message["names"]})
         self.channel.reply(message, payload=encoded, ok=True, encoded=True)
+
+
+class _InThread:
+    """Run ``fn`` in a helper thread as one stage of the start; :meth:`result` re-raises its error."""
+
+    def __init__(self, name: str, clock: StartClock, fn):
+        import threading
+
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                with clock.stage(name):
+                    fn()
+            except BaseException as exc:  # re-raised in the main thread by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=f"mnb-{name}", daemon=True)
+        self._thread.start()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _import_megatron() -> None:
+    """Import what the first ``mnb.gpt``/``mnb.train`` needs from Megatron-Core (no CUDA work)."""
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.parallel_state  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+
+    import mnb.megatron.autorecord  # noqa: F401
+    import mnb.megatron.layout  # noqa: F401
+    import mnb.megatron.model  # noqa: F401
+    import mnb.megatron.train  # noqa: F401
+
+
+def _warm_fused_kernels_in_background(device) -> None:
+    """Compile the fused loss and RoPE kernels while the notebook has nothing for this rank yet.
+
+    They take seconds to compile (about 11 s with an empty Inductor cache on an H200) and
+    every fused model needs them; the first ``mnb.gpt`` that arrives meanwhile waits for
+    this compile instead of starting its own (``fusions.warm_up`` holds a lock).
+    """
+    import threading
+
+    def warm() -> None:
+        try:
+            import torch
+
+            from mnb.megatron import fusions
+
+            if not fusions.compile_available():
+                return
+            torch.cuda.set_device(device)  # the current device is per thread
+            fusions.warm_up(device, announce=False)
+        except Exception as exc:  # the first model compiles them instead; say why in the log
+            log.warning("background compile of the fused kernels failed: %s", exc)
+
+    threading.Thread(target=warm, name="mnb-fused-kernels", daemon=True).start()
 
 
 def _interrupts_deferred() -> bool:

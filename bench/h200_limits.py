@@ -1,0 +1,143 @@
+"""One H200, closer to the limit (issue 18): every measurement in one device call.
+
+    python bench/h200_limits.py --out OUTDIR        # writes OUTDIR/h200_limits.json and .md
+
+1. A fresh pool on a cold machine (empty compile cache: ``XDG_CACHE_HOME`` set to a new folder)
+   to its first finished llama-1b step (8 layers, mbs 4, seq 2048): ``Pool.start`` with the
+   start-up breakdown (what ``%mnb start --timings`` prints), then the first cell.
+2. A cold ``torchrun`` of the same step with Megatron's own ops (bench/plain_torchrun.py
+   ``--no-fusions``: no compile), the reference a pool must beat.
+3. A second fresh pool (the machine has run mnb before: compile cache filled) to its first step;
+   in it a new model to its first step.
+4. MFU against the measured 790 TFLOP/s bf16 GEMM peak and peak memory predicted vs measured:
+   llama-1b and llama-3b at several micro batches (8 microbatches per step), with and without
+   mnb's fused kernels, and llama-1b with Megatron's default (foreach) Adam step for comparison.
+5. A kernel profile of llama-3b's best micro batch (bench/kernel_profile.py), and the pool
+   against a plain torchrun script doing the same llama-1b steps.
+
+Uses the pool API (the device machine has no IPython; ``%mnb`` calls the same methods).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from gpu_measure import plain_torchrun, run_row  # noqa: E402
+
+FIRST_CELL = ("model = mnb.gpt('llama-1b', num_layers=8, seq_length=2048)\n"
+              "mnb.train(model, steps=1, micro_batch_size=4, global_batch_size=4, bf16=True)")
+STEPS = 6
+
+
+class Bench:
+    def __init__(self, out: Path):
+        self.out, self.rows = out, {}
+
+    def add(self, section: str, row: dict) -> None:
+        print(f"[{section}] {json.dumps(row, default=str)}", flush=True)
+        self.rows.setdefault(section, []).append(row)
+        (self.out / "h200_limits.json").write_text(json.dumps(self.rows, indent=1, default=str))
+
+    def fresh_pool(self, label: str):
+        from mnb.controller import Pool
+
+        start = time.perf_counter()
+        pool = Pool.start(1, gpus=[0], timeout=600)
+        ready = time.perf_counter() - start
+        pool.run(FIRST_CELL)
+        first = time.perf_counter() - start
+        self.add("start", {"pool": label, "ready_s": round(ready, 2), "first_cell_s": round(first - ready, 2),
+                           "fresh_pool_to_first_step_s": round(first, 2), "timings": pool.start_timings})
+        return pool
+
+    def train_row(self, pool, section: str, preset: str, mbs: int, gbs_per_mbs: int = 8, model_kw: str = "",
+                  before: str = "", note: str = "") -> None:
+        import mnb
+
+        gbs = mbs * gbs_per_mbs
+        label = f"{preset} mbs {mbs} gbs {gbs}" + (f" {model_kw}" if model_kw else "") + (f" ({note})" if note else "")
+        try:
+            pool.run("model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n" + before
+                     + f"model = mnb.gpt({preset!r}, seq_length=2048{', ' + model_kw if model_kw else ''})\n"
+                     f"mnb.train(model, steps={STEPS}, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)")
+            self.add(section, {"model": label, **run_row(mnb.last_run, label)})
+        except Exception:
+            self.add(section, {"model": label, "error": traceback.format_exc()[-1500:]})
+
+    def profile(self, pool, preset: str, mbs: int) -> None:
+        try:
+            pool.run(f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom kernel_profile import profile_step\n"
+                     "model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+                     f"model = mnb.gpt({preset!r}, seq_length=2048)\n"
+                     f"mnb.train(model, steps=2, micro_batch_size={mbs}, global_batch_size={8 * mbs}, bf16=True)\n"
+                     f"profile = profile_step(model, micro_batch_size={mbs}, global_batch_size={8 * mbs}, bf16=True)")
+            profile = pool.pull("profile")[0]
+            self.add("profile", {"model": f"{preset} mbs {mbs}", "busy_share": profile["busy_share"],
+                                 "step_wall_s": profile["wall_s"], **{f"{k}_s": v for k, v in profile["groups_s"].items()}})
+        except Exception:
+            self.add("profile", {"model": f"{preset} mbs {mbs}", "error": traceback.format_exc()[-1500:]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="h200-out")
+    parser.add_argument("--sections", default="start,mfu,profile,plain")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = args.sections.split(",")
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mnb-cold-cache-")  # an empty compile cache
+    bench = Bench(out)
+    from mnb.controller import Pool
+
+    pool = None
+    if "start" in sections:
+        pool = bench.fresh_pool("first on this machine, empty compile cache")
+        pool.stop()
+        cold = plain_torchrun(out, nproc=1, layout="tp=1", steps=1, mbs=4, gbs=4,
+                              extra=("--num-layers", "8", "--no-fusions"))
+        bench.add("start", {"pool": "cold torchrun, Megatron's own ops (no compile)", **cold})
+        pool = bench.fresh_pool("second on this machine, compile cache filled")
+        start = time.perf_counter()
+        pool.run("model = mnb.gpt('llama-1b', num_layers=8, seq_length=2048, seed=2)\n"
+                 "mnb.train(model, steps=1, micro_batch_size=4, global_batch_size=4, bf16=True)")
+        bench.add("start", {"pool": "new model in the warm pool", "new_model_to_first_step_s":
+                            round(time.perf_counter() - start, 2)})
+    pool = pool or Pool.start(1, gpus=[0], timeout=600)
+    if "mfu" in sections:
+        for preset, mbs in (("llama-1b", 8), ("llama-1b", 16), ("llama-3b", 4), ("llama-3b", 8)):
+            bench.train_row(pool, "mfu", preset, mbs)
+        for preset in ("llama-1b", "llama-3b"):
+            bench.train_row(pool, "mfu", preset, 8, model_kw="fusions=False")
+        bench.train_row(pool, "mfu", "llama-1b", 8, note="Megatron's foreach Adam step",
+                        before="import mnb.megatron.train as _t; _fused = _t._use_fused_adam; "
+                               "_t._use_fused_adam = lambda inner: None\n")
+        pool.run("_t._use_fused_adam = _fused")
+    if "profile" in sections:
+        bench.profile(pool, "llama-3b", 8)
+    pool.stop()
+    if "plain" in sections:
+        plain = plain_torchrun(out, nproc=1, layout="tp=1", steps=STEPS, mbs=8, gbs=64)
+        bench.add("plain", {"job": f"llama-1b mbs 8 gbs 64, {STEPS} steps, plain torchrun", **plain})
+    lines = []
+    for section, rows in bench.rows.items():
+        lines.append(f"## {section}\n")
+        for row in rows:
+            lines.append("- " + json.dumps(row, default=str))
+        lines.append("")
+    (out / "h200_limits.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
