@@ -52,6 +52,19 @@ def _presets() -> Traversable:
     return package_data("templates") / "presets"
 
 
+def as_vpp(vpp: int | None) -> int:
+    """``vpp`` as mnb spells it: an int >= 1 (``None``, which users may pass, means 1: no interleaving).
+
+        >>> as_vpp(None), as_vpp(1), as_vpp(2)
+        (1, 1, 2)
+    """
+    if vpp is None:
+        return 1
+    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
+        raise ValueError(f"vpp must be a positive integer (1 = no interleaving), got {vpp!r}")
+    return vpp
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How ranks are arranged.  dp is derived: world / (tp * pp * cp)."""
@@ -60,8 +73,10 @@ class ParallelConfig:
     """Tensor-parallel size (Megatron: tensor_model_parallel_size)."""
     pp: int = 1
     """Pipeline-parallel size."""
-    vpp: int | None = None
-    """Virtual pipeline stages per rank (interleaved 1F1B); None = plain 1F1B."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank: 1 = plain 1F1B, more = interleaved 1F1B.  ``None`` is
+    accepted and stored as 1; Megatron's own ``None`` for "no interleaving" is made only where mnb
+    calls Megatron (:func:`mnb.megatron.layout.megatron_vpp`)."""
     cp: int = 1
     """Context-parallel size: each sequence split over cp ranks (TE attention when installed, else
     mnb's all-gather attention on the local spec, mnb.megatron.context_parallel)."""
@@ -73,18 +88,16 @@ class ParallelConfig:
     """Megatron sequence parallelism (needs tp > 1 to have any effect)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "vpp", as_vpp(self.vpp))
         for name in ("tp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.vpp is not None:
-            if not isinstance(self.vpp, int) or self.vpp < 1:
-                raise ValueError(f"vpp must be a positive integer or None, got {self.vpp!r}")
-            if self.vpp > 1 and self.pp < 2:
-                raise ValueError(
-                    f"vpp({self.vpp}) needs pipeline parallelism: pp is {self.pp}; "
-                    "set --pp 2 or more, or drop --vpp"
-                )
+        if self.vpp > 1 and self.pp < 2:
+            raise ValueError(
+                f"vpp({self.vpp}) needs pipeline parallelism: pp is {self.pp}; "
+                "set --pp 2 or more, or drop --vpp"
+            )
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ValueError(f"dp must be a positive integer or None, got {self.dp!r}")
 
@@ -141,7 +154,7 @@ class ParallelConfig:
     def describe(self) -> str:
         """Short text such as 'tp2 pp2 dp1 sp'."""
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
-        if self.vpp and self.vpp > 1:
+        if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
@@ -288,11 +301,11 @@ class ModelConfig:
                 f"num_query_groups({self.query_groups}) is not divisible by tp({parallel.tp}); "
                 f"choose tp from {divisors(self.query_groups)}"
             )
-        stages = parallel.pp * (parallel.vpp or 1)
+        stages = parallel.pp * parallel.vpp
         if self.num_layers % stages:
             raise ValueError(
                 f"num_layers({self.num_layers}) is not divisible by pp({parallel.pp}) * "
-                f"vpp({parallel.vpp or 1}) = {stages}"
+                f"vpp({parallel.vpp}) = {stages}"
             )
         if parallel.ep > 1 and not self.is_moe:
             raise ValueError(f"ep({parallel.ep}) needs an MoE model; '{self.name}' has no experts")

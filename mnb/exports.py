@@ -276,7 +276,7 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     # parallelism
     add("--tensor-model-parallel-size", layout.tp)
     add("--pipeline-model-parallel-size", layout.pp)
-    if (layout.vpp or 1) > 1:
+    if layout.vpp > 1:
         add("--num-layers-per-virtual-pipeline-stage", model.num_layers // (layout.pp * layout.vpp))
     add("--context-parallel-size", layout.cp)
     if layout.cp > 1:

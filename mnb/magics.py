@@ -407,9 +407,8 @@ def requested_layout(current: ParallelConfig, args: Any, world_size: int) -> Par
     try:
         if not named:
             return replace(current, dp=None).resolve(world_size)
-        vpp = named.get("vpp")
         return ParallelConfig(
-            tp=named.get("tp", 1), pp=named.get("pp", 1), vpp=None if vpp in (None, 1) else vpp,
+            tp=named.get("tp", 1), pp=named.get("pp", 1), vpp=named.get("vpp", 1),
             cp=named.get("cp", 1), ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp", False)),
         ).resolve(world_size)
     except ValueError as exc:
@@ -536,9 +535,8 @@ class MegatronMagics(Magics):
         try:
             layout = None
             if named:
-                vpp = named.get("vpp")
                 layout = ParallelConfig(tp=named.get("tp", 1), pp=named.get("pp", 1),
-                                        vpp=None if vpp in (None, 1) else vpp, cp=named.get("cp", 1),
+                                        vpp=named.get("vpp", 1), cp=named.get("cp", 1),
                                         ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")))
             exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
                               layout=layout, output=args.output, sbatch_options=args.sbatch_arg, **settings)

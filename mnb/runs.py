@@ -394,7 +394,7 @@ class Run:
             for ev in self.timeline(step):
                 if ev["kind"] in ("forward", "backward"):
                     durations.setdefault((int(ev["stage"]), ev["kind"]), []).append(ev["end_s"] - ev["start_s"])
-        vpp = self.layout.vpp or 1
+        vpp = self.layout.vpp
         try:
             per_stage = {kind: [vpp * sum(durations[(s, kind)]) / len(durations[(s, kind)])
                                 for s in range(self.layout.pp)] for kind in ("forward", "backward")}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, load_preset, model_config, preset_names
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, load_preset, model_config, preset_names
 
 
 def megatron_coordinates(layout: ParallelConfig, world: int) -> dict[int, dict[str, int]]:
@@ -43,6 +44,18 @@ def test_layout_errors_carry_numbers():
     with pytest.raises(ValueError, match="tp must be a positive integer"):
         ParallelConfig(tp=0)
     assert ParallelConfig(tp=2, pp=2).resolve(8).dp == 2
+
+
+def test_vpp_is_one_int_inside_mnb_and_none_is_accepted_as_1():
+    """One spelling of 'no interleaving' (1); users' None becomes 1 at the boundary, below 1 is refused."""
+    assert ParallelConfig().vpp == 1 and ParallelConfig(vpp=None) == ParallelConfig(vpp=1)
+    assert ParallelConfig(pp=2, vpp=None).as_dict()["vpp"] == 1
+    assert replace(ParallelConfig(pp=2, vpp=2), vpp=None).vpp == 1  # replace() goes through the same check
+    assert ParallelConfig(**{**ParallelConfig(pp=2).as_dict(), "vpp": None}).describe() == "tp1 pp2 dp?"
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match=r"vpp must be a positive integer \(1 = no interleaving\), got"):
+            ParallelConfig(pp=2, vpp=bad)
+    assert [as_vpp(v) for v in (None, 1, 4)] == [1, 1, 4]
 
 
 def test_model_checks_against_layout():

@@ -63,11 +63,14 @@ def test_a_cell_naming_a_layout_flag_runs_under_exactly_that_layout():
         assert _run_cells(history + ["--tp 2 --vpp 2 --pp 2"], world=8)[-1] == "tp2 pp2 vpp2 dp2"
     fresh = requested_layout(ParallelConfig(tp=2, sequence_parallel=True).resolve(4), _cell("--cp 2"), 4)
     assert (fresh.tp, fresh.pp, fresh.vpp, fresh.cp, fresh.ep, fresh.sequence_parallel, fresh.dp) == \
-        (1, 1, None, 2, 1, False, 2)
+        (1, 1, 1, 2, 1, False, 2)
     with pytest.raises(UsageError, match=r"tp\(2\) \* pp\(2\) \* cp\(1\) = 4 does not divide world size 2"):
         _run_cells(["--tp 2 --pp 2"], world=2)
     with pytest.raises(UsageError, match=r"vpp\(2\) needs pipeline parallelism"):
         _run_cells(["--pp 2", "--vpp 2"], world=2)  # --vpp alone is pp1: refused, not pp2 from before
+    assert _run_cells(["--pp 2 --vpp 1"], world=2) == ["tp1 pp2 dp1"]  # 1: no interleaving
+    with pytest.raises(UsageError, match=r"vpp must be a positive integer \(1 = no interleaving\), got 0"):
+        _run_cells(["--pp 2 --vpp 0"], world=2)
     assert set(LAYOUT_FLAGS) == {"tp", "pp", "vpp", "cp", "ep", "sp"}
 
 

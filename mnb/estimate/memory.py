@@ -206,7 +206,7 @@ def memory(
         raise ValueError(f"overhead_fraction must be >= 0, got {overhead_fraction}")
     m = resolve_microbatches(train, parallel, num_microbatches)
     pp, tp, cp, ep, dp = parallel.pp, parallel.tp, parallel.cp, parallel.ep, parallel.dp or 1
-    if parallel.vpp and parallel.vpp > 1 and m < pp:
+    if parallel.vpp > 1 and m < pp:
         raise ValueError(
             f"interleaved schedule (vpp={parallel.vpp}) needs num_microbatches({m}) >= pp({pp}); "
             f"raise global_batch_size to at least {pp * train.micro_batch_size * dp}"
@@ -224,7 +224,7 @@ def memory(
     per_layer = layer_activation_bytes(model, shape)
     one_full_layer = full_layer_bytes(model, shape)
     vocab = padded_vocab_size(model, tp)
-    v = parallel.vpp or 1
+    v = parallel.vpp
     sp_div = tp if sp else 1
     dense_bpp = bytes_per_param(train, dp * cp, grad_bytes=grad_bytes)
     expert_bpp = bytes_per_param(train, max(dp * cp // ep, 1), grad_bytes=grad_bytes)
@@ -317,7 +317,7 @@ def megatron_estimate_bytes(
     bpp = 6 + 12 / dp if train.use_distributed_optimizer else 18
     acts = s * b * h * (18 + 4 * model.ffn / h) * model.num_layers
     acts += 8 * s * b * pp + s * b * h * pp
-    if parallel.vpp:
+    if parallel.vpp > 1:  # Megatron-LM: virtual_pipeline_model_parallel_size is not None
         acts *= 1 + (pp - 1) / (pp * parallel.vpp)
     elif pp > 1:
         acts *= min(1, num_microbatches / pp)

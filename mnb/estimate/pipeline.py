@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence, Iterable
 
-from mnb.config import ParallelConfig
+from mnb.config import ParallelConfig, as_vpp
 
 COMPUTE_KINDS = ("forward", "backward")
 
@@ -52,18 +52,17 @@ def bubble_time_ratio(parallel: ParallelConfig, num_microbatches: int) -> float:
     m = num_microbatches
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {m!r}")
-    v = parallel.vpp or 1
-    return (parallel.pp - 1) / (v * m)
+    return (parallel.pp - 1) / (parallel.vpp * m)
 
 
-def warmup_microbatches(pp: int, stage: int, num_microbatches: int, vpp: int | None = None) -> int:
+def warmup_microbatches(pp: int, stage: int, num_microbatches: int, vpp: int | None = 1) -> int:
     """Forward passes a stage runs before its first backward (Megatron-Core schedules.py).
 
     1F1B: ``pp - stage - 1``; interleaved: ``(pp - stage - 1) * 2 + (vpp - 1) * pp``
     (microbatch group size = pp, the default); both capped at the total number
-    of (chunk, microbatch) forward passes.
+    of (chunk, microbatch) forward passes.  ``vpp`` 1 (or None) is plain 1F1B.
     """
-    v = vpp or 1
+    v = as_vpp(vpp)
     total = num_microbatches * v
     if pp == 1:
         return 0
@@ -74,7 +73,7 @@ def warmup_microbatches(pp: int, stage: int, num_microbatches: int, vpp: int | N
     return min(warm, total)
 
 
-def in_flight(pp: int, stage: int, num_microbatches: int, vpp: int | None = None) -> int:
+def in_flight(pp: int, stage: int, num_microbatches: int, vpp: int | None = 1) -> int:
     """(chunk, microbatch) activations a stage holds at its peak.
 
     1F1B: ``min(pp - stage, m)`` microbatches (stage r stashes its warm-up
@@ -82,8 +81,8 @@ def in_flight(pp: int, stage: int, num_microbatches: int, vpp: int | None = None
     passes; for stage 0 this equals Megatron's memory factor
     ``1 + (pp-1)/(pp*vpp)`` times pp microbatches of the stage's layers.
     """
-    v = vpp or 1
-    return min(warmup_microbatches(pp, stage, num_microbatches, vpp) + 1, num_microbatches * v)
+    v = as_vpp(vpp)
+    return min(warmup_microbatches(pp, stage, num_microbatches, v) + 1, num_microbatches * v)
 
 
 def _chunk_order(pp: int, m: int, v: int) -> list[tuple[int, int]]:
@@ -114,7 +113,7 @@ def simulate_schedule(
     (previous stage's forward, next stage's backward) has arrived.  Transfers
     take no time, so the idle time is the schedule's own bubble.
     """
-    pp, m, v = parallel.pp, num_microbatches, parallel.vpp or 1
+    pp, m, v = parallel.pp, num_microbatches, parallel.vpp
     if m < 1:
         raise ValueError(f"num_microbatches must be positive, got {m}")
     if v > 1 and m < pp:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, divisors
 from mnb.units import GIB
 
 from . import hardware
@@ -107,7 +107,7 @@ def plan(
     train: TrainConfig | None = None,
     tps: Iterable[int] | None = None,
     pps: Iterable[int] | None = None,
-    vpps: Sequence[int | None] = (None, 2),
+    vpps: Sequence[int | None] = (1, 2),
     cps: Iterable[int] | None = None,
     eps: Iterable[int] | None = None,
     recomputes: Sequence[str] = ("none", "selective", "full"),
@@ -145,6 +145,7 @@ def plan(
         p for p in divisors(gpus) if model.num_layers % p == 0
     ]
     cp_choices = list(cps) if cps is not None else [c for c in divisors(gpus) if c <= MAX_CP and c & (c - 1) == 0]
+    vpp_choices = list(dict.fromkeys(as_vpp(v) for v in vpps))  # None (accepted) is 1: no interleaving
     ep_choices = list(eps) if eps is not None else (
         divisors(model.num_moe_experts) if model.is_moe else [1]
     )
@@ -159,8 +160,8 @@ def plan(
                 if gbs % (mbs * dp):
                     continue
                 m = gbs // (mbs * dp)
-                for vpp in vpps:
-                    if vpp is not None and (pp < 2 or vpp < 2 or model.num_layers % (pp * vpp) or m < pp):
+                for vpp in vpp_choices:
+                    if vpp > 1 and (pp < 2 or model.num_layers % (pp * vpp) or m < pp):
                         continue
                     for ep in ep_choices:
                         if (dp * cp) % ep:

@@ -292,10 +292,9 @@ def _layout_now(config):
 
     from mnb.config import ParallelConfig
 
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     parallel = ParallelConfig(
         tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-        vpp=vpp if vpp and vpp > 1 else None, cp=ps.get_context_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1, cp=ps.get_context_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(), dp=ps.get_data_parallel_world_size(),
         sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
     coords = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),

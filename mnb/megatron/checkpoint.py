@@ -92,7 +92,7 @@ def _layout() -> dict[str, Any]:
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
-        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,  # mnb's spelling: 1, not None
         "dp": ps.get_data_parallel_world_size(),
         "cp": ps.get_context_parallel_world_size(),
         "ep": ps.get_expert_model_parallel_world_size(),
@@ -485,7 +485,10 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
         init_empty_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
                                                          metadata=dict(OPTIMIZER_METADATA))
-    same_layout = meta.get("layout") == _layout()
+    saved = meta.get("layout")
+    if saved is not None:
+        saved = {**saved, "vpp": saved.get("vpp") or 1}  # saves before vpp was always an int wrote None
+    same_layout = saved == _layout()
     use_rng = bool(load_rng and same_layout)
     if use_rng:
         state["mnb_rng"] = _rng_sharded_object(None)

@@ -55,6 +55,11 @@ def generation() -> int:
     return _generation
 
 
+def megatron_vpp(vpp: int) -> int | None:
+    """Megatron's spelling of mnb's ``vpp`` (an int >= 1): ``None`` when there is no interleaving."""
+    return vpp if vpp > 1 else None
+
+
 def _same_groups(a: ParallelConfig, b: ParallelConfig) -> bool:
     """True when a and b need the same process groups (sequence_parallel is a model flag)."""
     return dataclasses.replace(a, sequence_parallel=False) == dataclasses.replace(
@@ -133,8 +138,6 @@ def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
             "(start a pool with %mnb start), or call torch.distributed.init_process_group first"
         )
     resolved = parallel.resolve(torch.distributed.get_world_size())
-    if resolved.vpp == 1:
-        resolved = dataclasses.replace(resolved, vpp=None)
     now = current_layout()
     if now is not None and _same_groups(now, resolved):
         _current = resolved
@@ -149,9 +152,7 @@ def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
             ps.initialize_model_parallel,
             tensor_model_parallel_size=resolved.tp,
             pipeline_model_parallel_size=resolved.pp,
-            virtual_pipeline_model_parallel_size=(
-                resolved.vpp if resolved.vpp and resolved.vpp > 1 else None
-            ),
+            virtual_pipeline_model_parallel_size=megatron_vpp(resolved.vpp),
             context_parallel_size=resolved.cp,
             expert_model_parallel_size=resolved.ep,
         )

@@ -187,7 +187,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, fusions: b
         layernorm_epsilon=cfg.layernorm_epsilon,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp if (parallel.vpp or 1) > 1 else None,
+        virtual_pipeline_model_parallel_size=_layout.megatron_vpp(parallel.vpp),
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
@@ -205,7 +205,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, fusions: b
             moe_ffn_hidden_size=cfg.moe_ffn,
             moe_token_dispatcher_type="alltoall" if parallel.ep > 1 else "allgather",
         )
-    if (parallel.vpp or 1) > 1:
+    if parallel.vpp > 1:
         # Interleaved 1F1B with batched p2p sends activations and gradients to the same
         # peer in one batch_isend_irecv; when pp == 2 the peer is the same rank in both
         # directions and gloo pairs the messages in posting order, swapping them (seen as
@@ -278,12 +278,12 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
     tconfig = transformer_config(cfg, parallel, fusions=fused)
     model_class = _gpt_class(fused_loss=fused and not tconfig.cross_entropy_loss_fusion)
     vocab = padded_vocab_size(cfg.vocab_size, parallel.tp)
-    vpp = parallel.vpp if (parallel.vpp or 1) > 1 else None
+    interleaved = parallel.vpp > 1
     torch.manual_seed(seed)
     chunks = []
-    for stage in range(vpp or 1):
-        vp_stage = stage if vpp else None
-        if vpp:
+    for stage in range(parallel.vpp):
+        vp_stage = stage if interleaved else None
+        if interleaved:
             first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
             last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         else:

@@ -247,7 +247,7 @@ def memory_png(estimate: Any, run: Any = None) -> bytes:
 def timeline_png(parallel: ParallelConfig, num_microbatches: int, run: Any = None) -> bytes:
     """Schematic 1F1B / interleaved schedule (and the measured timeline after a run)."""
     shown = min(num_microbatches, SCHEMATIC_MAX_MICROBATCHES)
-    if (parallel.vpp or 1) > 1 and shown < parallel.pp:
+    if parallel.vpp > 1 and shown < parallel.pp:
         shown = num_microbatches
     height = 0.9 + 0.45 * parallel.pp
     fig, axes = new_figure((7.6, height * (2 if run is not None else 1)), 2 if run is not None else 1, 1)

@@ -77,7 +77,7 @@ def check_layout(
         else:
             per = train.micro_batch_size * dp
             m = -(-(train.global_batch_size or per) // per)
-        if (resolved.vpp or 1) > 1 and m < resolved.pp:
+        if resolved.vpp > 1 and m < resolved.pp:
             raise ValueError(
                 f"the interleaved schedule (vpp={resolved.vpp}) needs num_microbatches({m}) >= "
                 f"pp({resolved.pp}); raise global_batch_size to at least "
@@ -96,7 +96,7 @@ def axis_options(
     refused: dict[int, str] = {}
     for value in candidates(axis, model, gpus):
         try:
-            trial = replace(parallel, dp=None, **{axis: _as_field(axis, value)})
+            trial = replace(parallel, dp=None, **{axis: value})
             if axis == "tp" and value == 1 and trial.sequence_parallel:
                 trial = replace(trial, sequence_parallel=False)
             check_layout(model, trial, gpus, train if axis in ("vpp", "pp") else None, batch=False)
@@ -105,11 +105,6 @@ def axis_options(
         else:
             valid.append(value)
     return AxisOptions(axis=axis, valid=valid, unavailable=refused)
-
-
-def _as_field(axis: str, value: int):
-    """vpp 1 means 'no interleaving', which ParallelConfig spells None."""
-    return (None if value == 1 else value) if axis == "vpp" else value
 
 
 def nearest(value: int, valid: list[int]) -> int:

@@ -75,7 +75,7 @@ class Explorer(PoolRunMixin, widgets.VBox):
     # ----- layout -----------------------------------------------------------------
     tp = Int(_PAR.tp, help="Tensor-parallel size.").tag(sync=True)
     pp = Int(_PAR.pp, help="Pipeline-parallel size.").tag(sync=True)
-    vpp = Int(_PAR.vpp or 1, help="Virtual stages per pipeline rank (1 = plain 1F1B).").tag(sync=True)
+    vpp = Int(_PAR.vpp, help="Virtual stages per pipeline rank (1 = plain 1F1B).").tag(sync=True)
     cp = Int(_PAR.cp, help="Context-parallel size.").tag(sync=True)
     ep = Int(_PAR.ep, help="Expert-parallel size (MoE models).").tag(sync=True)
     sequence_parallel = Bool(_PAR.sequence_parallel, help="Megatron sequence parallelism (tp > 1).").tag(sync=True)
@@ -139,7 +139,6 @@ class Explorer(PoolRunMixin, widgets.VBox):
         values = {a: getattr(self, a) for a in AXES}
         values["sequence_parallel"] = self.sequence_parallel
         values.update(proposed)
-        values["vpp"] = values["vpp"] if values["vpp"] > 1 else None
         return ParallelConfig(**values)
 
     def train_config(self, **proposed: Any) -> TrainConfig:

@@ -51,6 +51,16 @@ def test_warmup_counts_follow_megatron():
     assert [est.in_flight(4, r, 8) for r in range(4)] == [4, 3, 2, 1]
 
 
+def test_vpp_none_is_accepted_as_plain_1f1b():
+    """Users may still write vpp=None (Megatron's spelling); inside mnb it is 1."""
+    assert [est.warmup_microbatches(4, r, 8, vpp=None) for r in range(4)] == [3, 2, 1, 0]
+    assert est.in_flight(4, 0, 8, vpp=None) == est.in_flight(4, 0, 8, vpp=1) == 4
+    as_dict = est.memory("tiny", {"pp": 2, "vpp": None}, {"global_batch_size": 8}, gpus=2)
+    assert as_dict.peak_bytes == est.memory("tiny", ParallelConfig(pp=2), {"global_batch_size": 8}, gpus=2).peak_bytes
+    with pytest.raises(ValueError, match=r"vpp must be a positive integer \(1 = no interleaving\), got 0"):
+        est.warmup_microbatches(4, 0, 8, vpp=0)
+
+
 def test_bubble_errors():
     with pytest.raises(ValueError, match="num_microbatches must be a positive integer, got 0"):
         est.bubble(ParallelConfig(pp=2, dp=1), 0)

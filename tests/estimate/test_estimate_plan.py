@@ -40,6 +40,12 @@ def test_moe_plan_includes_expert_parallel():
     assert rows[0].fits
 
 
+def test_plan_takes_none_for_no_interleaving():
+    old, new = (est.plan("llama-7b", gpus=8, gpu="h200", mbs=1, gbs=64, vpps=v) for v in ((None, 2), (1, 2)))
+    assert [(r.parallel, r.recompute) for r in old] == [(r.parallel, r.recompute) for r in new]
+    assert {r.parallel.vpp for r in new} == {1, 2}
+
+
 def test_plan_errors():
     with pytest.raises(ValueError, match="gpus must be a positive integer, got 0"):
         est.plan("tiny", gpus=0)
