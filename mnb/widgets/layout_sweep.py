@@ -96,6 +96,8 @@ def _label(parallel: ParallelConfig, train: dict[str, Any], world: int) -> str:
             text += " dist-opt"
         elif key == "bf16" and value:
             text += " bf16"
+        elif key == "fp8" and value:
+            text += " fp8"
     return text
 
 
