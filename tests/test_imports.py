@@ -20,8 +20,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "mnb"
 
 ALLOWED: dict[frozenset[str], str] = {}
-"""{circle: why it stays}.  Empty: the explorer's trio (layout_explorer, _explorer_view,
-explorer_pool) meets only under TYPE_CHECKING; its coupling through attributes is not an import."""
+"""{circle: why it stays}.  Empty: the explorer (layout_explorer) imports its view, its pool runner
+and choices, and none of them imports it back (the view names the Explorer only under TYPE_CHECKING)."""
 
 
 def _modules() -> dict[str, Path]:

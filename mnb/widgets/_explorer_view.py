@@ -1,8 +1,8 @@
-"""The explorer's controls, output widgets and figures (the traits and rules live in explorer.py).
+"""The explorer's controls, output widgets and figures (the traits live in layout_explorer.py, the rules
+in choices.py).
 
-Controls write into the explorer's traits; a refused value (``TraitError``)
-is put back and its reason shown in the status line.  ``sync_controls``
-pushes trait values, offered options and outputs back into the controls.
+:class:`ExplorerView` owns the controls; the functions below turn the
+explorer's public traits into text, HTML and PNG figures.
 """
 
 from __future__ import annotations
@@ -39,114 +39,121 @@ _STYLE = {"description_width": "110px"}
 _WIDE = widgets.Layout(width="330px")
 
 
-def build(ex: "Explorer") -> dict[str, widgets.Widget]:
-    """One control per setting, wired to the explorer's traits."""
-    c: dict[str, widgets.Widget] = {}
-    c["model"] = widgets.Dropdown(options=preset_names(), value=ex.model)
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "seq_length", "gpus", "micro_batch_size", "global_batch_size", "run_steps"):
-        c[name] = widgets.IntText(value=getattr(ex, name))
-    c["gpu"] = widgets.Dropdown(options=list(DEVICES), value=ex.gpu)
-    for axis in AXES:
-        c[axis] = widgets.SelectionSlider(options=[getattr(ex, axis)], value=getattr(ex, axis),
-                                          description=axis, continuous_update=False, style=_STYLE, layout=_WIDE)
-        c[axis].add_class(f"mnb-{axis}")
-        c[f"{axis}_why"] = widgets.HTML()
-    c["recompute"] = widgets.Dropdown(options=["none", "selective", "full"], value=ex.recompute)
-    for name in ("sequence_parallel", "use_distributed_optimizer", "bf16"):
-        c[name] = widgets.Checkbox(value=getattr(ex, name), indent=False)
-    for name, control in list(c.items()):
-        if name in _LABELS:
-            control.description = _LABELS[name]
-            control.style = _STYLE
-            control.layout = _WIDE
-        if not name.endswith("_why"):
-            control.observe(_writer(ex, name, control), names="value")
-    c["run"] = widgets.Button(description="Run on pool", icon="play", tooltip="train a few steps of this layout on the running pool")
-    c["run"].add_class("mnb-run")
-    c["run"].on_click(lambda _: ex.run_on_pool())
-    c["summary"] = widgets.HTML()
-    c["summary"].add_class("mnb-summary")
-    c["status"] = widgets.HTML()
-    c["status"].add_class("mnb-status")
-    c["memory"] = widgets.Image(format="png")
-    c["memory"].add_class("mnb-memory-plot")
-    c["timeline"] = widgets.Image(format="png")
-    c["timeline"].add_class("mnb-timeline-plot")
-    return c
+class ExplorerView:
+    """The controls of one explorer, wired to its public traits, and the boxes they sit in.
 
+    A control's change writes the explorer's trait; a refused value (``TraitError``)
+    is put back and its reason shown in the status line.  :meth:`sync` pushes the
+    traits, offered options and outputs back into the controls, with the writers
+    of the layout sliders off while their options are replaced (a new options list
+    moves a slider to its first value, which is not a choice the user made).
+    """
 
-def _writer(ex: "Explorer", name: str, control: widgets.Widget):
-    def write(change: dict[str, Any]) -> None:
-        if getattr(ex, "_syncing", False) or change["new"] == getattr(ex, name):
-            return
-        try:
-            setattr(ex, name, change["new"])
-        except TraitError as err:
-            ex.status = f"refused {name}={change['new']!r}: {err}"
-            sync_controls(ex)
-    return write
+    def __init__(self, ex: "Explorer") -> None:
+        self.ex = ex
+        self.controls: dict[str, widgets.Widget] = {}
+        self._writers: dict[str, Any] = {}
+        c = self.controls
+        c["model"] = widgets.Dropdown(options=preset_names(), value=ex.model)
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "seq_length", "gpus", "micro_batch_size", "global_batch_size", "run_steps"):
+            c[name] = widgets.IntText(value=getattr(ex, name))
+        c["gpu"] = widgets.Dropdown(options=list(DEVICES), value=ex.gpu)
+        for axis in AXES:
+            c[axis] = widgets.SelectionSlider(options=[getattr(ex, axis)], value=getattr(ex, axis),
+                                              description=axis, continuous_update=False, style=_STYLE,
+                                              layout=_WIDE)
+            c[axis].add_class(f"mnb-{axis}")
+            c[f"{axis}_why"] = widgets.HTML()
+        c["recompute"] = widgets.Dropdown(options=["none", "selective", "full"], value=ex.recompute)
+        for name in ("sequence_parallel", "use_distributed_optimizer", "bf16"):
+            c[name] = widgets.Checkbox(value=getattr(ex, name), indent=False)
+        for name, control in list(c.items()):
+            if name in _LABELS:
+                control.description = _LABELS[name]
+                control.style = _STYLE
+                control.layout = _WIDE
+            if not name.endswith("_why"):
+                self._writers[name] = self._writer(name)
+                control.observe(self._writers[name], names="value")
+        c["run"] = widgets.Button(description="Run on pool", icon="play",
+                                  tooltip="train a few steps of this layout on the running pool")
+        c["run"].add_class("mnb-run")
+        c["run"].on_click(lambda _: ex.run_on_pool())
+        c["summary"] = widgets.HTML()
+        c["summary"].add_class("mnb-summary")
+        c["status"] = widgets.HTML()
+        c["status"].add_class("mnb-status")
+        c["memory"] = widgets.Image(format="png")
+        c["memory"].add_class("mnb-memory-plot")
+        c["timeline"] = widgets.Image(format="png")
+        c["timeline"].add_class("mnb-timeline-plot")
 
+    def _writer(self, name: str):
+        ex = self.ex
 
-def layout(ex: "Explorer") -> list[widgets.Widget]:
-    c = ex.controls
+        def write(change: dict[str, Any]) -> None:
+            if change["new"] == getattr(ex, name):
+                return
+            try:
+                setattr(ex, name, change["new"])
+            except TraitError as err:
+                ex.status = f"refused {name}={change['new']!r}: {err}"
+                self.sync()
+        return write
 
-    def box(title: str, names: list[str]) -> widgets.VBox:
-        return widgets.VBox([widgets.HTML(f"<b>{title}</b>"), *[c[n] for n in names]])
+    def children(self) -> list[widgets.Widget]:
+        c = self.controls
 
-    layout_rows = []
-    for axis in AXES:
-        layout_rows += [c[axis], c[f"{axis}_why"]]
-    left = widgets.VBox([
-        box("Model", ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                      "ffn_hidden_size", "seq_length"]),
-        box("Hardware", ["gpu", "gpus"]),
-        widgets.VBox([widgets.HTML("<b>Layout</b>"), *layout_rows, c["sequence_parallel"]]),
-        box("Batch and memory", ["micro_batch_size", "global_batch_size", "recompute",
-                                 "use_distributed_optimizer", "bf16"]),
-        widgets.VBox([widgets.HTML("<b>Measure</b>"), c["run_steps"], c["run"]]),
-    ], layout=widgets.Layout(width="350px", flex="0 0 auto"))
-    right = widgets.VBox([c["summary"], c["memory"], c["timeline"]],
-                         layout=widgets.Layout(flex="1 1 auto", min_width="420px"))
-    return [widgets.HTML("<h3 style='margin:4px 0'>mnb parallelism explorer</h3>"),
-            widgets.HBox([left, right]), c["status"]]
+        def box(title: str, names: list[str]) -> widgets.VBox:
+            return widgets.VBox([widgets.HTML(f"<b>{title}</b>"), *[c[n] for n in names]])
 
+        layout_rows = []
+        for axis in AXES:
+            layout_rows += [c[axis], c[f"{axis}_why"]]
+        left = widgets.VBox([
+            box("Model", ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                          "ffn_hidden_size", "seq_length"]),
+            box("Hardware", ["gpu", "gpus"]),
+            widgets.VBox([widgets.HTML("<b>Layout</b>"), *layout_rows, c["sequence_parallel"]]),
+            box("Batch and memory", ["micro_batch_size", "global_batch_size", "recompute",
+                                     "use_distributed_optimizer", "bf16"]),
+            widgets.VBox([widgets.HTML("<b>Measure</b>"), c["run_steps"], c["run"]]),
+        ], layout=widgets.Layout(width="350px", flex="0 0 auto"))
+        right = widgets.VBox([c["summary"], c["memory"], c["timeline"]],
+                             layout=widgets.Layout(flex="1 1 auto", min_width="420px"))
+        return [widgets.HTML("<h3 style='margin:4px 0'>mnb parallelism explorer</h3>"),
+                widgets.HBox([left, right]), c["status"]]
 
-def sync_controls(ex: "Explorer") -> None:
-    """Push the explorer's traits, options and outputs into its child widgets."""
-    c = getattr(ex, "controls", None)
-    if c is None:
-        return
-    ex._syncing = True
-    try:
+    def sync(self) -> None:
+        """Push the explorer's traits, options and outputs into the controls."""
+        ex, c = self.ex, self.controls
         for name, control in c.items():
             if name in AXES:
-                valid = list(ex.options.get(name) or [getattr(ex, name)])
-                if list(control.options) != valid:
-                    control.options = valid
-                if control.value != getattr(ex, name):
-                    control.value = getattr(ex, name)
+                value = getattr(ex, name)
+                offered = sorted(set(ex.options.get(name) or []) | {value})
+                if list(control.options) != offered or control.value != value:
+                    control.unobserve(self._writers[name], names="value")
+                    try:
+                        control.options = offered
+                        control.value = value
+                    finally:
+                        control.observe(self._writers[name], names="value")
                 _set(c[f"{name}_why"], "value", _why(name, ex.unavailable.get(name) or {}))
             elif hasattr(ex, name) and isinstance(control, (widgets.IntText, widgets.Dropdown, widgets.Checkbox)):
-                if control.value != getattr(ex, name):
-                    control.value = getattr(ex, name)
+                _set(control, "value", getattr(ex, name))
         c["sequence_parallel"].disabled = ex.tp == 1
         _set(c["summary"], "value", summary_html(ex))
         _set(c["memory"], "value", ex.memory_png)
         _set(c["timeline"], "value", ex.timeline_png)
-    finally:
-        ex._syncing = False
-    sync_status(ex)
+        self.sync_status()
 
-
-def sync_status(ex: "Explorer") -> None:
-    """The status line and the run button (also called from the background run)."""
-    c = getattr(ex, "controls", None)
-    if c is None:
-        return
-    _set(c["run"], "disabled", ex.running)
-    _set(c["run"], "description", "Running..." if ex.running else "Run on pool")
-    _set(c["status"], "value", f"<span style='color:#555'>{html.escape(ex.status)}</span>" if ex.status else "")
+    def sync_status(self) -> None:
+        """The status line and the run button (also called from the background run)."""
+        ex, c = self.ex, self.controls
+        _set(c["run"], "disabled", ex.running)
+        _set(c["run"], "description", "Running..." if ex.running else "Run on pool")
+        _set(c["status"], "value", f"<span style='color:#555'>{html.escape(ex.status)}</span>" if ex.status else "")
 
 
 def _set(widget: widgets.Widget, name: str, value: Any) -> None:

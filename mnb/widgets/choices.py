@@ -1,6 +1,6 @@
-"""Which parallel sizes a model and a world size allow, and why the others are refused.
+"""The explorer's rules as pure functions: what a setting may be, and what the settings lead to.
 
-The rules are not repeated here: every candidate is tried against
+Every rule comes from the config classes: each candidate is tried against
 :meth:`mnb.config.ParallelConfig.resolve`, :meth:`mnb.config.ModelConfig.check_parallel`
 and :meth:`mnb.config.TrainConfig.num_microbatches` (plus Megatron-Core's
 interleaving rule ``num_microbatches >= pp``), and the message of the first
@@ -13,20 +13,126 @@ rule that fails is the reason shown to the user::
     >>> opts.unavailable[3]
     'tp(3) * pp(1) * cp(1) = 3 does not divide world size 8; choose sizes whose product divides 8'
 
+The explorer widget is a view of :func:`derive`: settings in; the settings moved
+to the nearest valid values (with the reasons), the values each layout axis
+offers, and the predictions out::
+
+    >>> d = derive(Settings(model="llama-8b", gpus=4, tp=8))
+    >>> d.settings.tp, d.adjustments
+    (4, ('tp 8 -> 4: tp(8) * pp(1) * cp(1) = 8 does not divide world size 4; choose sizes whose product divides 4',))
+    >>> d.predictions.as_dict()["layout"]
+    'tp4 pp1 dp1'
+
+A value typed in directly is refused instead (:func:`refusal`), with the same reasons.
 Pure Python: no widgets, no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors
+import mnb.estimate as est
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors, load_preset, model_config, preset_names
+from mnb.estimate import hardware
 
 AXES = ("tp", "pp", "vpp", "cp", "ep")
 """The layout sizes the explorer offers, in Megatron's order."""
-
+SETTLE_ORDER = ("tp", "cp", "ep", "pp", "vpp")
+"""The order :func:`settle` tries layout sizes in (pp and vpp last: the batch limits them too)."""
+MODEL_DIMS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "seq_length")
+"""ModelConfig fields the explorer exposes (Megatron's names)."""
+TRAIN_TRAITS = ("micro_batch_size", "global_batch_size", "recompute", "use_distributed_optimizer", "bf16")
+"""TrainConfig fields the explorer exposes (and a measured run passes to ``mnb.train``)."""
 MAX_LISTED = 8
 """Every value up to this is a candidate; above it only divisors and powers of two."""
+
+_PAR = ParallelConfig()
+_TRAIN = TrainConfig()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What the explorer's predictions depend on, as plain values (its ``CONFIG_TRAITS``).
+
+    Defaults come from :class:`ParallelConfig` and :class:`TrainConfig`; a model
+    dimension left at None is the preset's.  ``num_query_groups`` 0 is one group
+    per head (MHA), ``ffn_hidden_size`` 0 is 4 * hidden_size, ``global_batch_size``
+    0 is one microbatch per data-parallel rank.
+    """
+
+    model: str = "llama-8b"
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    seq_length: int | None = None
+    gpu: str = "h200"
+    gpus: int = 8
+    tp: int = _PAR.tp
+    pp: int = _PAR.pp
+    vpp: int = _PAR.vpp
+    cp: int = _PAR.cp
+    ep: int = _PAR.ep
+    sequence_parallel: bool = _PAR.sequence_parallel
+    micro_batch_size: int = _TRAIN.micro_batch_size
+    global_batch_size: int = _TRAIN.global_batch_size or 0
+    recompute: Literal["none", "selective", "full"] = _TRAIN.recompute
+    use_distributed_optimizer: bool = _TRAIN.use_distributed_optimizer
+    bf16: bool = _TRAIN.bf16
+
+    def dims(self) -> tuple[int | None, ...]:
+        return tuple(getattr(self, name) for name in MODEL_DIMS)
+
+    def with_preset_dims(self) -> "Settings":
+        """Model dimensions left at None filled from the preset (``0`` where the preset says None)."""
+        if None not in self.dims():
+            return self
+        preset = load_preset(self.model)
+        return replace(self, **{name: (getattr(preset, name) or 0) for name in MODEL_DIMS
+                                if getattr(self, name) is None})
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The dimensions that differ from the preset, as ``mnb.gpt(model, **overrides)`` takes them."""
+        base = load_preset(self.model)
+        values = {name: getattr(self.with_preset_dims(), name) for name in MODEL_DIMS}
+        values["num_query_groups"] = values["num_query_groups"] or None
+        values["ffn_hidden_size"] = values["ffn_hidden_size"] or None
+        return {k: v for k, v in values.items() if getattr(base, k) != v}
+
+    def model_config(self) -> ModelConfig:
+        return model_config(self.model, **self.model_overrides())
+
+    def layout_sizes(self) -> dict[str, Any]:
+        """The ParallelConfig fields (dp left to the world size), unchecked."""
+        return {name: getattr(self, name) for name in (*AXES, "sequence_parallel")}
+
+    def parallel_config(self) -> ParallelConfig:
+        """The layout (dp left to the world size); ValueError when the sizes contradict each other."""
+        return ParallelConfig(**self.layout_sizes())
+
+    def train_config(self) -> TrainConfig:
+        values = {name: getattr(self, name) for name in TRAIN_TRAITS}
+        values["global_batch_size"] = values["global_batch_size"] or None
+        return TrainConfig(**values)
+
+    def train_or_none(self) -> TrainConfig | None:
+        try:
+            return self.train_config()
+        except ValueError:
+            return None
+
+    def dp(self) -> int | None:
+        try:
+            return self.parallel_config().resolve(self.gpus).dp
+        except ValueError:
+            return None
+
+
+CONFIG_TRAITS = tuple(f.name for f in fields(Settings))
+"""The settings that define an explorer (what get_state() round-trips), in Settings' order."""
 
 
 @dataclass(frozen=True)
@@ -87,24 +193,51 @@ def check_layout(
 
 
 def axis_options(
-    axis: str, model: ModelConfig, parallel: ParallelConfig, gpus: int, train: TrainConfig | None = None
+    axis: str, model: ModelConfig, parallel: ParallelConfig | dict[str, Any], gpus: int,
+    train: TrainConfig | None = None,
 ) -> AxisOptions:
-    """Try every candidate of ``axis`` with the other sizes of ``parallel`` held fixed."""
+    """Try every candidate of ``axis`` with the other sizes of ``parallel`` held fixed.
+
+    ``parallel`` may also be a dict of ParallelConfig fields that contradict each
+    other (pp 1 with vpp 2): the candidates that resolve the contradiction are valid.
+    """
     if axis not in AXES:
         raise ValueError(f"axis must be one of {', '.join(AXES)}, got {axis!r}")
     valid: list[int] = []
     refused: dict[int, str] = {}
     for value in candidates(axis, model, gpus):
-        try:
-            trial = replace(parallel, dp=None, **{axis: value})
-            if axis == "tp" and value == 1 and trial.sequence_parallel:
-                trial = replace(trial, sequence_parallel=False)
-            check_layout(model, trial, gpus, train if axis in ("vpp", "pp") else None, batch=False)
-        except ValueError as err:
-            refused[value] = str(err)
+        reason = axis_refusal(axis, value, model, parallel, gpus, train)
+        if reason:
+            refused[value] = reason
         else:
             valid.append(value)
     return AxisOptions(axis=axis, valid=valid, unavailable=refused)
+
+
+def axis_refusal(axis: str, value: int, model: ModelConfig, parallel: ParallelConfig | dict[str, Any],
+                 gpus: int, train: TrainConfig | None = None) -> str:
+    """Why ``axis`` cannot be ``value`` with the other sizes of ``parallel`` ('' when it can).
+
+    The batch (``train``) only limits pp and vpp: the interleaved schedule needs
+    as many microbatches as stages.
+    """
+    sizes = parallel.as_dict() if isinstance(parallel, ParallelConfig) else dict(parallel)
+    sizes.update(dp=None, **{axis: value})
+    return _layout_refusal(model, sizes, gpus, train if axis in ("vpp", "pp") else None)
+
+
+def _layout_refusal(model: ModelConfig, sizes: dict[str, Any], gpus: int, train: TrainConfig | None) -> str:
+    """Why the layout of ``sizes`` (ParallelConfig fields) cannot run ('' when it can).
+
+    tp 1 turns sequence parallelism off instead of refusing it.
+    """
+    if sizes["tp"] == 1:
+        sizes = {**sizes, "sequence_parallel": False}
+    try:
+        check_layout(model, ParallelConfig(**sizes), gpus, train, batch=False)
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def nearest(value: int, valid: list[int]) -> int:
@@ -112,3 +245,181 @@ def nearest(value: int, valid: list[int]) -> int:
     if not valid:
         raise ValueError("no valid value to choose from")
     return min(valid, key=lambda v: (abs(v - value), v))
+
+
+def refusal(settings: Settings, name: str, value: Any) -> str:
+    """Why setting ``name`` to ``value`` is refused, the other settings held ('' when it is allowed).
+
+    What the explorer's traits check before they take a value; :func:`derive` then
+    moves the *other* settings where the new value makes them invalid.
+    """
+    if name == "model":
+        return "" if value in preset_names() else (
+            f"unknown model preset {value!r}; choose from {', '.join(preset_names())}")
+    if name == "gpu":
+        try:
+            hardware.device(value)
+        except ValueError as err:
+            return str(err)
+        return ""
+    floor = 0 if name in ("num_query_groups", "ffn_hidden_size", "global_batch_size") else 1
+    if isinstance(value, int) and not isinstance(value, bool) and value < floor:
+        return f"{name} must be at least {floor}, got {value}"
+    trial = replace(settings.with_preset_dims(), **{name: value})
+    if name in MODEL_DIMS:
+        try:
+            trial.model_config()
+        except ValueError as err:
+            return str(err)
+    elif name in AXES:
+        try:
+            model = trial.model_config()
+        except ValueError as err:  # the model itself is refused: the layout is judged once it is fixed
+            return f"the model settings are invalid: {err}"
+        return axis_refusal(name, value, model, trial.layout_sizes(), trial.gpus, trial.train_or_none())
+    elif name == "global_batch_size" and value:
+        dp = trial.dp()
+        if dp and value % (trial.micro_batch_size * dp):
+            return (f"global_batch_size({value}) is not divisible by micro_batch_size"
+                    f"({trial.micro_batch_size}) * dp({dp}) = {trial.micro_batch_size * dp}")
+    return ""
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """What the estimators say about one valid set of settings."""
+
+    layout: ParallelConfig
+    """Resolved (dp filled in)."""
+    num_microbatches: int
+    global_batch_size: int
+    memory: est.MemoryEstimate
+    step_time: est.StepTimeEstimate
+    bubble: float
+    peak_source: str
+    """What MFU is measured against."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The numbers as plain data (the explorer's ``predicted`` trait)."""
+        mem, time = self.memory, self.step_time
+        return {
+            "layout": self.layout.describe(),
+            "dp": self.layout.dp,
+            "num_microbatches": self.num_microbatches,
+            "global_batch_size": self.global_batch_size,
+            "peak_bytes": mem.peak_bytes,
+            "peak_stage": mem.peak_stage,
+            "stage_bytes": [s.total_bytes for s in mem.stages],
+            "components": mem.stages[mem.peak_stage].components(),
+            "capacity_bytes": mem.capacity_bytes,
+            "fits": mem.fits,
+            "bubble": self.bubble,
+            "step_time_s": time.total_s,
+            "tokens_per_s": time.tokens_per_s,
+            "mfu": time.mfu,
+            "peak_source": self.peak_source,
+        }
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What :func:`derive` makes of a set of settings."""
+
+    settings: Settings
+    """The settings with every size the others no longer allow moved to the nearest allowed value."""
+    options: dict[str, AxisOptions]
+    """Per layout axis, the values the (adjusted) settings allow and why the others are refused."""
+    predictions: Predictions | None
+    """None when the settings cannot be estimated (``error`` says why)."""
+    adjustments: tuple[str, ...] = ()
+    """One line per moved setting: 'tp 8 -> 4: <the reason 8 is refused>'."""
+    error: str = ""
+
+
+def derive(settings: Settings, previous: Settings | None = None, *,
+           cpu_peak_flops: float | None = None) -> Derived:
+    """Adjusted settings, the options per layout axis, and the predictions.
+
+    ``previous`` is what was shown before: a new model whose dimensions did not
+    change with it loads its preset's dimensions.  ``cpu_peak_flops`` is the CPU
+    ranks' measured GEMM peak, for MFU on ``gpu="cpu"``.
+    """
+    if previous is not None and settings.model != previous.model and settings.dims() == previous.dims():
+        settings = replace(settings, **{name: None for name in MODEL_DIMS})
+    s = settings.with_preset_dims()
+    try:
+        model = s.model_config()
+    except ValueError as err:
+        return Derived(settings=s, options={}, predictions=None, error=str(err))
+    s, notes = settle(model, s)
+    if s.tp == 1 and s.sequence_parallel:
+        s = replace(s, sequence_parallel=False)
+    dp = s.dp()
+    if dp and s.global_batch_size and s.global_batch_size % (s.micro_batch_size * dp):
+        per = s.micro_batch_size * dp
+        new = -(-s.global_batch_size // per) * per
+        notes.append(f"global_batch_size {s.global_batch_size} -> {new}: a multiple of "
+                     f"micro_batch_size({s.micro_batch_size}) * dp({dp}) = {per}")
+        s = replace(s, global_batch_size=new)
+    options = {axis: axis_options(axis, model, s.layout_sizes(), s.gpus, s.train_or_none()) for axis in AXES}
+    try:
+        predictions = predict(model, s, cpu_peak_flops=cpu_peak_flops)
+    except ValueError as err:
+        return Derived(settings=s, options=options, predictions=None, adjustments=tuple(notes), error=str(err))
+    return Derived(settings=s, options=options, predictions=predictions, adjustments=tuple(notes))
+
+
+def settle(model: ModelConfig, settings: Settings) -> tuple[Settings, list[str]]:
+    """Move the layout sizes the other settings rule out to the nearest allowed value, one at a time.
+
+    Each size is judged with all the others as they are, so a size that no value
+    makes valid is left for a later one to move (pp 4 on 6 GPUs: pp moves, not tp);
+    passes repeat until nothing moves.  If the layout is still refused then (no
+    single size could fix it: tp 4 * pp 4 on 6 GPUs), its first refused size goes
+    back to 1 and the passes run again; all sizes 1 is always allowed.
+    Returns the settings and one line per move: 'tp 8 -> 4: <why 8 is refused>'.
+    """
+    s, notes = settings, []
+
+    def move(axis: str, new: int, reason: str) -> None:
+        nonlocal s
+        notes.append(f"{axis} {getattr(s, axis)} -> {new}: {reason}")
+        s = replace(s, **{axis: new})
+
+    def refused(axis: str) -> str:
+        return axis_refusal(axis, getattr(s, axis), model, s.layout_sizes(), s.gpus, s.train_or_none())
+
+    for _round in range(len(SETTLE_ORDER) + 1):  # each round but the last sets one more size to 1
+        for _pass in SETTLE_ORDER:  # while something moves, one pass per size at most
+            moved = False
+            for axis in SETTLE_ORDER:
+                opts = axis_options(axis, model, s.layout_sizes(), s.gpus, s.train_or_none())
+                value = getattr(s, axis)
+                if value in opts.valid or not opts.valid:
+                    continue
+                move(axis, nearest(value, opts.valid), opts.unavailable.get(value) or refused(axis))
+                moved = True
+            if not moved:
+                break
+        stuck = next((a for a in SETTLE_ORDER if getattr(s, a) != 1 and refused(a)), None)
+        if stuck is None:
+            break
+        move(stuck, 1, refused(stuck))
+    return s, notes
+
+
+def predict(model: ModelConfig, settings: Settings, *, cpu_peak_flops: float | None = None) -> Predictions:
+    """Memory, bubble, step time and MFU of valid settings; ValueError (with the numbers) otherwise."""
+    train = settings.train_config()
+    resolved = check_layout(model, settings.parallel_config(), settings.gpus, train)
+    on_cpu = settings.gpu == "cpu"
+    mem = est.memory(model, resolved, train, gpu=settings.gpu, cpu_kernels=on_cpu, fused_kernels=not on_cpu)
+    peak = cpu_peak_flops if on_cpu else None
+    time = est.step_time(model, resolved, train, gpu=settings.gpu, peak_flops=peak)
+    m = train.num_microbatches(resolved.dp or 1)
+    source = (f"measured CPU peak {peak / 1e9:,.0f} GFLOP/s per rank" if peak else
+              "nominal CPU peak 1 TFLOP/s (train on a CPU pool once to measure it)" if on_cpu else
+              f"{hardware.device(settings.gpu).label} datasheet peak")
+    return Predictions(layout=resolved, num_microbatches=m,
+                       global_batch_size=m * train.micro_batch_size * (resolved.dp or 1),
+                       memory=mem, step_time=time, bubble=est.bubble(resolved, m), peak_source=source)

@@ -1,93 +1,109 @@
-"""The explorer's "Run on pool": a short measured run of its layout, in a background thread.
+"""The explorer's "Run on pool": a short measured run of one layout, in a background thread.
 
-A mixin of :class:`mnb.widgets.layout_explorer.Explorer` (it uses the explorer's
-traits and redraws through it).  The thread re-lays-out the live ranks
-(``pool.run(code, layout=...)``), trains ``run_steps`` steps, and puts the
-gathered :class:`mnb.runs.Run` beside the predictions.  The kernel is free
-meanwhile; widget updates from the thread are comm messages, which ipykernel
-sends from any thread.
+A :class:`PoolRunner` knows nothing of widgets: it is given a :class:`RunRequest`,
+re-lays-out the live ranks (``pool.run(code, layout=...)``), trains
+``steps`` steps, and hands a :class:`RunOutcome` (the gathered
+:class:`mnb.runs.Run`, or why it failed) to the callback it was made with::
+
+    runner = PoolRunner(on_done=lambda outcome: print(outcome.metrics or outcome.failure))
+    runner.start(pool, RunRequest(model="tiny", parallel=ParallelConfig(pp=2),
+                                  train={"global_batch_size": 8}, steps=3))
+    runner.wait()
+
+The kernel is free meanwhile; the callbacks run in the runner's thread (the
+explorer's update widget traits, which ipykernel sends from any thread).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from mnb.config import ParallelConfig
 from mnb.progress import Progress
 
-from . import _explorer_view as view
 from .measure import failure, measure, run_metrics
 
 
-class PoolRunMixin:
-    """pool_problem / run_on_pool / wait for the explorer."""
+def no_pool_problem(pool: Any) -> str:
+    """Why ``pool`` cannot take a measured run ('' when it can)."""
+    if pool is None or not pool.running:
+        return "no pool is running: start one with %mnb start -n 2 --device cpu"
+    return ""
 
-    def pool_problem(self, pool: Any = None) -> str:
-        """Why "Run on pool" cannot run now ('' when it can)."""
-        from mnb.controller import current_pool
 
-        pool = pool if pool is not None else current_pool(required=False)
-        if pool is None or not pool.running:
-            return "no pool is running: start one with %mnb start -n 2 --device cpu"
-        if self.running:
-            return "a measured run is already in progress"
-        if self.gpus != pool.world_size:
-            return (f"the explorer plans {self.gpus} GPUs but the pool has {pool.world_size} ranks; "
-                    f"set gpus to {pool.world_size} to run this layout")
-        if self.error:
-            return f"this layout cannot run: {self.error}"
-        return ""
+@dataclass(frozen=True)
+class RunRequest:
+    """What to train: ``mnb.gpt(model, **model_overrides)`` under ``parallel``, ``steps`` steps of ``train``."""
 
-    def run_on_pool(self, pool: Any = None, *, wait: bool = False, timeout: float = 600.0) -> threading.Thread | None:
-        """Train ``run_steps`` steps of this layout on the pool in a background thread.
+    model: str
+    parallel: ParallelConfig
+    train: dict[str, Any]
+    """TrainConfig fields passed to ``mnb.train``."""
+    steps: int
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    gpu: str | None = None
+    """Hardware-table entry for MFU (None: CUDA pools pick it from the device name; CPU pools have none)."""
+    tag: Any = None
+    """Anything the caller wants back with the outcome (the explorer: the settings it ran)."""
 
-        Returns the thread (``wait=True`` joins it).  The kernel stays free; the
-        measured memory, timeline and MFU/tokens/s appear when the ranks finish.
-        Returns None, with the reason in ``status``, when the pool cannot run it.
-        """
-        from mnb.controller import current_pool
 
-        pool = pool if pool is not None else current_pool(required=False)
-        problem = self.pool_problem(pool)
+@dataclass(frozen=True)
+class RunOutcome:
+    """How a measured run ended: ``run`` and ``metrics``, or ``failure`` = (status, reason)."""
+
+    request: RunRequest
+    run: Any = None
+    metrics: dict[str, Any] | None = None
+    failure: tuple[str, str] | None = None
+
+
+class PoolRunner:
+    """One measured run at a time on the pool, in a background thread.
+
+    ``on_done(outcome)`` is called once per run (in the run's thread, before it
+    ends); ``on_progress(progress)`` with each :class:`~mnb.progress.Progress`
+    the ranks report.
+    """
+
+    def __init__(self, on_done: Callable[[RunOutcome], None],
+                 on_progress: Callable[[Progress], None] | None = None) -> None:
+        self._on_done = on_done
+        self._on_progress = on_progress
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, pool: Any, request: RunRequest, *, timeout: float | None = 600.0) -> threading.Thread:
+        """Start the run; the returned thread ends after ``on_done`` returned."""
+        problem = no_pool_problem(pool) or ("a measured run is already in progress" if self.running else "")
         if problem:
-            self.status = problem
-            return None
-        self.running = True
-        args = dict(model=self.model, parallel=self.parallel_config(), train=self._train_args(),
-                    steps=self.run_steps, model_overrides=self._model_overrides())
-        self.status = f"running {self.run_steps} steps of {args['parallel'].resolve(pool.world_size).describe()} on the pool..."
-        thread = threading.Thread(target=self._measure, args=(pool, args, timeout), daemon=True,
+            raise RuntimeError(problem)
+        thread = threading.Thread(target=self._main, args=(pool, request, timeout), daemon=True,
                                   name="mnb-explorer-run")
         self._thread = thread
         thread.start()
-        if wait:
-            thread.join()
         return thread
 
-    def _on_progress(self, rank: int, kind: str, payload: dict) -> None:
-        if kind == "progress":
-            self.status = f"running on the pool: {Progress.from_payload(payload).short()}"
-
-    def _measure(self, pool: Any, args: dict[str, Any], timeout: float) -> None:
-        try:
-            run = measure(pool, args["model"], args["parallel"], args["train"], steps=args["steps"],
-                          model_overrides=args["model_overrides"], timeout=timeout,
-                          on_event=self._on_progress, gpu=self.gpu)
-        except Exception as err:  # shown to the user in the widget; the thread must not die silently
-            status, reason = failure(err)
-            self.status = f"run failed ({status}): {reason}"
-            self.running = False
-            return
-        metrics = run_metrics(run)
-        with self._lock:
-            self._run = run
-            self.measured = metrics
-            self.running = False
-            self._estimate()
-            view.sync_controls(self)
-        self.status = f"measured {metrics['steps']} steps of {metrics['layout']} on the pool"
-
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the background run (if any) has finished."""
+        """Block until the run (if any) has finished."""
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _event(self, rank: int, kind: str, payload: dict) -> None:
+        if kind == "progress" and self._on_progress is not None:
+            self._on_progress(Progress.from_payload(payload))
+
+    def _main(self, pool: Any, request: RunRequest, timeout: float | None) -> None:
+        try:
+            run = measure(pool, request.model, request.parallel, request.train, steps=request.steps,
+                          model_overrides=request.model_overrides, timeout=timeout, on_event=self._event,
+                          gpu=request.gpu)
+        except Exception as err:  # an outcome like any other: the thread must not die silently
+            outcome = RunOutcome(request, failure=failure(err))
+        else:
+            outcome = RunOutcome(request, run=run, metrics=run_metrics(run))
+        self._on_done(outcome)

@@ -8,11 +8,13 @@
 
 Every setting is a typed, documented, synced trait whose default comes from
 :class:`mnb.config.ParallelConfig` / :class:`mnb.config.TrainConfig` or the
-model preset; the rules live in ``@validate`` methods that try the proposal
-against the config classes and raise ``TraitError`` with their message.  One
-``observe`` handler keeps the dependent sizes valid (a layout that a new GPU
-count or head count no longer allows moves to the nearest valid value),
-refreshes the offered values with the reasons for the others, and redraws.
+model preset.  The explorer is a view of two pure functions in
+:mod:`mnb.widgets.choices`: one ``@validate`` method refuses a typed value with
+:func:`~mnb.widgets.choices.refusal`'s reason (``TraitError``), and one
+``observe`` handler shows :func:`~mnb.widgets.choices.derive`'s answer for the
+settings: the sizes a new GPU count or head count no longer allows moved to
+the nearest valid value (``status`` says which and why), the values each
+layout axis offers with the reasons for the others, and the predictions.
 
 Outputs are widget traits too (``predicted``, ``measured``, ``options``,
 ``unavailable``, the PNG bytes of the plots), so the page can be reloaded:
@@ -20,49 +22,40 @@ the state lives in the kernel and the views are rebuilt from it.
 
 "Run on pool" (or :meth:`Explorer.run_on_pool`) trains a few steps with the
 current layout on the running pool, re-laid-out in place, in a background
-thread: the kernel stays free, and the plots gain the measured memory,
-timeline and MFU (tokens/s on CPU) when the ranks are done.  Widget updates
-from that thread are comm messages, which ipykernel sends from any thread.
-The pool runs one request at a time: wait for the run (the button says
-"Running...") before sending other cells to the ranks.
+thread (a :class:`~mnb.widgets.explorer_pool.PoolRunner` that calls the explorer
+back when the ranks are done): the kernel stays free, and the plots gain the
+measured memory, timeline and MFU (tokens/s on CPU), unless the settings
+changed meanwhile.  Widget updates from that thread are comm messages, which
+ipykernel sends from any thread.  The pool runs one request at a time: wait
+for the run (the button says "Running...") before sending other cells to the ranks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any
 
 import ipywidgets as widgets
 from traitlets import Bool, Bytes, Dict, Enum, Int, TraitError, Unicode, observe, validate
 
-import mnb.estimate as est
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, load_preset, model_config, preset_names
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 from mnb.controller.registry import measured_cpu_peak_flops
-from mnb.estimate import hardware
 
 from . import _explorer_view as view
-from .choices import AXES, axis_options, check_layout, nearest
-from .explorer_pool import PoolRunMixin
+from .choices import CONFIG_TRAITS, MODEL_DIMS, TRAIN_TRAITS, Derived, Settings, derive, refusal
+from .explorer_pool import PoolRunner, RunOutcome, RunRequest, no_pool_problem
 
-_PAR = ParallelConfig()
-_TRAIN = TrainConfig()
+__all__ = ["CONFIG_TRAITS", "MODEL_DIMS", "TRAIN_TRAITS", "Explorer", "explorer"]
+
+_DEFAULT = Settings()
 _MODEL = ModelConfig()
 
-MODEL_DIMS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-              "seq_length")
-"""ModelConfig fields the explorer exposes (Megatron's names)."""
-TRAIN_TRAITS = ("micro_batch_size", "global_batch_size", "recompute", "use_distributed_optimizer", "bf16")
-CONFIG_TRAITS = ("model", *MODEL_DIMS, "gpu", "gpus", *AXES, "sequence_parallel", *TRAIN_TRAITS)
-"""The traits that define a configuration (what get_state() round-trips)."""
 
-
-class Explorer(PoolRunMixin, widgets.VBox):
+class Explorer(widgets.VBox):
     """Parallel layouts of a model on N GPUs: predicted (and measured) memory, bubble, step time, MFU."""
 
     # ----- model ------------------------------------------------------------------
-    model = Unicode("llama-8b", help="Model preset the dimensions start from (templates/presets/).").tag(sync=True)
+    model = Unicode(_DEFAULT.model, help="Model preset the dimensions start from (templates/presets/).").tag(sync=True)
     num_layers = Int(_MODEL.num_layers, help="Transformer layers.").tag(sync=True)
     hidden_size = Int(_MODEL.hidden_size, help="Hidden size h.").tag(sync=True)
     num_attention_heads = Int(_MODEL.num_attention_heads, help="Attention heads a.").tag(sync=True)
@@ -70,23 +63,23 @@ class Explorer(PoolRunMixin, widgets.VBox):
     ffn_hidden_size = Int(0, help="MLP width; 0 = 4 * hidden_size.").tag(sync=True)
     seq_length = Int(_MODEL.seq_length, help="Training sequence length s.").tag(sync=True)
     # ----- hardware ---------------------------------------------------------------
-    gpu = Unicode("h200", help="Hardware-table entry (mnb.estimate.DEVICES): peak FLOP/s and capacity.").tag(sync=True)
-    gpus = Int(8, help="Number of GPUs (the world size).").tag(sync=True)
+    gpu = Unicode(_DEFAULT.gpu, help="Hardware-table entry (mnb.estimate.DEVICES): peak FLOP/s and capacity.").tag(sync=True)
+    gpus = Int(_DEFAULT.gpus, help="Number of GPUs (the world size).").tag(sync=True)
     # ----- layout -----------------------------------------------------------------
-    tp = Int(_PAR.tp, help="Tensor-parallel size.").tag(sync=True)
-    pp = Int(_PAR.pp, help="Pipeline-parallel size.").tag(sync=True)
-    vpp = Int(_PAR.vpp, help="Virtual stages per pipeline rank (1 = plain 1F1B).").tag(sync=True)
-    cp = Int(_PAR.cp, help="Context-parallel size.").tag(sync=True)
-    ep = Int(_PAR.ep, help="Expert-parallel size (MoE models).").tag(sync=True)
-    sequence_parallel = Bool(_PAR.sequence_parallel, help="Megatron sequence parallelism (tp > 1).").tag(sync=True)
+    tp = Int(_DEFAULT.tp, help="Tensor-parallel size.").tag(sync=True)
+    pp = Int(_DEFAULT.pp, help="Pipeline-parallel size.").tag(sync=True)
+    vpp = Int(_DEFAULT.vpp, help="Virtual stages per pipeline rank (1 = plain 1F1B).").tag(sync=True)
+    cp = Int(_DEFAULT.cp, help="Context-parallel size.").tag(sync=True)
+    ep = Int(_DEFAULT.ep, help="Expert-parallel size (MoE models).").tag(sync=True)
+    sequence_parallel = Bool(_DEFAULT.sequence_parallel, help="Megatron sequence parallelism (tp > 1).").tag(sync=True)
     # ----- batch and memory savers -------------------------------------------------
-    micro_batch_size = Int(_TRAIN.micro_batch_size, help="Micro batch size b.").tag(sync=True)
-    global_batch_size = Int(_TRAIN.global_batch_size or 0,
+    micro_batch_size = Int(_DEFAULT.micro_batch_size, help="Micro batch size b.").tag(sync=True)
+    global_batch_size = Int(_DEFAULT.global_batch_size,
                             help="Global batch; 0 = micro_batch_size * dp (one microbatch).").tag(sync=True)
-    recompute = Enum(("none", "selective", "full"), _TRAIN.recompute, help="Activation recomputation.").tag(sync=True)
-    use_distributed_optimizer = Bool(_TRAIN.use_distributed_optimizer,
+    recompute = Enum(("none", "selective", "full"), _DEFAULT.recompute, help="Activation recomputation.").tag(sync=True)
+    use_distributed_optimizer = Bool(_DEFAULT.use_distributed_optimizer,
                                      help="Shard optimizer state over dp (ZeRO-1).").tag(sync=True)
-    bf16 = Bool(_TRAIN.bf16, help="bf16 mixed precision (else fp32).").tag(sync=True)
+    bf16 = Bool(_DEFAULT.bf16, help="bf16 mixed precision (else fp32).").tag(sync=True)
     run_steps = Int(5, help="Steps of the measured run on the pool.").tag(sync=True)
     # ----- outputs ----------------------------------------------------------------
     options = Dict(help="Valid values per layout axis, given the other settings.").tag(sync=True)
@@ -103,49 +96,49 @@ class Explorer(PoolRunMixin, widgets.VBox):
         unknown = sorted(set(settings) - set(CONFIG_TRAITS) - {"run_steps"})
         if unknown:
             raise TypeError(f"unknown explorer setting(s) {unknown}; choose from {', '.join(CONFIG_TRAITS)}")
-        self._hold = 0
-        self._busy = False
-        self._dirty = False
+        run_steps = settings.pop("run_steps", None)
+        self._derived: Derived | None = None  # what the traits show: derive()'s answer for them
         self._run = None  # the measured mnb.runs.Run shown beside the predictions
-        self._thread: threading.Thread | None = None
-        self._lock = threading.RLock()  # the background run redraws while the page may change settings
+        self._redraw = threading.RLock()  # the background run redraws while the page may change settings
+        self._view: view.ExplorerView | None = None
+        self._runner = PoolRunner(on_done=self._run_finished, on_progress=self._run_progress)
         super().__init__()
         self.add_class("mnb-explorer")
-        with self._batched():
-            self.gpu, self.gpus = gpu, gpus
-            self.model = model
-            self._load_preset(model)
-            for name, value in settings.items():
-                setattr(self, name, value)
-        self.controls = view.build(self)
-        self.children = view.layout(self)
-        self._refresh()
+        unknown_model = refusal(_DEFAULT, "model", model)  # before its preset's dimensions are read
+        if unknown_model:
+            raise TraitError(unknown_model)
+        initial = Settings(model=model, gpus=gpus, gpu=gpu, **settings).with_preset_dims()
+        with self.hold_trait_notifications():  # checked together: each rule sees the final values
+            for name in CONFIG_TRAITS:
+                setattr(self, name, getattr(initial, name))
+            if run_steps is not None:
+                self.run_steps = run_steps
+        self._update()  # when no setting differed from the traits' defaults, nothing has called it yet
+        self._view = view.ExplorerView(self)
+        self.controls = self._view.controls
+        self.children = self._view.children()
+        self._view.sync()
 
     # ----- configuration objects -----------------------------------------------------
+    def settings(self, **proposed: Any) -> Settings:
+        """The current settings (``proposed`` values in place of the traits')."""
+        values = {name: getattr(self, name) for name in CONFIG_TRAITS}
+        values.update(proposed)
+        return Settings(**values)
+
     def model_config(self) -> ModelConfig:
         """The ModelConfig of the current settings (preset + the dimensions shown)."""
-        return model_config(self.model, **self._model_overrides())
+        return self.settings().model_config()
 
-    def _model_overrides(self, **proposed: Any) -> dict[str, Any]:
-        values = {name: getattr(self, name) for name in MODEL_DIMS}
-        values.update(proposed)
-        values["num_query_groups"] = values["num_query_groups"] or None
-        values["ffn_hidden_size"] = values["ffn_hidden_size"] or None
-        base = load_preset(proposed.get("model", self.model))
-        return {k: v for k, v in values.items() if getattr(base, k) != v}
+    def _model_overrides(self) -> dict[str, Any]:
+        return self.settings().model_overrides()
 
     def parallel_config(self, **proposed: Any) -> ParallelConfig:
         """The layout of the current settings (dp left to the world size)."""
-        values = {a: getattr(self, a) for a in AXES}
-        values["sequence_parallel"] = self.sequence_parallel
-        values.update(proposed)
-        return ParallelConfig(**values)
+        return self.settings(**proposed).parallel_config()
 
     def train_config(self, **proposed: Any) -> TrainConfig:
-        values = {name: getattr(self, name) for name in TRAIN_TRAITS}
-        values.update(proposed)
-        values["global_batch_size"] = values["global_batch_size"] or None
-        return TrainConfig(**values)
+        return self.settings(**proposed).train_config()
 
     def _train_args(self) -> dict[str, Any]:
         """The TrainConfig fields a measured run passes to ``mnb.train``."""
@@ -156,213 +149,139 @@ class Explorer(PoolRunMixin, widgets.VBox):
         """The settings as plain data: ``Explorer(**ex.config())`` rebuilds the same explorer."""
         return {name: getattr(self, name) for name in CONFIG_TRAITS}
 
-    # ----- rules -----------------------------------------------------------------------
-    @validate("model")
-    def _check_model(self, proposal):
-        if proposal["value"] not in preset_names():
-            raise TraitError(f"unknown model preset {proposal['value']!r}; choose from {', '.join(preset_names())}")
-        return proposal["value"]
-
-    @validate(*MODEL_DIMS)
-    def _check_dims(self, proposal):
+    # ----- rules (mnb.widgets.choices.refusal: the config classes' own checks) ----------
+    @validate(*CONFIG_TRAITS)
+    def _check_setting(self, proposal):
         name, value = proposal["trait"].name, proposal["value"]
-        floor = 0 if name in ("num_query_groups", "ffn_hidden_size") else 1
-        if value < floor:
-            raise TraitError(f"{name} must be at least {floor}, got {value}")
-        try:
-            model_config(self.model, **self._model_overrides(**{name: value}))
-        except ValueError as err:
-            raise TraitError(str(err)) from None
+        reason = refusal(self.settings(), name, value)
+        if reason:
+            raise TraitError(reason)
         return value
 
-    @validate("gpu")
-    def _check_gpu(self, proposal):
-        try:
-            hardware.device(proposal["value"])
-        except ValueError as err:
-            raise TraitError(str(err)) from None
-        return proposal["value"]
-
-    @validate("gpus")
-    def _check_gpus(self, proposal):
+    @validate("run_steps")
+    def _check_run_steps(self, proposal):
         if proposal["value"] < 1:
-            raise TraitError(f"gpus must be at least 1, got {proposal['value']}")
+            raise TraitError(f"run_steps must be at least 1, got {proposal['value']}")
         return proposal["value"]
 
-    @validate(*AXES)
-    def _check_axis(self, proposal):
-        """A layout size is refused, with the config's reason, unless the model and world allow it."""
-        name, value = proposal["trait"].name, proposal["value"]
-        if not isinstance(value, int) or value < 1:
-            raise TraitError(f"{name} must be a positive integer, got {value!r}")
-        try:
-            trial = self.parallel_config(**{name: value})
-            if name == "tp" and value == 1:
-                trial = replace(trial, sequence_parallel=False)
-            check_layout(self.model_config(), trial, self.gpus,
-                         self._train_or_none() if name in ("pp", "vpp") else None, batch=False)
-        except ValueError as err:
-            raise TraitError(str(err)) from None
-        return value
-
-    def _train_or_none(self) -> TrainConfig | None:
-        try:
-            return self.train_config()
-        except ValueError:
-            return None
-
-    @validate("micro_batch_size", "global_batch_size", "run_steps")
-    def _check_batch(self, proposal):
-        name, value = proposal["trait"].name, proposal["value"]
-        floor = 0 if name == "global_batch_size" else 1
-        if value < floor:
-            raise TraitError(f"{name} must be at least {floor}, got {value}")
-        if name == "global_batch_size" and value:
-            dp = self._dp()
-            if dp and value % (self.micro_batch_size * dp):
-                raise TraitError(
-                    f"global_batch_size({value}) is not divisible by micro_batch_size"
-                    f"({self.micro_batch_size}) * dp({dp}) = {self.micro_batch_size * dp}"
-                )
-        return value
-
-    def _dp(self) -> int | None:
-        try:
-            return self.parallel_config().resolve(self.gpus).dp
-        except ValueError:
-            return None
-
-    # ----- behaviour ---------------------------------------------------------------------
+    # ----- behaviour: one observer applies derive() ----------------------------------
     @observe(*CONFIG_TRAITS)
     def _on_setting(self, change) -> None:
-        if change["name"] == "model" and not self._hold:
-            with self._batched():
-                self._load_preset(change["new"])
-        if self.measured:
-            self.measured = {}
-            self._run = None
-        self._refresh()
+        self._update()
 
     @observe("status", "running")
     def _on_status(self, change) -> None:
-        view.sync_status(self)
+        if self._view is not None:
+            self._view.sync_status()
 
-    def _load_preset(self, name: str) -> None:
-        preset = load_preset(name)
-        for dim in MODEL_DIMS:
-            value = getattr(preset, dim)
-            setattr(self, dim, 0 if value is None else value)
-
-    @contextlib.contextmanager
-    def _batched(self) -> Iterator[None]:
-        """Apply several settings at once: rules checked together, one refresh at the end."""
-        self._hold += 1
-        try:
+    def _update(self) -> None:
+        """Show derive()'s answer for the current settings (nothing to do when it already shows)."""
+        current = self.settings()
+        shown = self._derived
+        if shown is not None and current == shown.settings:
+            return  # our own adjustments arriving, or a batch's later notifications
+        derived = derive(current, shown.settings if shown is not None else None,
+                         cpu_peak_flops=measured_cpu_peak_flops() if current.gpu == "cpu" else None)
+        with self._redraw:
+            self._derived = derived  # first: the notifications of the writes below find it shown
+            self._run = None
             with self.hold_trait_notifications():
-                yield
-        finally:
-            self._hold -= 1
-        if not self._hold and hasattr(self, "controls"):
-            self._refresh()
+                for name in CONFIG_TRAITS:
+                    setattr(self, name, getattr(derived.settings, name))
+                self.options = {a: o.valid or [getattr(derived.settings, a)] for a, o in derived.options.items()}
+                self.unavailable = {a: {str(k): v for k, v in o.unavailable.items()}
+                                    for a, o in derived.options.items()}
+                self.measured = {}
+                self.error = derived.error
+                self.predicted = derived.predictions.as_dict() if derived.predictions is not None else {}
+                if derived.adjustments:
+                    self.status = "adjusted " + "; ".join(derived.adjustments)
+            self._draw()
 
-    def set_state(self, sync_data):
-        """Front-end updates (and get_state() round trips) apply as one batch."""
-        with self._batched():
-            super().set_state(sync_data)
+    def _draw(self) -> None:
+        """The figures of the shown predictions (and measured run), and the controls."""
+        pred = self._derived.predictions if self._derived is not None else None
+        if pred is None:
+            self.memory_png = self.timeline_png = view.message(self.error)
+        else:
+            self.memory_png = view.memory_png(pred.memory, self._run)
+            self.timeline_png = view.timeline_png(pred.layout, pred.num_microbatches, self._run)
+        if self._view is not None:
+            self._view.sync()
 
-    def _refresh(self) -> None:
-        if self._hold or not hasattr(self, "controls"):
-            self._dirty = True
-            return
-        if self._busy:
-            self._dirty = True
-            return
-        self._busy = True
-        self._lock.acquire()
+    # ----- "Run on pool" (a PoolRunner composed in; it reports through _run_finished) ---
+    def pool_problem(self, pool: Any = None) -> str:
+        """Why "Run on pool" cannot run now ('' when it can)."""
+        from mnb.controller import current_pool
+
+        pool = pool if pool is not None else current_pool(required=False)
+        problem = no_pool_problem(pool)
+        if problem:
+            return problem
+        if self.running:
+            return "a measured run is already in progress"
+        if self.gpus != pool.world_size:
+            return (f"the explorer plans {self.gpus} GPUs but the pool has {pool.world_size} ranks; "
+                    f"set gpus to {pool.world_size} to run this layout")
+        if self.error:
+            return f"this layout cannot run: {self.error}"
+        return ""
+
+    def run_on_pool(self, pool: Any = None, *, wait: bool = False, timeout: float = 600.0) -> threading.Thread | None:
+        """Train ``run_steps`` steps of this layout on the pool in a background thread.
+
+        Returns the thread (``wait=True`` joins it).  The kernel stays free; the
+        measured memory, timeline and MFU/tokens/s appear when the ranks finish.
+        Returns None, with the reason in ``status``, when the pool cannot run it.
+        """
+        from mnb.controller import current_pool
+
+        pool = pool if pool is not None else current_pool(required=False)
+        problem = self.pool_problem(pool)
+        if problem:
+            self.status = problem
+            return None
+        settings = self.settings()
+        request = RunRequest(model=self.model, parallel=self.parallel_config(), train=self._train_args(),
+                             steps=self.run_steps, model_overrides=self._model_overrides(), gpu=self.gpu,
+                             tag=settings)
+        self.running = True
+        self.status = (f"running {self.run_steps} steps of {request.parallel.resolve(pool.world_size).describe()} "
+                       "on the pool...")
         try:
-            self._dirty = True
-            rounds = 0
-            while self._dirty and rounds < 10:
-                self._dirty = False
-                rounds += 1
-                self._keep_valid()
-            self._estimate()
-            view.sync_controls(self)
-        finally:
-            self._lock.release()
-            self._busy = False
+            thread = self._runner.start(pool, request, timeout=timeout)
+        except RuntimeError as err:  # the pool stopped, or the last run's thread is still ending
+            self.running = False
+            self.status = str(err)
+            return None
+        if wait:
+            thread.join()
+        return thread
 
-    def _keep_valid(self) -> None:
-        """Move sizes the other settings no longer allow to the nearest allowed value."""
-        try:
-            model = self.model_config()
-        except ValueError as err:
-            self.error = str(err)
-            return
-        notes = []
-        options: dict[str, list[int]] = {}
-        refused: dict[str, dict[str, str]] = {}
-        train = self._train_or_none()
-        for axis in ("tp", "cp", "ep", "pp", "vpp"):
-            opts = axis_options(axis, model, self.parallel_config(), self.gpus, train)
-            valid = opts.valid or [1]
-            if getattr(self, axis) not in valid:
-                new = nearest(getattr(self, axis), valid)
-                notes.append(f"{axis} {getattr(self, axis)} -> {new}: {opts.unavailable.get(getattr(self, axis), '')}")
-                setattr(self, axis, new)
-            options[axis] = valid
-            refused[axis] = {str(k): v for k, v in opts.unavailable.items()}
-        if self.tp == 1 and self.sequence_parallel:
-            self.sequence_parallel = False
-        dp = self._dp()
-        if dp and self.global_batch_size and self.global_batch_size % (self.micro_batch_size * dp):
-            per = self.micro_batch_size * dp
-            new = -(-self.global_batch_size // per) * per
-            notes.append(f"global_batch_size {self.global_batch_size} -> {new}: a multiple of "
-                         f"micro_batch_size({self.micro_batch_size}) * dp({dp}) = {per}")
-            self.global_batch_size = new
-        self.options, self.unavailable = options, refused
-        if notes:
-            self.status = "adjusted " + "; ".join(notes)
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the background run (if any) has finished."""
+        self._runner.wait(timeout)
 
-    def _estimate(self) -> None:
-        """Predictions for the current settings, and the figures."""
-        try:
-            model, parallel, train = self.model_config(), self.parallel_config(), self.train_config()
-            resolved = check_layout(model, parallel, self.gpus, train)
-            on_cpu = self.gpu == "cpu"
-            mem = est.memory(model, resolved, train, gpu=self.gpu, cpu_kernels=on_cpu, fused_kernels=not on_cpu)
-            cpu_peak = measured_cpu_peak_flops() if on_cpu else None
-            time = est.step_time(model, resolved, train, gpu=self.gpu, peak_flops=cpu_peak)
-            m = train.num_microbatches(resolved.dp or 1)
-        except ValueError as err:
-            self.error = str(err)
-            self.predicted = {}
-            self.memory_png = self.timeline_png = view.message(str(err))
+    def _run_progress(self, progress) -> None:
+        self.status = f"running on the pool: {progress.short()}"
+
+    def _run_finished(self, outcome: RunOutcome) -> None:
+        """The runner's callback (its thread): show the measurement beside the predictions it was made for."""
+        if outcome.failure is not None:
+            status, reason = outcome.failure
+            self.running = False
+            self.status = f"run failed ({status}): {reason}"
             return
-        self.error = ""
-        peak = mem.stages[mem.peak_stage]
-        self.predicted = {
-            "layout": resolved.describe(),
-            "dp": resolved.dp,
-            "num_microbatches": m,
-            "global_batch_size": m * train.micro_batch_size * (resolved.dp or 1),
-            "peak_bytes": mem.peak_bytes,
-            "peak_stage": mem.peak_stage,
-            "stage_bytes": [s.total_bytes for s in mem.stages],
-            "components": peak.components(),
-            "capacity_bytes": mem.capacity_bytes,
-            "fits": mem.fits,
-            "bubble": est.bubble(resolved, m),
-            "step_time_s": time.total_s,
-            "tokens_per_s": time.tokens_per_s,
-            "mfu": time.mfu,
-            "peak_source": (f"measured CPU peak {cpu_peak / 1e9:,.0f} GFLOP/s per rank" if cpu_peak else
-                            "nominal CPU peak 1 TFLOP/s (train on a CPU pool once to measure it)" if on_cpu else
-                            f"{hardware.device(self.gpu).label} datasheet peak"),
-        }
-        self.memory_png = view.memory_png(mem, self._run)
-        self.timeline_png = view.timeline_png(resolved, m, self._run)
+        metrics = outcome.metrics
+        done = f"measured {metrics['steps']} steps of {metrics['layout']} on the pool"
+        with self._redraw:
+            shown = self._derived is not None and self._derived.settings == outcome.request.tag
+            if shown:
+                self._run = outcome.run
+                self.measured = metrics
+                self._draw()
+            self.running = False
+        self.status = done if shown else f"{done}; not shown: the settings changed while it ran"
 
     # ----- text ---------------------------------------------------------------------------
     def summary(self) -> str:
