@@ -31,7 +31,10 @@ has() { [[ ",$STEPS," == *",$1,"* ]]; }
 has start && step h200_start 240 python3 bench/h200_limits.py --sections start --out "$OUT/h200_start"
 has smoke && step gpu_smoke_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests/test_gpu_smoke.py
 has run_script && step run_script 200 python3 bench/gpu_run_script.py --gpus 1 --out "$OUT/run_script.json"
-has mfu && step h200_mfu 420 python3 bench/h200_limits.py --sections mfu,profile,plain --out "$OUT/h200_mfu"
+has mfu && step h200_mfu 560 python3 bench/h200_limits.py --sections think,mfu,profile,plain --out "$OUT/h200_mfu"
+has probe && step oom_probe 150 python3 bench/gpu_oom_probe.py
+has probe && step import_time 60 bash bench/gpu_import_time.sh
+has profile && step h200_profile 200 python3 bench/h200_limits.py --sections profile,adam --out "$OUT/h200_profile"
 has cp_attention && step cp_attention 150 python3 bench/gpu_cp_attention.py --json "$OUT/cp_attention.json"
 
 printf '%s\n' "${ROWS[@]}" | tee "$OUT/steps.txt"

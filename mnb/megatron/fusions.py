@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,12 +39,8 @@ AUTO = "auto"
 COMPILE_ON_CPU = False
 """Tests only: compile on CPU ranks too (Inductor's C++ backend), to exercise the GPU path."""
 
-_warmed = False
-"""Whether this process compiled the loss and RoPE kernels."""
 _warm_lock = threading.Lock()
 """One warm-up at a time: the pool's background compile and a model's own (mnb.worker.main)."""
-_warm_widths: set = set()
-"""(SwiGLU width, dtype) pairs compiled in this process."""
 
 
 def _compile_by_default(t: torch.Tensor) -> bool:
@@ -61,16 +58,21 @@ def _kernel(fn, compiled: bool, *, dynamic: bool | None = True):
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
-            swiglu_widths: tuple[int, ...] = (), announce: bool = True) -> float:
-    """Compile every fused kernel on small tensors; the seconds it took.
+            swiglu_widths: tuple[int, ...] = (), vocab_widths: tuple[int, ...] = (),
+            rope_layouts: tuple[tuple[int, int], ...] = (), announce: bool = True) -> float:
+    """Compile the fused kernels for a model's shapes on small tensors; the seconds it took.
 
-    Dynamo guards on the shapes of views' bases and specialises size-1
-    dimensions, so the warm-up feeds the kernels exactly what Megatron does
-    (the fused-qkv view chain for RoPE, the ``[s, b, ...]`` tensors behind the
-    flattened loss and SwiGLU inputs), at micro batch 1 and 2 and with one
-    query group per rank, with sizes that coincide nowhere.  The loss and RoPE
-    compile with symbolic shapes, once per process; SwiGLU once per width
-    (``swiglu_widths``: fc1 outputs per rank).
+    Each kernel is compiled for symbolic token counts (and heads per rank) but fixed widths,
+    which is what makes it fast (see :func:`_shape_marks`), so a warm-up names the widths:
+    ``swiglu_widths`` (fc1 outputs per rank), ``vocab_widths`` (padded vocabulary per rank)
+    and ``rope_layouts`` (``(head dimension, query heads per group)``: the fused-qkv layout
+    behind RoPE's key).  :func:`model_shapes` gives them for a model under every tp the pool
+    can take, so changing tp later compiles nothing.  Dynamo guards on the shapes of views'
+    bases and specialises size-1 dimensions, so the warm-up feeds the kernels exactly what
+    Megatron does (the fused-qkv view chain for RoPE, the ``[s, b, ...]`` tensors behind the
+    flattened loss and SwiGLU inputs), at micro batch 1 and 2 and with one query group per
+    rank, with sizes that coincide nowhere.  What was compiled once in this process is not
+    compiled again.
     Rank 0 says what it is doing, as the first time takes seconds (``announce``; the pool's
     own background compile, started when a CUDA rank is ready, is silent).  A call while
     another thread compiles waits for it, then compiles only what is still missing.
@@ -79,48 +81,71 @@ def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
     if announce and _warm_lock.locked() and _is_first_rank():
         print("mnb: waiting for the fused kernels the pool started compiling when it was ready", flush=True)
     with _warm_lock:
-        _warm_up(device, dtype, swiglu_widths, announce)
+        _warm_up(device, dtype, swiglu_widths, vocab_widths, rope_layouts, announce)
     return time.perf_counter() - start
+
+
+def model_shapes(ffn_hidden_size: int | None, padded_vocab: "Callable[[int], int]", head_dim: int,
+                 heads_per_group: int, ceiling: int) -> dict:
+    """``warm_up``'s keyword arguments for a model under every tp dividing ``ceiling``.
+
+    ``padded_vocab(tp)`` is the vocabulary after Megatron's padding for that tp.
+    """
+    tps = [tp for tp in range(1, ceiling + 1) if ceiling % tp == 0]
+    return {
+        "swiglu_widths": swiglu_widths(ffn_hidden_size, ceiling) if ffn_hidden_size else (),
+        "vocab_widths": tuple(dict.fromkeys(padded_vocab(tp) // tp for tp in tps)),
+        "rope_layouts": ((head_dim, heads_per_group),),
+    }
 
 
 def _is_first_rank() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def _warm_up(device: torch.device, dtype: torch.dtype, swiglu_widths: tuple[int, ...], announce: bool) -> None:
-    global _warmed
-    widths = [w for w in dict.fromkeys(swiglu_widths) if (w, dtype) not in _warm_widths]
-    if not _warmed and announce and _is_first_rank():
-        print("mnb: compiling the fused loss, RoPE and SwiGLU kernels (once per pool process; "
-              "mnb.gpt(..., fusions=False) skips them)", flush=True)
+_warm: set = set()
+"""What this process compiled: ("swiglu", width, dtype), ("loss", width, dtype), ("rope", layout, dtype)."""
+
+
+def _warm_up(device: torch.device, dtype: torch.dtype, swiglu_widths, vocab_widths, rope_layouts,
+             announce: bool) -> None:
+    todo = ([("swiglu", w, dtype) for w in dict.fromkeys(swiglu_widths)]
+            + [("loss", v, dtype) for v in dict.fromkeys(vocab_widths)]
+            + [("rope", tuple(layout), dtype) for layout in dict.fromkeys(map(tuple, rope_layouts))])
+    todo = [key for key in todo if key not in _warm]
+    if not todo:
+        return
+    if announce and _is_first_rank():
+        print("mnb: compiling the fused loss, RoPE and SwiGLU kernels for this model's shapes (once per "
+              "pool process; mnb.gpt(..., fusions=False) skips them)", flush=True)
     # A private generator: the warm-up may run beside a model's initialisation (the pool's
     # background compile) and must not move the seeded RNG streams training uses.
     rng = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, grad=True):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad, generator=rng)
+
     # (seq, micro batch, query groups on this rank): the last gives RoPE's key [s, 1, 1, hn],
     # micro batch 1 with one group per tp rank, which flattens to a size-1 dimension.
     for seq, batch, groups in ((11, 2, 3), (13, 1, 3), (17, 1, 1)):
-        for width in widths:
-            x = torch.randn(seq, batch, width, device=device, dtype=dtype, requires_grad=True, generator=rng)
-            swiglu(x).float().sum().backward()
-        if _warmed:
-            continue
-        logits = torch.randn(seq, batch, 96, device=device, dtype=dtype, requires_grad=True, generator=rng)
-        labels = torch.randint(0, 96, (batch, seq), device=device, generator=rng)
-        language_model_loss(labels, logits, None).sum().backward()
-        # SelfAttention: fc output [s, b, ng * (np/ng + 2) * hn] -> view -> split; query reshaped.
-        per_group, head = 2, 8
-        mixed = torch.randn(seq, batch, groups * (per_group + 2) * head, device=device, dtype=dtype,
-                            requires_grad=True, generator=rng)
-        query, key, _ = mixed.view(seq, batch, groups, (per_group + 2) * head).split(
-            [per_group * head, head, head], dim=3)
-        query = query.reshape(seq, batch, -1, head)
-        freqs = torch.randn(seq, 1, 1, head, device=device, generator=rng)
-        rotated = fused_rope(query, freqs), fused_rope(key, freqs)
-        sum(r.float().sum() for r in rotated).backward()
-    _warm_widths.update((w, dtype) for w in widths)
+        for kind, size, _ in todo:
+            if kind == "swiglu":
+                swiglu(randn(seq, batch, size)).float().sum().backward()
+            elif kind == "loss":
+                labels = torch.randint(0, size, (batch, seq), device=device, generator=rng)
+                language_model_loss(labels, randn(seq, batch, size), None).sum().backward()
+            else:  # SelfAttention: fc output [s, b, ng * (np/ng + 2) * hn] -> view -> split; query reshaped.
+                head, per_group = size
+                mixed = randn(seq, batch, groups * (per_group + 2) * head)
+                query, key, _ = mixed.view(seq, batch, groups, (per_group + 2) * head).split(
+                    [per_group * head, head, head], dim=3)
+                query = query.reshape(seq, batch, -1, head)
+                freqs = torch.randn(seq, 1, 1, head, device=device, generator=rng)
+                rotated = fused_rope(query, freqs), fused_rope(key, freqs)
+                sum(r.float().sum() for r in rotated).backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    _warmed = True
+    _warm.update(todo)
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,14 +247,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, tp_group, compiled):
         logits = _not_a_view(logits)
         tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
-        logits_max = _kernel(_logits_max, compiled)(logits)
+        if compiled:  # one compile per vocabulary width on a rank (warm_up's vocab_widths)
+            _tokens_dynamic(logits)
+            _shape_marks(target, dynamic=(0,))
+        logits_max = _kernel(_logits_max, compiled, dynamic=None)(logits)
         if tp_size > 1:
             torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
         part = logits.shape[-1]
         start = part * (torch.distributed.get_rank(tp_group) if tp_size > 1 else 0)
         in_range = (target >= start) & (target < start + part)
         local_target = torch.where(in_range, target - start, torch.zeros_like(target))
-        sum_exp, predicted = _kernel(_sum_exp_and_target, compiled)(logits, logits_max, local_target, in_range)
+        if compiled:
+            for t in (logits_max, local_target, in_range):
+                _shape_marks(t, dynamic=(0,))
+        sum_exp, predicted = _kernel(_sum_exp_and_target, compiled, dynamic=None)(
+            logits, logits_max, local_target, in_range)
         if tp_size > 1:
             both = torch.stack((sum_exp, predicted))
             torch.distributed.all_reduce(both, group=tp_group)
@@ -240,8 +272,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        saved = (_not_a_view(t) for t in ctx.saved_tensors)
-        grad = _kernel(_logits_grad, ctx.compiled)(*saved, _not_a_view(grad_loss.contiguous()))
+        logits, *rows = (_not_a_view(t) for t in ctx.saved_tensors)
+        grad_loss = _not_a_view(grad_loss.contiguous())
+        if ctx.compiled:
+            _tokens_dynamic(logits)
+            for t in (*rows, grad_loss):
+                _shape_marks(t, dynamic=(0,))
+        grad = _kernel(_logits_grad, ctx.compiled, dynamic=None)(logits, *rows, grad_loss)
         return grad, None, None, None
 
 
@@ -288,8 +325,21 @@ def _swiglu_grad(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _tokens_dynamic(*tensors: torch.Tensor) -> None:
     """Compile once for every token count, but specialise on the width (fast indexing)."""
     for t in tensors:
-        torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_static(t, 1)
+        _shape_marks(t, dynamic=(0,), static=(1,))
+
+
+def _shape_marks(t: torch.Tensor, dynamic: tuple[int, ...], static: tuple[int, ...] = ()) -> None:
+    """Symbolic sizes where they vary (tokens, heads per rank), fixed ones where they do not.
+
+    A symbolic width makes Inductor index with divisions by a runtime size: on an H200 the
+    loss gradient, RoPE and SwiGLU kernels ran 2.8-9x below memory bandwidth with symbolic
+    widths.  Size-1 dimensions are left to Dynamo, which specialises them anyway.
+    """
+    for dim in dynamic:
+        if t.shape[dim] > 1:
+            torch._dynamo.mark_dynamic(t, dim)
+    for dim in static:
+        torch._dynamo.mark_static(t, dim)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -330,37 +380,68 @@ def swiglu(x: torch.Tensor, *, compiled: bool | None = None) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- RoPE
 
-def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Megatron's non-interleaved bshd RoPE (``_apply_rotary_pos_emb_bshd``, mscale 1)."""
-    rot = freqs.shape[-1]
+    rot = cos.shape[-1]
     x, rest = t[..., :rot], t[..., rot:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return torch.cat((x * cos + rotated * sin, rest), dim=-1)
 
 
-def _rope_grad(grad: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def _rope_grad(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Gradient of :func:`_rope` with respect to ``t`` (the rotation transposed)."""
-    rot = freqs.shape[-1]
+    rot = cos.shape[-1]
     g, rest = grad[..., :rot], grad[..., rot:]
-    cos, sin = freqs.cos().to(grad.dtype), freqs.sin().to(grad.dtype)
     s1, s2 = (g * sin).chunk(2, dim=-1)
     return torch.cat((g * cos + torch.cat((s2, -s1), dim=-1), rest), dim=-1)
 
 
+_rope_tables: tuple | None = None
+"""The last freqs tensor's cos and sin: (weak reference, version, dtype, cos, sin)."""
+
+
+def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos(freqs)``, ``sin(freqs)`` in ``dtype``, computed once per freqs tensor.
+
+    Megatron computes one freqs tensor per forward and passes it to every layer, for the
+    query and the key; computing the tables inside the kernel repeated the transcendental
+    functions for every head and micro batch row of every layer.  Eager ``torch.cos``/``sin``
+    as Megatron's own unfused RoPE computes them, so the values are Megatron's.
+    """
+    global _rope_tables
+    cached = _rope_tables
+    if cached is not None and cached[0]() is freqs and cached[1] == freqs._version and cached[2] == dtype:
+        return cached[3], cached[4]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    _rope_tables = (weakref.ref(freqs), freqs._version, dtype, cos, sin)
+    return cos, sin
+
+
+def _rope_marks(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Sequence and heads per rank symbolic, the head dimension fixed."""
+    _shape_marks(t, dynamic=(0, 1), static=(2,))
+    for table in (cos, sin):
+        _shape_marks(table, dynamic=(0,), static=(2,))
+
+
 class _RoPE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, freqs, compiled):
-        freqs = _not_a_view(freqs)
+    def forward(ctx, t, cos, sin, compiled):
+        t, cos, sin = _not_a_view(t), _not_a_view(cos), _not_a_view(sin)
         ctx.compiled = compiled
-        ctx.save_for_backward(freqs)
-        return _kernel(_rope, compiled)(_not_a_view(t), freqs)
+        ctx.save_for_backward(cos, sin)
+        if compiled:
+            _rope_marks(t, cos, sin)
+        return _kernel(_rope, compiled, dynamic=None)(t, cos, sin)
 
     @staticmethod
     def backward(ctx, grad):
-        (freqs,) = ctx.saved_tensors
-        return _kernel(_rope_grad, ctx.compiled)(_not_a_view(grad.contiguous()), freqs), None, None
+        cos, sin = (_not_a_view(x) for x in ctx.saved_tensors)
+        grad = _not_a_view(grad.contiguous())
+        if ctx.compiled:
+            _rope_marks(grad, cos, sin)
+        return _kernel(_rope_grad, ctx.compiled, dynamic=None)(grad, cos, sin), None, None, None
 
 
 def fused_rope(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = False,
@@ -378,8 +459,9 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = Fals
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
     s, b, n, d = t.shape
     compiled = _compile_by_default(t) if compiled is None else compiled
-    flat_freqs = freqs.reshape(freqs.shape[0], 1, freqs.shape[-1])
-    return _RoPE.apply(t.reshape(s, b * n, d), flat_freqs, compiled).view(s, b, n, d)
+    cos, sin = _cos_sin(freqs, t.dtype)
+    flat = (freqs.shape[0], 1, freqs.shape[-1])
+    return _RoPE.apply(t.reshape(s, b * n, d), cos.reshape(flat), sin.reshape(flat), compiled).view(s, b, n, d)
 
 
 def install_rope() -> bool:

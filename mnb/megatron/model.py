@@ -38,6 +38,20 @@ MNB_DEFAULTS: dict[str, Any] = TRANSFORMER_DEFAULTS
 """TransformerConfig values mnb changes from Megatron's defaults (overridable; kept in mnb.config)."""
 
 
+def fused_shapes(cfg: ModelConfig, ceiling: int, *, swiglu: bool) -> dict:
+    """The widths :func:`mnb.megatron.fusions.warm_up` compiles for ``cfg`` under every tp dividing ``ceiling``."""
+    from mnb.megatron import fusions
+
+    heads = cfg.num_attention_heads
+    return fusions.model_shapes(
+        (cfg.ffn_hidden_size or 4 * cfg.hidden_size) if swiglu else None,
+        lambda tp: padded_vocab_size(cfg.vocab_size, tp),
+        cfg.head_dim,
+        heads // (cfg.num_query_groups or heads),
+        ceiling,
+    )
+
+
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """Pad like Megatron-LM: up to a multiple of 128 * tp."""
     multiple = VOCAB_MULTIPLE * tp
@@ -313,9 +327,7 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
         # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own)
         from mnb.megatron.spec import uses_fused_swiglu
 
-        widths = (_fusions.swiglu_widths(tconfig.ffn_hidden_size, _fusions.tp_ceiling())
-                  if uses_fused_swiglu(chunks) else ())
-        _fusions.warm_up(device, swiglu_widths=widths)
+        _fusions.warm_up(device, **fused_shapes(cfg, _fusions.tp_ceiling(), swiglu=uses_fused_swiglu(chunks)))
     global _last_model
     model = MegatronModel(
         chunks=chunks,

@@ -409,12 +409,16 @@ def _import_megatron() -> None:
     import mnb.megatron.train  # noqa: F401
 
 
-def _warm_fused_kernels_in_background(device) -> None:
-    """Compile the fused loss and RoPE kernels while the notebook has nothing for this rank yet.
+BACKGROUND_PRESETS = ("llama-1b", "llama-3b")
+"""Presets whose fused kernels a CUDA rank compiles in the background once it is ready."""
 
-    They take seconds to compile (about 11 s with an empty Inductor cache on an H200) and
-    every fused model needs them; the first ``mnb.gpt`` that arrives meanwhile waits for
-    this compile instead of starting its own (``fusions.warm_up`` holds a lock).
+
+def _warm_fused_kernels_in_background(device) -> None:
+    """Compile the fused kernels of mnb's GPU presets while the notebook has nothing for this rank yet.
+
+    They take seconds to compile (about 11 s with an empty Inductor cache on an H200); the
+    first ``mnb.gpt`` that arrives meanwhile waits for this compile instead of starting its own
+    (``fusions.warm_up`` holds a lock) and then compiles only what its own shapes still lack.
     """
     import threading
 
@@ -426,8 +430,13 @@ def _warm_fused_kernels_in_background(device) -> None:
 
             if not fusions.compile_available():
                 return
+            from mnb.config import load_preset
+            from mnb.megatron.model import fused_shapes
+
             torch.cuda.set_device(device)  # the current device is per thread
-            fusions.warm_up(device, announce=False)
+            for preset in BACKGROUND_PRESETS:
+                fusions.warm_up(device, announce=False,
+                                **fused_shapes(load_preset(preset), fusions.tp_ceiling(), swiglu=True))
         except Exception as exc:  # the first model compiles them instead; say why in the log
             log.warning("background compile of the fused kernels failed: %s", exc)
 

@@ -27,7 +27,7 @@ import traceback
 import types
 from typing import Any
 
-from mnb.worker.executor import Outcome
+from mnb.worker.executor import Outcome, release_frames
 
 _KEEP_OUT = frozenset({"__builtins__", "__name__", "__file__", "__doc__", "__spec__", "__loader__",
                        "__package__", "__cached__"})
@@ -62,6 +62,7 @@ def run_script(request: dict[str, Any], namespace: dict[str, Any], *, ranks: lis
         outcome = _exit_outcome(exc)
     except BaseException as exc:  # the rank reports every failure, KeyboardInterrupt included
         outcome = _failure(exc)
+        release_frames(exc)  # a failed script's step must not keep its tensors (executor.py says why)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
         if saved_main is not None:

@@ -131,14 +131,18 @@ def test_compiled_pieces_match_eager(tmp_path, monkeypatch):
     assert torch.allclose(results[True][0], results[False][0], atol=1e-5)
     assert torch.allclose(results[True][1], results[False][1], atol=1e-3)
 
-    freqs = torch.randn(6, 1, 1, 16, generator=gen)
-    t = torch.randn(6, 2, 4, 16, generator=gen, requires_grad=True)
-    eager = fusions._rope(t, freqs)
-    compiled = fusions.fused_rope(t, freqs, compiled=True)
-    assert torch.allclose(compiled, eager, atol=1e-5)
-    (grad_eager,) = torch.autograd.grad(eager.sum(), t)
-    (grad_compiled,) = torch.autograd.grad(compiled.sum(), t)
-    assert torch.allclose(grad_compiled, grad_eager, atol=1e-5)
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    for seq in (6, 9):  # RoPE against Megatron's own unfused one, for two sequence lengths
+        freqs = torch.randn(seq, 1, 1, 16, generator=gen)
+        t = torch.randn(seq, 2, 4, 16, generator=gen, requires_grad=True)
+        megatron = _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False)
+        (grad_megatron,) = torch.autograd.grad(megatron.sum() + (megatron ** 2).sum(), t)
+        for compiled in (False, True):
+            ours = fusions.fused_rope(t, freqs, compiled=compiled)
+            assert torch.allclose(ours, megatron, atol=1e-5)
+            (grad,) = torch.autograd.grad(ours.sum() + (ours ** 2).sum(), t)
+            assert torch.allclose(grad, grad_megatron, atol=1e-5)
 
     for tokens in (6, 10):  # one compile for every token count
         x = torch.randn(tokens, 2, 32, generator=gen, requires_grad=True)

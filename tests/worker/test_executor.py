@@ -1,0 +1,41 @@
+"""A failed cell's frames give back what they held, even when something keeps the exception."""
+
+from __future__ import annotations
+
+from mnb.worker.executor import run_cell
+
+CELL = """
+import weakref
+
+class Activations:  # stands for a failed step's tensors
+    pass
+
+kept = []  # stands for a library that keeps the last exception (a logger, a retry helper)
+
+def step():
+    activations = Activations()
+    refs.append(weakref.ref(activations))
+    raise MemoryError("out of memory in the step")
+
+refs = []
+try:
+    step()
+except MemoryError as exc:
+    kept.append(exc)
+    raise
+"""
+
+
+def test_a_kept_exception_does_not_pin_the_failed_steps_locals():
+    namespace: dict = {}
+    outcome = run_cell(CELL, namespace)
+    assert not outcome.ok and outcome.ename == "MemoryError"
+    assert "in step" in outcome.traceback and "out of memory in the step" in outcome.traceback
+    assert namespace["kept"] and namespace["kept"][0].__traceback__ is not None  # the exception is still kept
+    assert namespace["refs"][0]() is None  # but the step's locals are gone
+
+
+def test_a_successful_cell_keeps_its_globals():
+    namespace: dict = {}
+    assert run_cell("x = [1, 2]\nlen(x)", namespace).value == 2
+    assert namespace["x"] == [1, 2]
