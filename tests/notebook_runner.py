@@ -23,6 +23,7 @@ Run as a script to keep an executed copy for reading::
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from dataclasses import dataclass, field
@@ -82,16 +83,21 @@ def execute(path: Path, workdir: Path, timeout: int = 900) -> Execution:
                 if wrong is None or check is None or solution is None or not check < solution:
                     result.problems.append(f"cell {index}: an exercise needs metadata mnb.wrong, then a check cell, then a solution cell")
                     continue
-                if run(_scratch(wrong), index) is not None:
+                exercise = copy.deepcopy(cell)  # nbclient stores a cell it runs at that index: put it back
+                wrong_ran = run(_scratch(wrong), index)
+                cells[index] = exercise
+                if wrong_ran is not None:
                     result.problems.append(f"cell {index}: its wrong answer does not even run: {wrong!r}")
                     continue
-                ename = run(_scratch(cells[check].source), check)
+                check_cell = copy.deepcopy(cells[check])
+                ename = run(_scratch(check_cell.source), check)
+                cells[check] = check_cell
                 if ename == "AssertionError":
                     result.rejected_wrong += 1
                 else:
                     result.problems.append(f"cell {check}: the check accepted the wrong answer {wrong!r} ({ename or 'no error'})")
                 # The solution stands where the learner's answer would, then the check must pass.
-                cell.outputs = []
+                cells[index].outputs = []
                 for i in (solution, check):
                     ename = run(cells[i], i)
                     if ename is not None:

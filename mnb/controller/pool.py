@@ -519,6 +519,7 @@ class Pool:
         errors: list[RankError] = []
         values: dict[int, Any] = {}
         records: list[dict[str, Any]] = []
+        last_records: list[dict[str, Any]] = []  # each rank's last training of the cell: mnb.last_run
         for rank, reply in outcome.replies.items():
             info = self.ranks[rank]
             info.coords = reply.get("coords") or info.coords
@@ -526,6 +527,7 @@ class Pool:
                 self.layout = ParallelConfig(**reply["layout"])
             payload = reply.payload or {}
             records.extend(payload.get("records") or [])
+            last_records.extend((payload.get("records") or [])[-1:])
             if reply.get("payload_error") and reply.get("ok"):
                 errors.append(RankError(
                     rank=rank, ename="UnpicklingError", label=info.label(self.layout.as_dict()),
@@ -536,8 +538,8 @@ class Pool:
             elif reply.get("ename") != "KeyboardInterrupt" or not (outcome.interrupted or rank in outcome.waiting):
                 errors.append(self._rank_error(rank, reply))  # not the interrupt mnb itself sent
         self.last_cell_records = records
-        if records:
-            set_last_run(sorted(records, key=lambda r: r.get("rank", 0)))
+        if last_records:  # a cell that trained twice: the second training, not a mix of both
+            set_last_run(sorted(last_records, key=lambda r: r.get("rank", 0)))
         return errors, dict(sorted(values.items()))
 
     @exclusive

@@ -53,9 +53,9 @@ def _draw(ax, events: list[dict[str, Any]], pp: int, unit: str, scale: float) ->
             if mb is not None and middle - last_label.get(stage, -1e30) >= LABEL_GAP * axis_span * scale:
                 ax.text(middle, stage, str(mb), ha="center", va="center", fontsize=7, zorder=3)
                 last_label[stage] = middle
-        else:
+        else:  # a strip on top: communication inside a forward (MoE dispatch) must stay visible
             ax.barh(stage + 0.3, width, left=start, height=0.15, color=COLORS["comm"],
-                    edgecolor="none", zorder=1)
+                    edgecolor="none", zorder=4)
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"stage {s}" for s in range(pp)])
     ax.set_ylim(pp - 0.5, -0.5)

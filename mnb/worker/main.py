@@ -51,7 +51,11 @@ QUIET_WARNINGS = (
     r"(Transformer Engine and )?Apex (is|are) not installed",
     r"(MimoModelConfig|MimoModel|ModalitySubmodules) is experimental",
     r"full scope is deprecated",
-    r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    # (on CUDA ranks mnb sets CUDA_DEVICE_MAX_CONNECTIONS=1; on CPU ranks it means nothing)
+    r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment "
+    r"variable CUDA_DEVICE_MAX_CONNECTIONS",
+    # torch 2.13 deprecates the collectives Megatron-Core's tensor and sequence parallelism call
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
     # torch inside Megatron's dist_checkpointing (mnb.save / mnb.load)
     r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to load in a single process",
     r"`load_state_dict` is deprecated and will be removed",

@@ -232,3 +232,15 @@ def test_start_timings_cover_the_start_stage_by_stage(cpu_pool):
     assert begins == sorted(begins) and all(took >= 0 for _, took in numbers)
     ready = float(text.splitlines()[-1].split()[-1])
     assert begins[-1] <= ready <= cpu_pool.startup_s + 0.5  # the launch comes after the pool's own set-up
+
+
+def test_a_cell_that_trains_twice_leaves_the_second_training_as_last_run(cpu_pool):
+    import mnb
+
+    cpu_pool.run("m = mnb.gpt('tiny', seed=3)\n"
+                 "first = mnb.train(m, steps=2, micro_batch_size=1, global_batch_size=2)\n"
+                 "second = mnb.train(m, steps=3, micro_batch_size=1, global_batch_size=2)", quiet=True)
+    second = cpu_pool.pull("second")[0]
+    run = mnb.last_run
+    assert len(run.losses) == 3
+    assert run.losses == pytest.approx([row["loss"] for row in second["steps"]])
