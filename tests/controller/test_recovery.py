@@ -105,7 +105,12 @@ def rank_states(text: str) -> list[tuple[str, str, str, str]]:
     return found
 
 
-@pytest.mark.parametrize("flags, interrupts", [("--tp 2", 20), ("--pp 2", 20), ("--tp 1 --pp 1", 10)])
+INTERRUPTS = int(os.environ.get("MNB_TEST_INTERRUPTS", "12"))
+"""Random interrupts per layout (CI: 12; the issue-10 checks ran 20, and 110 more by hand)."""
+
+
+@pytest.mark.parametrize("flags, interrupts", [("--tp 2", INTERRUPTS), ("--pp 2", INTERRUPTS),
+                                               ("--tp 1 --pp 1", max(1, INTERRUPTS // 2))])
 def test_random_interrupts_during_training_never_split_the_ranks(kernel, flags, interrupts):
     kernel.ok(f"%%megatron {flags}\nmodel = mnb.gpt('tiny')")
     train = ("%%megatron\nif 'model' not in globals():\n    model = mnb.gpt('tiny')\n"
