@@ -247,6 +247,32 @@ class ModelConfig:
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
+    def layers_per_stage(self, pp: int, vpp: int = 1) -> list[int]:
+        """Transformer layers on each pipeline stage, as Megatron splits them.
+
+        Even unless ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``
+        (TransformerConfig names, kept in ``extra``) fix the end stages; the other stages then
+        share the rest evenly.  ValueError with the numbers when the split does not work out.
+        """
+        first = self.extra.get("num_layers_in_first_pipeline_stage")
+        last = self.extra.get("num_layers_in_last_pipeline_stage")
+        if pp == 1 or (first is None and last is None):
+            if self.num_layers % (pp * vpp):
+                raise ValueError(f"num_layers({self.num_layers}) is not divisible by pp({pp}) * vpp({vpp}) = "
+                                 f"{pp * vpp}")
+            return [self.num_layers // pp] * pp
+        ends = [n for n in (first, last) if n is not None]
+        middle = pp - len(ends)
+        rest = self.num_layers - sum(ends)
+        named = (f"num_layers({self.num_layers}) with num_layers_in_first_pipeline_stage={first}, "
+                 f"num_layers_in_last_pipeline_stage={last} under pp({pp}) * vpp({vpp})")
+        if any(n < 1 or n % vpp for n in ends) or rest < 0 or (middle == 0 and rest) \
+                or (middle and rest % (middle * vpp)):
+            raise ValueError(f"{named}: the end stages need a multiple of vpp layers each and the "
+                             f"other {middle} stage(s) an equal share of the remaining {rest}")
+        share = rest // middle if middle else 0
+        return [first if first is not None else share] + [share] * (pp - 2) + [last if last is not None else share]
+
     @property
     def is_moe(self) -> bool:
         return bool(self.num_moe_experts)
@@ -301,12 +327,7 @@ class ModelConfig:
                 f"num_query_groups({self.query_groups}) is not divisible by tp({parallel.tp}); "
                 f"choose tp from {divisors(self.query_groups)}"
             )
-        stages = parallel.pp * parallel.vpp
-        if self.num_layers % stages:
-            raise ValueError(
-                f"num_layers({self.num_layers}) is not divisible by pp({parallel.pp}) * "
-                f"vpp({parallel.vpp}) = {stages}"
-            )
+        self.layers_per_stage(parallel.pp, parallel.vpp)  # raises with the numbers
         if parallel.ep > 1 and not self.is_moe:
             raise ValueError(f"ep({parallel.ep}) needs an MoE model; '{self.name}' has no experts")
         if self.is_moe and self.num_moe_experts % parallel.ep:

@@ -107,3 +107,30 @@ def test_overrides_use_megatron_names_and_pass_unknown_through():
     assert config.num_layers == 8 and config.extra == {"hidden_dropout": 0.1}
     assert config.max_position_embeddings >= 128
     assert isinstance(config, ModelConfig)
+
+
+def test_uneven_pipeline_stages_follow_megatrons_split():
+    tiny = load_preset("tiny")
+    assert tiny.with_overrides(num_layers=5, num_layers_in_first_pipeline_stage=2,
+                               num_layers_in_last_pipeline_stage=3).layers_per_stage(2) == [2, 3]
+    assert tiny.with_overrides(num_layers=8, num_layers_in_first_pipeline_stage=2).layers_per_stage(4) == [2, 2, 2, 2]
+    assert tiny.with_overrides(num_layers=6, num_layers_in_last_pipeline_stage=2).layers_per_stage(3) == [2, 2, 2]
+    assert tiny.with_overrides(num_layers=4).layers_per_stage(2) == [2, 2]
+    uneven = tiny.with_overrides(num_layers=5, num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=3)
+    uneven.check_parallel(ParallelConfig(pp=2).resolve(2))  # Megatron accepts it, so does mnb
+    with pytest.raises(ValueError, match=r"equal share of the remaining 5"):
+        tiny.with_overrides(num_layers=7, num_layers_in_first_pipeline_stage=2).layers_per_stage(3)
+    with pytest.raises(ValueError, match=r"num_layers\(5\) is not divisible by pp\(2\)"):
+        tiny.with_overrides(num_layers=5).check_parallel(ParallelConfig(pp=2).resolve(2))
+
+
+def test_the_estimate_counts_each_uneven_stages_own_layers():
+    from mnb.estimate.params import stage_params
+
+    model = load_preset("tiny").with_overrides(num_layers=4, num_layers_in_first_pipeline_stage=3,
+                                               num_layers_in_last_pipeline_stage=1)
+    parallel = ParallelConfig(pp=2).resolve(2)
+    first, last = (stage_params(model, parallel, s) for s in (0, 1))
+    assert (first.num_layers, last.num_layers) == (3, 1)
+    even = [stage_params(load_preset("tiny").with_overrides(num_layers=4), parallel, s) for s in (0, 1)]
+    assert first.dense > even[0].dense and last.dense < even[1].dense

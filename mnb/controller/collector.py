@@ -154,7 +154,12 @@ class Collector:
         if pending:
             answers = self.transport.ask("interrupt", pending, INTERRUPT_ACK_S)
             deferred = any(answer.get("deferred") for answer in answers.values())
-        if deferred:  # mnb.train finishes its step on every rank first
+        # A user's interrupt lets mnb.train finish its step on every rank first.  After a rank
+        # failed or the cell timed out the others wait in a collective that cannot complete:
+        # they get the usual release time, then count as unreleased and are restarted (waiting
+        # DEFERRED_STOP_S here made a failed pipeline cell take 305 s to report).
+        deferred = deferred and self.outcome.interrupted
+        if deferred:
             release_s = max(release_s, DEFERRED_STOP_S)
         deadline = time.monotonic() + release_s
         next_check, announce_at = time.monotonic(), time.monotonic() + 1.0

@@ -71,7 +71,7 @@ def stage_params(model: ModelConfig, parallel: ParallelConfig, stage: int) -> St
     pp, tp = parallel.pp, parallel.tp
     if not 0 <= stage < pp:
         raise ValueError(f"stage must be in [0, pp({pp})), got {stage}")
-    layers = model.num_layers // pp
+    layers = model.layers_per_stage(pp)[stage]
     dense_layer, expert_layer = layer_params(model, tp, parallel.ep)
     h = model.hidden_size
     vocab = padded_vocab_size(model, tp)

@@ -111,7 +111,7 @@ def step_time(
     bubble_s = compute * bubble_time_ratio(parallel, m)
 
     s, b, h = model.seq_length // cp, train.micro_batch_size, model.hidden_size
-    layers = model.num_layers // pp
+    layers = max(model.layers_per_stage(pp))  # the busiest stage sets the pace
     act = s * b * h * e
     tp_s = cp_s = ep_s = pp_s = 0.0
     if tp > 1:

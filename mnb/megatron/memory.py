@@ -191,10 +191,19 @@ class ComponentMeter:
             ptr = storage.data_ptr()
             if ptr and ptr not in self._known:
                 self._saving[ptr] = storage.nbytes()
-        return tensor
+        # Detached: a saved output kept as itself would hold its own grad_fn, a cycle through
+        # autograd's C++ nodes that Python's collector cannot break.  Backward breaks it; a
+        # forward that raised (out of memory) left every saved tensor allocated for good.
+        return tensor.detach()
 
     def end_run(self) -> None:
-        """Microbatches never run backward (forward-only) are not held across calls."""
+        """After the steps, also after a step that raised: no hook left on autograd's stack
+        (a forward that raised never reached ``forward_stopped``), and microbatches that never
+        ran backward (forward-only, or a failed step) not held across calls."""
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+            self._saving = None
         self._held.clear()
 
     def summary(self, allocator_peak_bytes: int | None) -> dict[str, int | str]:

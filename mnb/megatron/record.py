@@ -84,7 +84,8 @@ def _peak(device: torch.device, train) -> dict:
     from mnb.megatron.peak import cpu_gemm_flops
 
     dtype = torch.bfloat16 if (train.bf16 or train.fp8) else torch.float32
-    return {"peak_flops": cpu_gemm_flops(dtype), "peak_source": f"measured CPU GEMM peak ({str(dtype)[6:]})"}
+    name = "float32" if dtype == torch.float32 else f"best of float32, {str(dtype)[6:]}"
+    return {"peak_flops": cpu_gemm_flops(dtype), "peak_source": f"measured CPU GEMM peak ({name})"}
 
 
 def build_record(*, model, train, device: torch.device, num_microbatches: int, steps: list[dict],

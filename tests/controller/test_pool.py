@@ -244,3 +244,58 @@ def test_a_cell_that_trains_twice_leaves_the_second_training_as_last_run(cpu_poo
     run = mnb.last_run
     assert len(run.losses) == 3
     assert run.losses == pytest.approx([row["loss"] for row in second["steps"]])
+
+
+def test_a_training_step_that_raises_gives_back_its_activations(cpu_pool):
+    """A forward that fails (out of memory on a GPU) in the steps where mnb counts saved tensors:
+    nothing it saved stays alive, and no saved-tensor hook is left on autograd's stack."""
+    cpu_pool.run("""
+import gc
+model = mnb.gpt('tiny', seq_length=128)
+layer = model.chunks[0].decoder.layers[-1]
+calls, forward = [0], layer.forward
+def failing_forward(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] > 2:  # step 0's second microbatch
+        raise torch.OutOfMemoryError("provoked out of memory")
+    return forward(*args, **kwargs)
+layer.forward = failing_forward
+def activations_alive():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)
+               and not isinstance(o, torch.nn.Parameter) and o.dim() == 3 and o.shape[0] == 128)
+""", quiet=True)
+    with pytest.raises(CompositeRankError, match="out of memory"):
+        cpu_pool.run("mnb.train(model, steps=3, micro_batch_size=2, global_batch_size=4)", quiet=True)
+    left = cpu_pool.run("layer = forward = failing_forward = model = None\n"
+                        "(activations_alive(), torch._C._autograd._top_saved_tensors_default_hooks(False) is None)")
+    assert left == {0: (0, True), 1: (0, True)}
+
+
+def test_a_rank_failing_inside_pipeline_training_is_reported_without_waiting_for_the_step(cpu_pool):
+    """Rank 1 raises in mnb.train under pp2 while rank 0 waits for its activations' gradient
+    (gloo's recv, which no interrupt releases): the error comes after the grace period, not after
+    the time an interrupted mnb.train would get to finish its step, and the pool recovers."""
+    cpu_pool.run("model = mnb.gpt('tiny')", layout=ParallelConfig(pp=2), quiet=True)
+    cpu_pool.run("if rank == 1:\n"
+                 "    layer = model.chunks[0].decoder.layers[-1]\n"
+                 "    def failing_forward(*args, **kwargs):\n"
+                 "        raise ValueError('stage 1 failed')\n"
+                 "    layer.forward = failing_forward", quiet=True)
+    started = time.monotonic()
+    with pytest.raises(CompositeRankError, match="stage 1 failed") as error:
+        cpu_pool.run("mnb.train(model, steps=5, micro_batch_size=1, global_batch_size=4)", quiet=True)
+    assert time.monotonic() - started < cpu_pool.grace_s + 30  # not DEFERRED_STOP_S (300 s)
+    assert "[r1" in str(error.value).splitlines()[1]  # the root cause first
+    assert cpu_pool.run("rank * 2") == {0: 0, 1: 2}  # after the automatic restart
+
+
+def test_bf16_training_on_cpu_ranks_reports_an_mfu_below_one(cpu_pool):
+    """The CPU peak for bf16 is the better of fp32 and bf16 matmuls (a slow bf16 probe read 138 %)."""
+    import mnb
+
+    cpu_pool.run("mnb.train(mnb.gpt('tiny'), steps=3, micro_batch_size=2, global_batch_size=8, bf16=True)",
+                 quiet=True)
+    run = mnb.last_run
+    assert "best of float32, bfloat16" in run.peak_source
+    assert all(0 < m < 1 for m in run.mfu[1:]), run.mfu
