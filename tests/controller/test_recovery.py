@@ -105,8 +105,8 @@ def rank_states(text: str) -> list[tuple[str, str, str, str]]:
     return found
 
 
-INTERRUPTS = int(os.environ.get("MNB_TEST_INTERRUPTS", "12"))
-"""Random interrupts per layout (CI: 12; the issue-10 checks ran 20, and 110 more by hand)."""
+INTERRUPTS = int(os.environ.get("MNB_TEST_INTERRUPTS", "10"))
+"""Random interrupts per layout (CI: 10; the issue-10 checks ran 20, and 110 more by hand)."""
 
 
 @pytest.mark.parametrize("flags, interrupts", [("--tp 2", INTERRUPTS), ("--pp 2", INTERRUPTS),
