@@ -51,11 +51,11 @@ def run_cell(code: str, namespace: dict[str, Any]) -> Outcome:
 def release_frames(exc: BaseException) -> None:
     """Drop the local variables of the finished frames behind ``exc`` (and its causes).
 
-    A failed training step's frames hold its activations, the model and its optimizer; on a
-    GPU, after an out-of-memory error in ``mnb.train``, they stayed allocated through the next
-    cell (measured on an H200: the next model ran out of memory with 137 GiB still held), so
-    "drop the model and retry" did not work.  The traceback text is already taken; nothing on
-    the rank reads these frames again.
+    A failed training step's frames hold its activations, the model and its optimizer; any
+    library that keeps the exception (a logger, a retry helper) would keep all of that alive
+    through the next cell.  The traceback text is already taken; nothing on the rank reads
+    these frames again.  (The 137 GiB an H200 kept after an out-of-memory error had another
+    cause, fixed in ``mnb.megatron.memory``: this alone did not release it.)
     """
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
