@@ -24,7 +24,10 @@ PROBE = (
     "t = time.perf_counter()\n"
     "from mnb.megatron import fusions\n"
     "imported = time.perf_counter() - t\n"
-    "seconds = fusions.warm_up(torch.device('cuda', 0))\n"
+    "from mnb.config import load_preset\n"
+    "from mnb.megatron.model import fused_shapes\n"
+    "shapes = fused_shapes(load_preset('llama-1b'), 1, swiglu=True)  # what llama-1b's first gpt() compiles\n"
+    "seconds = fusions.warm_up(torch.device('cuda', 0), **shapes)\n"
     "print('RESULT', imported, seconds)\n"
 )
 
