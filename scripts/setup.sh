@@ -21,7 +21,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "$TORCH"
 fi
 # Reinstall when anything is missing, or when `mnb` resolves to another checkout.
-if ! "$PY" -I -c "import mnb, megatron.core, nbclient, pytest_timeout, os, sys; \
+if ! "$PY" -I -c "import mnb, megatron.core, nbclient, pytest_timeout, safetensors, tokenizers, transformers, os, sys; \
 sys.exit(os.path.dirname(os.path.abspath(mnb.__file__)) != os.path.abspath('mnb'))" 2>/dev/null \
    || [ "${MNB_REINSTALL:-0}" = 1 ]; then
   "$PY" -m pip install -q -e ".[test]"
