@@ -370,6 +370,27 @@ class Run:
         values = [per[s] for s in self._steady_steps(list(per))]
         return median(values) if values else None
 
+    def step_ordinal(self, step: int) -> int:
+        """Where the run's recorded step number ``step`` stands in this run, counted from 1.
+
+        Recorded numbers are the model's counter (a continued model starts past 0); the text
+        and the plots name steps as the progress line does: 1 to ``len(run.steps)``.
+        """
+        steps = self.steps or self.timeline_steps()
+        return steps.index(step) + 1 if step in steps else step
+
+    @property
+    def measured_bubble_statistic(self) -> str:
+        """What :attr:`measured_bubble` is, in words the summary and the timeline's title share:
+        ``"median of steps 2-10"`` (steps of this run, counted from 1)."""
+        per = self.measured_bubble_per_step
+        used = [self.step_ordinal(s) for s in self._steady_steps(list(per))]
+        if not used:
+            return "no step timed"
+        if len(used) == 1:
+            return f"step {used[0]}"
+        return f"median of steps {used[0]}-{used[-1]}"
+
     @staticmethod
     def _steady_steps(steps: list[int]) -> list[int]:
         """Steps after the first (warm-up) one, when there are more."""
@@ -429,7 +450,8 @@ class Run:
                     else "MFU n/a (no peak for this device)")
         lines.append(", ".join(perf))
         if self.measured_bubble is not None and self.layout.pp > 1:  # no pipeline, no bubble to speak of
-            text = f"bubble measured {self.measured_bubble:.1%} vs theoretical {self.theoretical_bubble:.1%}"
+            text = (f"bubble measured {self.measured_bubble:.1%} ({self.measured_bubble_statistic}) "
+                    f"vs theoretical {self.theoretical_bubble:.1%}")
             expected = self.expected_bubble
             if expected is not None:
                 text += f" ({expected:.1%} for the measured stage times)"

@@ -122,7 +122,7 @@ def test_predicted_memory_and_summary():
     assert isinstance(pred, MemoryEstimate) and len(pred.stages) == 2
     assert pred.capacity_bytes == 150_000_000_000
     text = run.summary()
-    for piece in ("tiny", "tp1 pp2 dp1", "loss 5.5000 -> 5.0000", "MFU", "bubble measured 21.9% vs theoretical 20.0%",
+    for piece in ("tiny", "tp1 pp2 dp1", "loss 5.5000 -> 5.0000", "MFU", "bubble measured 21.9% (step 2) vs theoretical 20.0%",
                   "peak memory", "vs predicted"):
         assert piece in text, (piece, text)
     assert "<b>mnb run</b>" in run._repr_html_()

@@ -65,8 +65,8 @@ def plot_memory(obj: Any, ax=None):
     ax.set_xticklabels(labels, fontsize=7, rotation=30)
     ax.set_ylabel(f"memory per rank ({unit})")
     peak_what = "allocator peak" if run.memory_source == "cuda" else "counted tensors"
-    ax.set_title(f"{run.model.name} | {run.layout.describe()}: predicted (pale) vs measured "
-                 f"({peak_what})", fontsize=10)
+    ax.set_title(f"{run.model.name} | {run.layout.describe()}: peak over {len(run.steps)} steps per rank, "
+                 f"predicted (pale) vs measured ({peak_what})", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax
 
@@ -99,7 +99,8 @@ def _stacked(run: Any, estimate: Any, ax):
         predicted = [estimate.stages[run.stage_of_rank(r)].components() for r in ranks]
         measured = [peaks.get(r) for r in ranks]
         capacity = run.capacity_bytes or estimate.capacity_bytes
-        title = f"{run.model.name} | {run.layout.describe()}: predicted vs measured ({run.memory_source})"
+        title = (f"{run.model.name} | {run.layout.describe()}: peak over {len(run.steps)} steps, "
+                 f"predicted vs measured ({run.memory_source})")
     if ax is None:
         _, ax = new_axes(figsize=(7.5, 4.0))
     has_measured = any(m is not None for m in measured)

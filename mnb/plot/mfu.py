@@ -1,4 +1,4 @@
-"""plot_mfu: MFU, tokens/s and loss per step."""
+"""plot_mfu: MFU, tokens/s and loss per step (steps counted from 1 within the run, as its summary counts)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ def plot_mfu(run: Any, ax=None):
     loss on twin y-axes.  Returns the top / given Axes.
     """
     run = as_run(run, ("mfu", "tokens_per_s", "losses", "peak_source"))
-    steps = run.steps
+    steps = list(range(1, len(run.steps) + 1))  # counted from 1 within the run, as the summary counts
+    title = (f"{run.model.name} | {run.layout.describe()}: each of steps 1-{len(steps)}, "
+             f"MFU vs {run.peak_source}")
     mfu = run.mfu
     tps = run.tokens_per_s
     losses = run.losses
@@ -40,15 +42,15 @@ def plot_mfu(run: Any, ax=None):
         x, y = pts(losses)
         a_loss.plot(x, y, marker="o", color="#C44E52")
         a_loss.set_ylabel("loss")
-        a_loss.set_xlabel("step")
-        a_mfu.set_title(f"{run.model.name} | {run.layout.describe()}: MFU vs {run.peak_source}", fontsize=10)
+        a_loss.set_xlabel("step of this run")
+        a_mfu.set_title(title, fontsize=10)
         return a_mfu
 
     main_label = "MFU (%)" if have_mfu else "tokens/s"
     x, y = pts([None if m is None else m * 100 for m in mfu] if have_mfu else tps)
     ax.plot(x, y, marker="o", color="#4C72B0", label=main_label)
     ax.set_ylabel(main_label)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step of this run")
     twins = []
     if have_mfu:
         t1 = ax.twinx()
@@ -62,5 +64,5 @@ def plot_mfu(run: Any, ax=None):
     x, y = pts(losses)
     t2.plot(x, y, marker=".", color="#C44E52", label="loss")
     t2.set_ylabel("loss")
-    ax.set_title(f"{run.model.name} | {run.layout.describe()}: MFU vs {run.peak_source}", fontsize=10)
+    ax.set_title(title, fontsize=10)
     return ax

@@ -51,6 +51,6 @@ def plot_plan(rows: Sequence[PlanRow], ax=None, *, label_top: int = 5):
                    color="#F0B400", edgecolor="black", zorder=4, label="best")
     ax.set_xlabel("predicted peak memory per rank (GiB)")
     ax.set_ylabel("predicted MFU (%)")
-    ax.set_title("layouts: memory vs predicted MFU", fontsize=10)
+    ax.set_title(f"{len(rows)} layouts, each a prediction (no run): peak memory per rank vs MFU", fontsize=10)
     ax.legend(fontsize=7, loc="best")
     return ax

@@ -3,8 +3,9 @@
 Boxes: forward and backward microbatches (number inside, one shade per
 virtual chunk); communication and optimizer intervals as thin grey bars;
 the forward-backward span shaded behind, so idle time shows as the pale
-background.  The title puts the measured bubble (idle share of the step's
-pipeline span, mean over stages) beside the predicted (p-1)/(m+p-1) or
+background.  The title names the step drawn and its idle share (of the step's
+pipeline span, mean over stages), then the run's measured bubble as ``Run.summary``
+states it (its statistic named) beside the predicted (p-1)/(m+p-1) or
 (p-1)/(v*m+p-1) (Narayanan et al. 2021).  Microbatch numbers are written
 into the boxes while they fit; with many microbatches only every k-th is
 labelled, so the picture stays legible at any m.
@@ -71,23 +72,43 @@ def _draw(ax, events: list[dict[str, Any]], pp: int, unit: str, scale: float) ->
 
 
 def plot_timeline(run: Any, ax=None, step: int | None = None):
-    """Gantt chart of one measured step (default: the last) of a Run, per pipeline stage."""
-    run = as_run(run, ("timeline", "num_microbatches", "theoretical_bubble"))
+    """Gantt chart of one measured step of a Run, per pipeline stage.
+
+    ``step`` is a recorded step number (``run.steps``; default: the last).  The title says
+    which step is drawn, counted from 1 within the run as the summary and the progress line
+    count, with that step's idle share; below it the run's measured bubble exactly as
+    ``run.summary()`` states it (the same number and statistic, e.g. the median of steps
+    after the first) beside the theoretical one.
+    """
+    run = as_run(run, ("timeline", "num_microbatches", "theoretical_bubble", "measured_bubble",
+                       "measured_bubble_statistic", "step_ordinal"))
     events = run.timeline(step)
     if ax is None:
-        _, ax = new_axes(figsize=(9.0, 1.0 + 0.6 * run.layout.pp))
+        _, ax = new_axes(figsize=(9.0, 1.4 + 0.6 * run.layout.pp))
     span = max((float(e["end_s"]) for e in events), default=0) - min(
         (float(e["start_s"]) for e in events), default=0)
     unit, scale = ("ms", 1e3) if span < 10 else ("s", 1.0)
     _draw(ax, events, run.layout.pp, unit, scale)
-    measured = timeline_bubble(events)
-    shown = step if step is not None else (events[0].get("step") if events else None)
-    text = f"step {shown}: " if shown is not None else ""
-    if measured is not None:
-        text += f"measured bubble {measured['bubble']:.1%} vs "
-    text += f"theoretical {run.theoretical_bubble:.1%} ({run.layout.describe()}, m={run.num_microbatches})"
-    ax.set_title(text, fontsize=10)
+    ax.set_title(timeline_title(run, events), fontsize=10)
     return ax
+
+
+def timeline_title(run: Any, events: list[dict[str, Any]]) -> str:
+    """Two lines: the drawn step and its own idle share; the run's bubble as the summary says it."""
+    drawn = timeline_bubble(events)
+    shown = events[0].get("step") if events else None
+    if shown is None:
+        first = "no step recorded"
+    else:
+        total = len(run.steps) or len(run.timeline_steps())
+        first = f"step {run.step_ordinal(int(shown))} of {total} drawn"
+        if drawn is not None:
+            first += f": idle {drawn['bubble']:.1%} of this step's pipeline span"
+    second = ""
+    if run.measured_bubble is not None:
+        second = f"run's bubble {run.measured_bubble:.1%} ({run.measured_bubble_statistic}) vs "
+    second += f"theoretical {run.theoretical_bubble:.1%} ({run.layout.describe()}, m={run.num_microbatches})"
+    return f"{first}\n{second}"
 
 
 def plot_schedule(

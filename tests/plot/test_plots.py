@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from test_runs import make_records  # noqa: E402
+from test_runs import STAGE0, STAGE1, _events, make_records  # noqa: E402
 
 import mnb.estimate as est  # noqa: E402
 from mnb.config import ParallelConfig, TrainConfig  # noqa: E402
@@ -61,10 +61,29 @@ def test_plot_timeline(tmp_path):
     ax = plot_timeline(run, step=1)
     # 2 idle backgrounds + 16 compute boxes + 1 recv + 4 sync/optimizer bars
     assert len(ax.patches) == 2 + 16 + 1 + 4
-    assert "measured bubble 20.0%" in ax.get_title() and "theoretical 20.0%" in ax.get_title()
+    assert "step 1 of 2 drawn: idle 20.0%" in ax.get_title() and "theoretical 20.0%" in ax.get_title()
     assert sorted(t.get_text() for t in ax.texts) == sorted(str(i) for i in range(4) for _ in range(4))
     save(ax, tmp_path, "timeline")
-    assert "21.9%" in run.plot_timeline().get_title()  # default: last step
+    assert "step 2 of 2 drawn: idle 21.9%" in run.plot_timeline().get_title()  # default: last step
+
+
+def test_timeline_title_and_summary_call_the_same_number_the_bubble():
+    """A pp2 run of 3 steps: the title names the step it draws and, apart, the summary's bubble."""
+    records = make_records()
+    for rec in records:  # a third step like the first (bubble 20%): the run's median is of steps 2-3
+        rank = rec["rank"]
+        rec["timeline"] += _events(3, rank, STAGE0 if rank == 0 else STAGE1, 300.0)
+        rec["steps"].append(dict(rec["steps"][-1], step=3))
+    run = Run(records)
+    assert run.measured_bubble == pytest.approx((0.21875 + 0.2) / 2)
+    line = next(li for li in run.summary().splitlines() if li.startswith("bubble measured"))
+    assert line.startswith("bubble measured 20.9% (median of steps 2-3) vs theoretical 20.0%"), line
+    title = plot_timeline(run, step=1).get_title()
+    assert title.splitlines() == [
+        "step 1 of 3 drawn: idle 20.0% of this step's pipeline span",
+        "run's bubble 20.9% (median of steps 2-3) vs theoretical 20.0% (tp1 pp2 dp1, m=4)"]
+    assert run.plot_mfu().get_title().startswith("tiny | tp1 pp2 dp1: each of steps 1-3, MFU vs")
+    assert "peak over 3 steps" in run.plot_memory().get_title()
 
 
 def test_plot_schedule(tmp_path):
@@ -122,4 +141,4 @@ def test_plots_take_any_object_with_a_runs_fields(tmp_path):
             return getattr(run, name)
 
     ax = plot_timeline(Fields(), step=1)
-    assert "measured bubble 20.0%" in ax.get_title()
+    assert "idle 20.0%" in ax.get_title()
