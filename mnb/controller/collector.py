@@ -39,6 +39,8 @@ SHOW_FAILURE_AFTER_S = 0.3
 """A first failure is shown once the other ranks have not followed within this long (they often fail alike)."""
 
 EventHandler = Callable[[int, str, dict], None]
+"""Called with each rank event; one with a true ``shows_output`` attribute (the live widget) draws into
+the cell's output, so a quiet request (no stream, ``pool.run(..., quiet=True)``) leaves it out."""
 
 
 @dataclass
@@ -275,9 +277,11 @@ class Collector:
             self.outcome.last_step_time_s = payload["step_time_s"]
         if self._muted:
             return
+        quiet = self.folder is None  # pool.run(..., quiet=True): no output, so no widget and no text line
         for handler in self.event_handlers:
-            handler(rank, kind, payload)
-        if kind == "progress" and not self.event_handlers:
+            if not (quiet and getattr(handler, "shows_output", False)):
+                handler(rank, kind, payload)
+        if kind == "progress" and not self.event_handlers and not quiet:
             self.progress = self.progress or ProgressLine()
             self.progress.update(payload)
 

@@ -110,6 +110,9 @@ class LiveProgress(widgets.VBox):
 class LiveHandler:
     """A pool event handler that shows one :class:`LiveProgress` per training run."""
 
+    shows_output = True
+    """It draws into the cell's output: a quiet request (``pool.run(..., quiet=True)``) skips it."""
+
     def __init__(self) -> None:
         self.current: LiveProgress | None = None
         self._handle = None

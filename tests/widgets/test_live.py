@@ -68,12 +68,17 @@ def test_progress_line_is_the_controllers_line():
 
 @pytest.mark.slow
 def test_headless_notebook_keeps_a_text_line(tmp_path):
-    """nbclient cannot render widgets: the stored output still reads as the progress line."""
+    """nbclient cannot render widgets: the stored output still reads as the progress line; a quiet
+    ``pool.run`` shows no widget at all."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_code_cell("%load_ext mnb\n%mnb start -n 2 --device cpu"),
         nbformat.v4.new_code_cell("%%megatron --pp 2\nm = mnb.gpt('tiny')\n"
                                   "_ = mnb.train(m, steps=3, micro_batch_size=2, global_batch_size=8)"),
+        nbformat.v4.new_code_cell(  # quiet: no widget, no progress line, no rank output
+            "_ = mnb.pool().run(\"print('hidden'); q = mnb.gpt('tiny'); "
+            "mnb.train(q, steps=2, micro_batch_size=2, global_batch_size=8)\", quiet=True)\n"
+            "print('quiet run done', mnb.last_run.steps)"),
         nbformat.v4.new_code_cell("%mnb stop"),
     ]
     NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -85,3 +90,7 @@ def test_headless_notebook_keeps_a_text_line(tmp_path):
     assert widgets[0]["data"]["text/plain"].startswith("step 3/3 [######")
     streams = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "step 1/3" not in streams  # no duplicate text line beside the widget
+    quiet = nb.cells[2].outputs
+    assert not [o for o in quiet if o.output_type == "error"], quiet
+    assert not [o for o in quiet if WIDGET_MIME in o.get("data", {})], quiet
+    assert [o.get("text") for o in quiet] == ["quiet run done [0, 1]\n"], quiet
