@@ -5,6 +5,6 @@
 # MNB_SKIP_SETUP=1 skips scripts/setup.sh (.ci/run has just run it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "${MNB_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
+[ "${MNB_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh --for tests
 PY=${PYTHON:-python3}
 exec "$PY" -m pytest -q "$@"

@@ -39,7 +39,7 @@ def unavailable() -> str | None:
     missing = [name for name in DAEMONS + CLIENTS if shutil.which(name) is None
                and not Path("/usr/sbin", name).exists()]
     if missing:
-        return (f"Slurm is not installed ({', '.join(missing)} missing): scripts/setup.sh installs Debian's "
+        return (f"Slurm is not installed ({', '.join(missing)} missing): scripts/setup.sh --for tests installs Debian's "
                 "slurm-wlm and munge with apt-get")
     if os.geteuid() != 0:
         return "the local Slurm runs slurmd, which starts jobs, as root: run the tests as root"

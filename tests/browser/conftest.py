@@ -28,7 +28,7 @@ CHROMIUM_ARGS = [
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 
-SETUP = "bash scripts/setup.sh"
+SETUP = "bash scripts/setup.sh --for tests"
 
 
 def ensure_chromium() -> str:
