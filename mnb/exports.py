@@ -27,14 +27,13 @@ function ``mnb.export``.
 
 from __future__ import annotations
 
-import re
 import shlex
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from mnb.config import (TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig, model_config,
-                        package_data)
+from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig, model_config
+from mnb.launch_templates import render_template
 
 KINDS = ("megatron-lm", "torchrun", "slurm")
 """What ``%mnb export`` writes: Megatron-LM's arguments, torchrun command lines, an sbatch script."""
@@ -44,19 +43,6 @@ RDZV_PORT = 29500
 
 _TRAIN_FIELDS = {f.name for f in fields(TrainConfig)}
 _MODEL_FIELDS = {f.name for f in fields(ModelConfig)} - {"name", "extra"}
-_PLACEHOLDER = re.compile(r"@([a-z_]+)@")
-
-
-def render_template(name: str, values: dict[str, Any]) -> str:
-    """Fill ``templates/launch/NAME``: ``@key@`` placeholders, each of which must be given.
-
-    ``@key@`` rather than ``$key`` or ``{key}``: the templates are bash, full of both.
-    """
-    text = (package_data("templates") / "launch" / name).read_text(encoding="utf-8")
-    missing = sorted({m for m in _PLACEHOLDER.findall(text) if m not in values})
-    if missing:
-        raise KeyError(f"template {name} needs values for {missing}")
-    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
 
 
 @dataclass(frozen=True)

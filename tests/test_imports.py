@@ -156,3 +156,86 @@ def test_graph_sees_function_level_imports():
     assert edges == {"mnb.runs"}
     hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mnb.runs import Run\n")
     assert not set().union(*(_targets("mnb.x", PACKAGE / "x.py", n, _modules()) for n in _imports(hidden)))
+
+
+# ------------------------------------------------------------------ who may import whom
+RANK_SIDE = ("mnb.worker", "mnb.megatron")
+"""Run inside the ranks: they import torch and Megatron.  Everything else runs in the kernel."""
+HEAVY = ("torch", "megatron", "transformer_engine", "apex")
+"""Third-party packages the notebook kernel never imports (tests/test_no_torch.py checks a real import)."""
+
+LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
+    ("mnb.controller", "never", ("mnb.exports", "mnb.widgets", "mnb.magics"),
+     "the pool is driven by the magics, widgets and export, never the other way"),
+    ("mnb.megatron", "never", ("mnb.worker",), "the worker installs its event sink in mnb.megatron.events"),
+    ("mnb.estimate", "only", ("mnb.estimate", "mnb.config", "mnb.units"),
+     "pure functions of the configs: usable without a pool, a run or matplotlib"),
+    ("mnb.plot", "never", ("mnb.runs",), "plots read any object with a run's fields; runs.as_run coerces"),
+    ("mnb.launch_templates", "only", ("mnb.config",), "below both the Slurm launcher and the export"),
+    ("notebook side", "never", RANK_SIDE, "the kernel never imports torch (the rank side does)"),
+]
+"""(package, "never"/"only", packages, why): the table in docs/architecture.md, row for row."""
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _members(package: str, graph: dict[str, set[str]]) -> list[str]:
+    if package == "notebook side":
+        return sorted(m for m in graph if m != "mnb" and not _in(m, RANK_SIDE))
+    return sorted(m for m in graph if _in(m, (package,)))
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for package, kind, packages, why in LAYERS:
+        for module in _members(package, graph):
+            bad = sorted(t for t in graph[module] if _in(t, packages) != (kind == "only"))
+            if bad:
+                found.append(f"{module} imports {bad}: {package} {kind} imports {list(packages)} ({why})")
+    return found
+
+
+def _third_party(tree: ast.AST) -> set[str]:
+    out = set()
+    for node in _imports(tree):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.split(".")[0] for alias in node.names}
+        elif not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_layers():
+    """The layering table holds, for module-level and function-level imports alike."""
+    assert not layer_violations(import_graph()), "\n".join(layer_violations(import_graph()))
+
+
+def test_layer_check_sees_a_violation():
+    """The checker itself: a controller module that imports the export is caught."""
+    graph = {"mnb.controller.x": {"mnb.exports", "mnb.config"}, "mnb.estimate.y": {"mnb.runs"}}
+    found = layer_violations(graph)
+    assert len(found) == 2 and found[0].startswith("mnb.controller.x imports ['mnb.exports']")
+    assert found[1].startswith("mnb.estimate.y imports ['mnb.runs']")
+
+
+def test_notebook_side_never_imports_torch():
+    offenders = {}
+    for module, path in _modules().items():
+        if not _in(module, RANK_SIDE):
+            heavy = _third_party(ast.parse(path.read_text(), filename=str(path))) & set(HEAVY)
+            if heavy:
+                offenders[module] = sorted(heavy)
+    assert not offenders, offenders
+
+
+def test_architecture_doc_shows_the_layering_table():
+    """docs/architecture.md states LAYERS row for row, so the table and the test cannot drift apart."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = doc.split("\n## Layering\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and " imports " in line]
+    want = [f"| {f'`{package}`' if package.startswith('mnb') else package} | "
+            f"{kind} imports {', '.join(f'`{p}`' for p in packages)} | {why} |"
+            for package, kind, packages, why in LAYERS]
+    assert rows == want, "\n".join(want)

@@ -43,6 +43,7 @@ import psutil
 
 from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.errors import PoolError
+from mnb.launch_templates import render_template
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,6 @@ class SlurmLauncher(Launcher):
 
     def job_script(self) -> str:
         """The sbatch script of this pool (templates/launch/pool.sbatch)."""
-        from mnb.exports import render_template
-
         spec, request = self.spec, self.request
         resources = ([f"#SBATCH --gpus-per-node={request.gpus_per_node}"] if spec.device == "cuda"
                      else [f"#SBATCH --cpus-per-task={spec.nproc_per_node}"])
