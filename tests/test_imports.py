@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mnb"
 
 ALLOWED: dict[frozenset[str], str] = {}
 """{circle: why it stays}.  Empty: the explorer (layout_explorer) imports its view, its pool runner
-and choices, and none of them imports it back (the view names the Explorer only under TYPE_CHECKING)."""
+and choices, and none of them imports it back (the view knows only what it shows and two callbacks)."""
 
 
 def _modules() -> dict[str, Path]:

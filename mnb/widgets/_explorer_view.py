@@ -1,17 +1,20 @@
 """The explorer's controls, output widgets and figures (the traits live in layout_explorer.py, the rules
 in choices.py).
 
-:class:`ExplorerView` owns the controls; the functions below turn the
-explorer's public traits into text, HTML and PNG figures.
+:class:`ExplorerView` owns the controls and knows nothing of the explorer: it shows a
+:class:`~mnb.widgets.choices.Derived` (the settings as derived, the values each axis offers and
+why not the others, the predictions) with what surrounds it (:class:`Shown`), and hands each
+control's change to a callback.  The functions below turn predictions and measurements into
+text, HTML and PNG figures.
 """
 
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import ipywidgets as widgets
-from traitlets import TraitError
 
 from mnb.config import ParallelConfig, preset_names
 from mnb.estimate import DEVICES
@@ -19,10 +22,7 @@ from mnb.plot import plot_memory, plot_schedule, plot_timeline
 from mnb.units import format_bytes
 
 from ._render import message_png, new_figure, png_bytes
-from .choices import AXES
-
-if TYPE_CHECKING:
-    from .layout_explorer import Explorer
+from .choices import AXES, Derived
 
 SCHEMATIC_MAX_MICROBATCHES = 24
 """The schematic timeline draws at most this many microbatches (the numbers use all of them)."""
@@ -39,35 +39,60 @@ _STYLE = {"description_width": "110px"}
 _WIDE = widgets.Layout(width="330px")
 
 
-class ExplorerView:
-    """The controls of one explorer, wired to its public traits, and the boxes they sit in.
+@dataclass(frozen=True)
+class Shown:
+    """What the view shows: derive()'s answer and what surrounds it."""
 
-    A control's change writes the explorer's trait; a refused value (``TraitError``)
-    is put back and its reason shown in the status line.  :meth:`sync` pushes the
-    traits, offered options and outputs back into the controls, with the writers
-    of the layout sliders off while their options are replaced (a new options list
-    moves a slider to its first value, which is not a choice the user made).
+    derived: Derived
+    run_steps: int
+    measured: dict[str, Any] = field(default_factory=dict)
+    """The last measured run's numbers (empty until one ran)."""
+    memory_png: bytes = b""
+    timeline_png: bytes = b""
+
+    def value(self, name: str) -> Any:
+        return self.run_steps if name == "run_steps" else getattr(self.derived.settings, name)
+
+    def offered(self, axis: str) -> list[int]:
+        value = self.value(axis)
+        options = self.derived.options.get(axis)
+        return sorted(set(options.valid if options is not None else []) | {value})
+
+    def refused(self, axis: str) -> dict[str, str]:
+        options = self.derived.options.get(axis)
+        return {str(k): v for k, v in options.unavailable.items()} if options is not None else {}
+
+
+class ExplorerView:
+    """The controls of one explorer and the boxes they sit in.
+
+    A control's change goes to ``on_change(name, value)`` (which may refuse it and call
+    :meth:`sync` to put the shown value back); the button calls ``on_run()``.  :meth:`sync`
+    pushes a :class:`Shown` into the controls, with the writers of the layout sliders off
+    while their options are replaced (a new options list moves a slider to its first value,
+    which is not a choice the user made).
     """
 
-    def __init__(self, ex: "Explorer") -> None:
-        self.ex = ex
+    def __init__(self, shown: Shown, *, on_change: Callable[[str, Any], None], on_run: Callable[[], None]) -> None:
+        self._shown = shown
+        self._on_change = on_change
         self.controls: dict[str, widgets.Widget] = {}
         self._writers: dict[str, Any] = {}
         c = self.controls
-        c["model"] = widgets.Dropdown(options=preset_names(), value=ex.model)
+        c["model"] = widgets.Dropdown(options=preset_names(), value=shown.value("model"))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "seq_length", "gpus", "micro_batch_size", "global_batch_size", "run_steps"):
-            c[name] = widgets.IntText(value=getattr(ex, name))
-        c["gpu"] = widgets.Dropdown(options=list(DEVICES), value=ex.gpu)
+            c[name] = widgets.IntText(value=shown.value(name))
+        c["gpu"] = widgets.Dropdown(options=list(DEVICES), value=shown.value("gpu"))
         for axis in AXES:
-            c[axis] = widgets.SelectionSlider(options=[getattr(ex, axis)], value=getattr(ex, axis),
+            c[axis] = widgets.SelectionSlider(options=[shown.value(axis)], value=shown.value(axis),
                                               description=axis, continuous_update=False, style=_STYLE,
                                               layout=_WIDE)
             c[axis].add_class(f"mnb-{axis}")
             c[f"{axis}_why"] = widgets.HTML()
-        c["recompute"] = widgets.Dropdown(options=["none", "selective", "full"], value=ex.recompute)
+        c["recompute"] = widgets.Dropdown(options=["none", "selective", "full"], value=shown.value("recompute"))
         for name in ("sequence_parallel", "use_distributed_optimizer", "bf16"):
-            c[name] = widgets.Checkbox(value=getattr(ex, name), indent=False)
+            c[name] = widgets.Checkbox(value=shown.value(name), indent=False)
         for name, control in list(c.items()):
             if name in _LABELS:
                 control.description = _LABELS[name]
@@ -79,7 +104,7 @@ class ExplorerView:
         c["run"] = widgets.Button(description="Run on pool", icon="play",
                                   tooltip="train a few steps of this layout on the running pool")
         c["run"].add_class("mnb-run")
-        c["run"].on_click(lambda _: ex.run_on_pool())
+        c["run"].on_click(lambda _: on_run())
         c["summary"] = widgets.HTML()
         c["summary"].add_class("mnb-summary")
         c["status"] = widgets.HTML()
@@ -90,16 +115,9 @@ class ExplorerView:
         c["timeline"].add_class("mnb-timeline-plot")
 
     def _writer(self, name: str):
-        ex = self.ex
-
         def write(change: dict[str, Any]) -> None:
-            if change["new"] == getattr(ex, name):
-                return
-            try:
-                setattr(ex, name, change["new"])
-            except TraitError as err:
-                ex.status = f"refused {name}={change['new']!r}: {err}"
-                self.sync()
+            if change["new"] != self._shown.value(name):
+                self._on_change(name, change["new"])
         return write
 
     def children(self) -> list[widgets.Widget]:
@@ -125,13 +143,12 @@ class ExplorerView:
         return [widgets.HTML("<h3 style='margin:4px 0'>mnb parallelism explorer</h3>"),
                 widgets.HBox([left, right]), c["status"]]
 
-    def sync(self) -> None:
-        """Push the explorer's traits, options and outputs into the controls."""
-        ex, c = self.ex, self.controls
+    def sync(self, shown: Shown) -> None:
+        """Push ``shown`` (settings, offered options, outputs) into the controls."""
+        self._shown, c = shown, self.controls
         for name, control in c.items():
             if name in AXES:
-                value = getattr(ex, name)
-                offered = sorted(set(ex.options.get(name) or []) | {value})
+                value, offered = shown.value(name), shown.offered(name)
                 if list(control.options) != offered or control.value != value:
                     control.unobserve(self._writers[name], names="value")
                     try:
@@ -139,21 +156,21 @@ class ExplorerView:
                         control.value = value
                     finally:
                         control.observe(self._writers[name], names="value")
-                _set(c[f"{name}_why"], "value", _why(name, ex.unavailable.get(name) or {}))
-            elif hasattr(ex, name) and isinstance(control, (widgets.IntText, widgets.Dropdown, widgets.Checkbox)):
-                _set(control, "value", getattr(ex, name))
-        c["sequence_parallel"].disabled = ex.tp == 1
-        _set(c["summary"], "value", summary_html(ex))
-        _set(c["memory"], "value", ex.memory_png)
-        _set(c["timeline"], "value", ex.timeline_png)
-        self.sync_status()
+                _set(c[f"{name}_why"], "value", _why(name, shown.refused(name)))
+            elif name in _LABELS and isinstance(control, (widgets.IntText, widgets.Dropdown, widgets.Checkbox)):
+                _set(control, "value", shown.value(name))
+        c["sequence_parallel"].disabled = shown.value("tp") == 1
+        predicted = shown.derived.predictions.as_dict() if shown.derived.predictions is not None else {}
+        _set(c["summary"], "value", summary_html(predicted, shown.measured, shown.derived.error))
+        _set(c["memory"], "value", shown.memory_png)
+        _set(c["timeline"], "value", shown.timeline_png)
 
-    def sync_status(self) -> None:
+    def sync_status(self, status: str, running: bool) -> None:
         """The status line and the run button (also called from the background run)."""
-        ex, c = self.ex, self.controls
-        _set(c["run"], "disabled", ex.running)
-        _set(c["run"], "description", "Running..." if ex.running else "Run on pool")
-        _set(c["status"], "value", f"<span style='color:#555'>{html.escape(ex.status)}</span>" if ex.status else "")
+        c = self.controls
+        _set(c["run"], "disabled", running)
+        _set(c["run"], "description", "Running..." if running else "Run on pool")
+        _set(c["status"], "value", f"<span style='color:#555'>{html.escape(status)}</span>" if status else "")
 
 
 def _set(widget: widgets.Widget, name: str, value: Any) -> None:
@@ -187,11 +204,10 @@ def _fmt(value: Any, kind: str) -> str:
     return str(value)
 
 
-def summary_html(ex: "Explorer") -> str:
-    """Predicted (and measured) peak memory, bubble, step time, tokens/s and MFU as a small table."""
-    p, m = ex.predicted, ex.measured
+def summary_html(p: dict[str, Any], m: dict[str, Any], error: str = "") -> str:
+    """Predicted ``p`` (and measured ``m``) peak memory, bubble, step time, tokens/s and MFU as a small table."""
     if not p:
-        return f"<div class='mnb-error' style='color:#b00'>cannot estimate: {html.escape(ex.error)}</div>"
+        return f"<div class='mnb-error' style='color:#b00'>cannot estimate: {html.escape(error)}</div>"
     cap = p.get("capacity_bytes")
     fits = "" if cap is None else (" - fits" if p.get("fits") else " - <b style='color:#b00'>does not fit</b>")
     head = (f"<div class='mnb-memory-label'><b>{html.escape(p['layout'])}</b>, m={p['num_microbatches']}, "
@@ -216,21 +232,24 @@ def summary_html(ex: "Explorer") -> str:
                 f" on the pool; memory from {html.escape(str(m.get('memory_source')))}"
                 + ("; MFU n/a (no peak)" if m.get("mfu") is None else "") + "</div>")
     peak = f"<div style='font-size:11px;color:#555'>MFU vs {html.escape(p.get('peak_source', ''))}</div>"
+    if p.get("rough"):
+        peak += f"<div class='mnb-rough' style='font-size:11px;color:#a60'>{html.escape(p['rough'])}</div>"
     return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}{peak}"
 
 
-def summary_text(ex: "Explorer") -> str:
-    """The predictions (and measurements) as plain text."""
-    p, m = ex.predicted, ex.measured
+def summary_text(model: str, gpus: int, gpu: str, p: dict[str, Any], m: dict[str, Any], error: str = "") -> str:
+    """The predictions ``p`` (and measurements ``m``) as plain text."""
     if not p:
-        return f"mnb explorer: {ex.model} on {ex.gpus} x {ex.gpu}: cannot estimate: {ex.error}"
-    lines = [f"mnb explorer: {ex.model} on {ex.gpus} x {ex.gpu} | {p['layout']} | "
+        return f"mnb explorer: {model} on {gpus} x {gpu}: cannot estimate: {error}"
+    lines = [f"mnb explorer: {model} on {gpus} x {gpu} | {p['layout']} | "
              f"m={p['num_microbatches']} global batch {p['global_batch_size']}"]
     cap = p.get("capacity_bytes")
     lines.append(f"  predicted: peak {format_bytes(p['peak_bytes'])}/rank"
                  + (f" of {format_bytes(cap)} ({'fits' if p['fits'] else 'does not fit'})" if cap else "")
                  + f", bubble {p['bubble']:.1%}, step {p['step_time_s']:.3g} s, "
                  f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} (vs {p.get('peak_source', '?')})")
+    if p.get("rough"):
+        lines.append(f"  {p['rough']}")
     if m:
         mfu = "n/a (no peak)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
         lines.append(f"  measured ({m['steps']} steps on the pool): peak "

@@ -298,6 +298,8 @@ class Predictions:
     bubble: float
     peak_source: str
     """What MFU is measured against."""
+    rough: str = ""
+    """Why the time predictions are only rough, where they are (CPU ranks); empty elsewhere."""
 
     def as_dict(self) -> dict[str, Any]:
         """The numbers as plain data (the explorer's ``predicted`` trait)."""
@@ -318,6 +320,7 @@ class Predictions:
             "tokens_per_s": time.tokens_per_s,
             "mfu": time.mfu,
             "peak_source": self.peak_source,
+            "rough": self.rough,
         }
 
 
@@ -408,6 +411,12 @@ def settle(model: ModelConfig, settings: Settings) -> tuple[Settings, list[str]]
     return s, notes
 
 
+CPU_ROUGH = ("rough on CPU ranks: step time, tokens/s and MFU count only the GEMMs at the peak above; "
+             "small models on CPU ranks spend most of a step in Python, small kernels and gloo, "
+             "so measured steps are often several times longer")
+"""The caveat every CPU prediction carries (the estimators model GPUs; BENCHMARKS.md has CPU runs)."""
+
+
 def predict(model: ModelConfig, settings: Settings, *, cpu_peak_flops: float | None = None) -> Predictions:
     """Memory, bubble, step time and MFU of valid settings; ValueError (with the numbers) otherwise."""
     train = settings.train_config()
@@ -422,4 +431,5 @@ def predict(model: ModelConfig, settings: Settings, *, cpu_peak_flops: float | N
               f"{hardware.device(settings.gpu).label} datasheet peak")
     return Predictions(layout=resolved, num_microbatches=m,
                        global_batch_size=m * train.micro_batch_size * (resolved.dp or 1),
-                       memory=mem, step_time=time, bubble=est.bubble(resolved, m), peak_source=source)
+                       memory=mem, step_time=time, bubble=est.bubble(resolved, m), peak_source=source,
+                       rough=CPU_ROUGH if on_cpu else "")

@@ -114,10 +114,12 @@ class Explorer(widgets.VBox):
             if run_steps is not None:
                 self.run_steps = run_steps
         self._update()  # when no setting differed from the traits' defaults, nothing has called it yet
-        self._view = view.ExplorerView(self)
+        self._view = view.ExplorerView(self._shown(), on_change=self._from_control,
+                                       on_run=lambda: self.run_on_pool())
         self.controls = self._view.controls
         self.children = self._view.children()
-        self._view.sync()
+        self._view.sync(self._shown())
+        self._view.sync_status(self.status, self.running)
 
     # ----- configuration objects -----------------------------------------------------
     def settings(self, **proposed: Any) -> Settings:
@@ -172,7 +174,29 @@ class Explorer(widgets.VBox):
     @observe("status", "running")
     def _on_status(self, change) -> None:
         if self._view is not None:
-            self._view.sync_status()
+            self._view.sync_status(self.status, self.running)
+
+    @observe("run_steps")
+    def _on_run_steps(self, change) -> None:
+        self._sync_view()
+
+    def _from_control(self, name: str, value: Any) -> None:
+        """The view's callback: a control changed ``name``; a refused value is put back with its reason."""
+        if value == getattr(self, name):
+            return
+        try:
+            setattr(self, name, value)
+        except TraitError as err:
+            self.status = f"refused {name}={value!r}: {err}"
+            self._sync_view()
+
+    def _shown(self) -> view.Shown:
+        return view.Shown(derived=self._derived, run_steps=self.run_steps, measured=dict(self.measured),
+                          memory_png=self.memory_png, timeline_png=self.timeline_png)
+
+    def _sync_view(self) -> None:
+        if self._view is not None and self._derived is not None:
+            self._view.sync(self._shown())
 
     def _update(self) -> None:
         """Show derive()'s answer for the current settings (nothing to do when it already shows)."""
@@ -206,8 +230,7 @@ class Explorer(widgets.VBox):
         else:
             self.memory_png = view.memory_png(pred.memory, self._run)
             self.timeline_png = view.timeline_png(pred.layout, pred.num_microbatches, self._run)
-        if self._view is not None:
-            self._view.sync()
+        self._sync_view()
 
     # ----- "Run on pool" (a PoolRunner composed in; it reports through _run_finished) ---
     def pool_problem(self, pool: Any = None) -> str:
@@ -286,7 +309,7 @@ class Explorer(widgets.VBox):
     # ----- text ---------------------------------------------------------------------------
     def summary(self) -> str:
         """The predictions (and measurements) as text: what a front-end without widgets shows."""
-        return view.summary_text(self)
+        return view.summary_text(self.model, self.gpus, self.gpu, self.predicted, self.measured, self.error)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = super()._repr_mimebundle_(**kwargs) or {}

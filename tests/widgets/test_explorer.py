@@ -174,3 +174,27 @@ def test_context_parallelism_is_offered_without_transformer_engine():
     assert ex.predicted["components"]["activations"] < 0.6 * one["activations"]
     ex.seq_length = 65534  # not 4 equal chunks: cp moves to a size that splits it
     assert ex.cp == 1 and "2 * cp(2)" in ex.unavailable["cp"]["2"]
+
+
+def test_the_view_shows_derived_settings_and_calls_back_without_an_explorer():
+    """The view knows a Derived and two callbacks, nothing of the Explorer (its rules stay there)."""
+    from mnb.widgets._explorer_view import ExplorerView, Shown
+    from mnb.widgets.choices import Settings, derive
+
+    derived = derive(Settings(model="tiny", gpus=4, gpu="cpu", tp=8))  # tp 8 moves to 2 (2 query groups)
+    changes, runs = [], []
+    view = ExplorerView(Shown(derived, run_steps=3), on_change=lambda n, v: changes.append((n, v)),
+                        on_run=lambda: runs.append(1))
+    view.sync(Shown(derived, run_steps=3))
+    c = view.controls
+    assert c["tp"].value == derived.settings.tp == 2 and list(c["tp"].options) == [1, 2]
+    assert c["gpus"].value == 4 and c["run_steps"].value == 3
+    assert "rough on CPU ranks" in c["summary"].value  # CPU predictions say they are rough
+    c["tp"].value = 1
+    c["run"].click()
+    assert changes == [("tp", 1)] and runs == [1]
+    view.sync(Shown(derived, run_steps=3))  # the owner refused it: the shown value comes back, no new call
+    assert c["tp"].value == 2 and changes == [("tp", 1)]
+    gpu = derive(Settings(model="tiny", gpus=8, gpu="h200"))
+    view.sync(Shown(gpu, run_steps=3))
+    assert not gpu.predictions.rough and "mnb-rough" not in c["summary"].value and c["gpus"].value == 8

@@ -100,6 +100,8 @@ def test_explorer_runs_on_the_pool_in_the_background(cpu_pool):
     ex.pp = 1  # a new setting drops the stale measurement
     assert ex.measured == {}
     assert "measured CPU peak" in ex.predicted["peak_source"]  # the pool measured it: predictions use it
+    assert ex.predicted["rough"].startswith("rough on CPU ranks")  # and say they are rough
+    assert "rough on CPU ranks" in ex.summary() and "mnb-rough" in ex.controls["summary"].value
     ex.gpus = 4
     assert "set gpus to 2" in ex.pool_problem(cpu_pool)
     assert ex.run_on_pool(cpu_pool) is None and "pool has 2 ranks" in ex.status
