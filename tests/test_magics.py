@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import _thread
+import re
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,18 +27,50 @@ def shell():
     ip.run_line_magic("mnb", "stop")
 
 
+FLAGS = {
+    "%mnb start": ["--account", "--cell-timeout", "--device", "--gpus", "--gpus-per-node", "--grace", "--ip",
+                   "--nnodes", "--nodes", "--partition", "--rdzv-endpoint", "--sbatch-arg", "--slurm", "--threads",
+                   "--time", "--timeout", "--timings", "--verbose", "-n"],
+    "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [],
+    "%mnb plot": ["memory", "mfu", "timeline"],
+    "%mnb plan": ["--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
+    "%mnb run": ["--grace", "--ranks", "--timeout"],
+    "%mnb export": ["--cp", "--data", "--ep", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
+                    "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
+                    "megatron-lm", "slurm", "torchrun"],
+    "%%megatron": ["--cp", "--ep", "--grace", "--no-sp", "--pp", "--ranks", "--sp", "--timeout", "--tp", "--vpp"],
+}
+"""Every magic's flags and positional choices (-h/--help aside): a contract, so any change is deliberate."""
+
+PUBLIC = ["CompositeRankError", "ModelConfig", "ParallelConfig", "RankError", "TrainConfig", "__version__",
+          "estimate", "explorer", "export", "gpt", "last_run", "load", "load_ipython_extension", "pool", "record",
+          "save", "sweep", "train", "unload_ipython_extension"]
+"""``mnb.__all__``, sorted: adding a public name means adding it here (and to docs/api.md)."""
+
+
+def _flags(parser) -> list[str]:
+    options = [s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")]
+    choices = [str(c) for a in parser._actions if not a.option_strings for c in (a.choices or [])]
+    return sorted(options + choices)
+
+
 def test_flags_are_a_frozen_contract():
-    start_flags = {a.option_strings[0] for a in start_parser()._actions if a.option_strings}
-    assert {"-n", "--device", "--gpus", "--timeout", "--cell-timeout", "--grace", "--verbose"} <= start_flags
-    cell_flags = {s for a in megatron_parser()._actions for s in a.option_strings}
-    assert {"--tp", "--pp", "--vpp", "--cp", "--ep", "--sp", "--no-sp", "--ranks", "--timeout"} <= cell_flags
+    from mnb.magics import SUBCOMMAND_PARSERS
+
+    found = {f"%mnb {name}": _flags(make()) for name, make in SUBCOMMAND_PARSERS.items()}
+    found["%%megatron"] = _flags(megatron_parser())
+    assert found == FLAGS
 
 
 def test_public_surface_is_deliberate():
     import mnb
 
-    assert set(mnb.__all__) >= {"pool", "last_run", "estimate", "gpt", "train", "save", "load",
-                                "explorer", "sweep", "load_ipython_extension"}
+    assert sorted(mnb.__all__) == PUBLIC
+    assert sorted(mnb._LAZY) == sorted(set(PUBLIC) - {"__version__", "last_run", "load_ipython_extension",
+                                                      "unload_ipython_extension"})
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    listed = api.split("The public names are `mnb.__all__`: ", 1)[1].split(".\n", 1)[0]
+    assert sorted(re.findall(r"`(\w+)`", listed)) == PUBLIC, listed  # docs/api.md names every one
 
 
 def _cell(line: str):
