@@ -19,25 +19,32 @@ controller routes to a rank only through the identity its first valid
 message proved, so an unsigned connection that claims a rank's name gets
 nothing.
 
-Message types (``header["type"]``):
+Message types (``header["type"]``) and the fields each carries (header fields, then payload):
 
 controller -> rank
-    execute    run a cell: code, layout (or None), display (bool)
-    push       bind names in the rank's namespace (payload: dict)
-    pull       read names from the rank's namespace
-    status     memory and state, answered from the rank's I/O thread
-    stacks     Python stacks of the rank's threads (for hangs)
-    interrupt  raise KeyboardInterrupt in the running cell
+    execute    run a cell: code, display_ranks, want_value, show_result; layout (a ParallelConfig
+               dict) when the cell changes it; script {path, args} and ranks for ``%mnb run``;
+               after_script to rebuild the pool's layout after one
+    push       bind names: encoded; payload {name: pickle of its value} (``values.encode_push``)
+    pull       read names: names; the reply's payload is one kernel-safe pickle per name
+    status     answered from the rank's I/O thread, also while a cell runs
+    stacks     Python stacks of the rank's threads (for hangs), from the I/O thread
+    interrupt  a real SIGINT to the running cell, from the I/O thread
     heartbeat  the controller is alive; ranks exit when these stop
     shutdown   leave the exec loop and exit
 
-rank -> controller
-    hello      rank, pid, host, device, backend, coordinates
-    stream     stdout/stderr text of a running cell
-    display    a MIME bundle to show in the notebook
-    event      progress of a training run and other rank-side events
-    reply      the answer to execute/push/pull/status/stacks (same id)
-    heartbeat  the rank is alive, with its state (idle/busy)
+rank -> controller (every header also has rank and identity)
+    hello      world_size, local_rank, node_rank, pid, host, device, device_name, backend, coords,
+               layout, torch and megatron versions, startup (the start's stage intervals); a rank
+               whose start failed sends pid and failed instead
+    stream     name (stdout/stderr), text, cell (the execute's id), batched every 20 ms
+    display    cell; payload: a MIME bundle to show in the notebook
+    event      kind (e.g. "progress"), cell; payload: the event (``mnb.progress.Progress``)
+    reply      the answer to a request (same id): ok, and ename, evalue, traceback when not;
+               execute: coords, layout, payload {value, records (the run records)};
+               status: pid, device, rss_bytes, memory_bytes (memory_reserved_bytes on CUDA),
+               layout, busy; stacks: stacks, busy; interrupt: interrupted, deferred
+    heartbeat  the rank is alive (its state travels in status and stacks answers)
 """
 
 from __future__ import annotations

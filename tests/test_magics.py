@@ -15,7 +15,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from mnb.config import ParallelConfig
 from mnb.errors import CompositeRankError
-from mnb.magics import LAYOUT_FLAGS, megatron_parser, parse_ranks, requested_layout, start_parser
+from mnb.magics import LAYOUT_FLAGS, megatron_parser, parse_ranks, requested_layout
 from tests.conftest import assert_no_orphans
 
 
