@@ -81,7 +81,7 @@ class ParallelConfig:
     """Context-parallel size: each sequence split over cp ranks (TE attention when installed, else
     mnb's all-gather attention on the local spec, mnb.megatron.context_parallel)."""
     ep: int = 1
-    """Expert-parallel size (MoE models); must divide dp * cp * tp... see resolve()."""
+    """Expert-parallel size (MoE models); must divide dp * cp (Megatron's expert grid; see resolve())."""
     dp: int | None = None
     """Data-parallel size; None means 'infer from the world size'."""
     sequence_parallel: bool = False
