@@ -103,7 +103,7 @@ class SweepResult:
 
     @property
     def throughput(self) -> str:
-        """'mfu' when any row has one (GPU runs), else 'tokens_per_s' (CPU: MFU is n/a)."""
+        """'mfu' when any row has one (GPU runs, CPU runs whose ranks measured their peak), else 'tokens_per_s'."""
         return "mfu" if any(r.mfu is not None for r in self.rows) else "tokens_per_s"
 
     def ok_rows(self) -> list[SweepRow]:
@@ -233,7 +233,8 @@ class SweepResult:
         source = next((r.metrics.get("memory_source") for r in pts if r.metrics.get("memory_source")), "")
         ax.set_xlabel(f"measured peak memory per rank (GiB{', ' + source if source else ''})")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{self.model}: {len(pts)} layouts on {self.world_size} {self.device} ranks", fontsize=10)
+        ax.set_title(f"{self.model}: {len(pts)} layouts on {self.world_size} {self.device} ranks; each point one "
+                     "layout's run, mean of its steps after the first", fontsize=10)
         ax.legend(fontsize=7, loc="best")
         return ax
 
