@@ -13,6 +13,8 @@ def plot_mfu(run: Any, ax=None):
     with an ``ax``: MFU (or tokens/s when MFU is unknown) on it, tokens/s and
     loss on twin y-axes.  Returns the top / given Axes.
     """
+    from matplotlib.ticker import MaxNLocator  # matplotlib loads when a plot is drawn, not at import
+
     run = as_run(run, ("mfu", "tokens_per_s", "losses", "peak_source"))
     steps = list(range(1, len(run.steps) + 1))  # counted from 1 within the run, as the summary counts
     title = (f"{run.model.name} | {run.layout.describe()}: each of steps 1-{len(steps)}, "
@@ -43,6 +45,7 @@ def plot_mfu(run: Any, ax=None):
         a_loss.plot(x, y, marker="o", color="#C44E52")
         a_loss.set_ylabel("loss")
         a_loss.set_xlabel("step of this run")
+        a_loss.xaxis.set_major_locator(MaxNLocator(integer=True))
         a_mfu.set_title(title, fontsize=10)
         return a_mfu
 
@@ -51,6 +54,7 @@ def plot_mfu(run: Any, ax=None):
     ax.plot(x, y, marker="o", color="#4C72B0", label=main_label)
     ax.set_ylabel(main_label)
     ax.set_xlabel("step of this run")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     twins = []
     if have_mfu:
         t1 = ax.twinx()
