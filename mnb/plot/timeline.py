@@ -130,7 +130,7 @@ def plot_schedule(
     _draw(ax, events, parallel.pp, "forward passes of one stage", 1.0 / forward_s)
     sim = timeline_bubble(events)
     ax.set_title(
-        f"{'interleaved' if parallel.vpp > 1 else '1F1B'} pp={parallel.pp}"
+        f"predicted {'interleaved' if parallel.vpp > 1 else '1F1B'} pp={parallel.pp}"
         + (f" vpp={parallel.vpp}" if parallel.vpp > 1 else "")
         + f" m={num_microbatches}: bubble {sim['bubble']:.1%} "
         f"(formula {bubble(parallel, num_microbatches):.1%})",

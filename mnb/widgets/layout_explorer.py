@@ -302,9 +302,21 @@ class Explorer(widgets.VBox):
             if shown:
                 self._run = outcome.run
                 self.measured = metrics
+                self._repredict_with_measured_peak()
                 self._draw()
             self.running = False
         self.status = done if shown else f"{done}; not shown: the settings changed while it ran"
+
+    def _repredict_with_measured_peak(self) -> None:
+        """On CPU ranks, the run just measured the ranks' GEMM peak: the predictions beside it use it."""
+        peak = measured_cpu_peak_flops() if self.gpu == "cpu" else None
+        shown = self._derived
+        if peak is None or shown is None or shown.predictions is None:
+            return
+        derived = derive(shown.settings, shown.settings, cpu_peak_flops=peak)
+        if derived.settings == shown.settings and derived.predictions is not None:
+            self._derived = derived
+            self.predicted = derived.predictions.as_dict()
 
     # ----- text ---------------------------------------------------------------------------
     def summary(self) -> str:

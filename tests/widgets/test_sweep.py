@@ -81,7 +81,11 @@ def test_keyboard_interrupt_stops_the_sweep_and_returns_the_partial_result(cpu_p
 
 
 def test_explorer_runs_on_the_pool_in_the_background(cpu_pool):
+    from mnb.controller import registry
+
+    registry._CPU_PEAK.clear()  # as in a fresh kernel: no CPU training has measured the ranks' peak yet
     ex = explorer(model="tiny", gpus=2, gpu="cpu", pp=2, global_batch_size=8, run_steps=4)
+    assert "nominal CPU peak" in ex.predicted["peak_source"]
     predicted_png = ex.memory_png
     t0 = time.perf_counter()
     thread = ex.run_on_pool(cpu_pool)
@@ -97,9 +101,11 @@ def test_explorer_runs_on_the_pool_in_the_background(cpu_pool):
     assert m["theoretical_bubble"] == pytest.approx(ex.predicted["bubble"])
     assert ex.memory_png != predicted_png
     assert "measured" in ex.controls["summary"].value
+    assert "measured CPU peak" in ex.predicted["peak_source"]  # the run measured it: the predictions beside use it
+    assert "measured CPU peak" in ex.controls["summary"].value
     ex.pp = 1  # a new setting drops the stale measurement
     assert ex.measured == {}
-    assert "measured CPU peak" in ex.predicted["peak_source"]  # the pool measured it: predictions use it
+    assert "measured CPU peak" in ex.predicted["peak_source"]  # and later predictions too
     assert ex.predicted["rough"].startswith("rough on CPU ranks")  # and say they are rough
     assert "rough on CPU ranks" in ex.summary() and "mnb-rough" in ex.controls["summary"].value
     ex.gpus = 4
