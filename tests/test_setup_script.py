@@ -44,7 +44,7 @@ def test_main_command_installs_no_browser_and_no_slurm(fresh_python):
     assert "chromium" not in text.lower() and "apt-get" not in text and "munge" not in text, text
     torch_line = next(line for line in plan if line.startswith("setup: torch:"))
     assert "about 4.5 GB" in torch_line and "https://download.pytorch.org/whl/cpu" in torch_line, torch_line
-    assert any("roughly 100 MB" in line for line in plan), plan  # every install says its size first
+    assert any("roughly 100 MB" in line for line in plan), plan  # the mnb step says its download size first
 
 
 def test_test_command_adds_the_browser_and_slurm(fresh_python):
