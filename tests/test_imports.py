@@ -141,13 +141,6 @@ def test_root_package_imports_nothing_of_mnb_at_module_level():
     assert not named, f"mnb/__init__.py must stay lazy; it imports {sorted(named)} at module level"
 
 
-def test_plots_do_not_import_runs():
-    """Plots read any object with a run's fields; the coercion into a Run lives in runs.py."""
-    graph = import_graph()
-    offenders = sorted(m for m in graph if m.startswith("mnb.plot") and "mnb.runs" in graph[m])
-    assert not offenders, offenders
-
-
 def test_graph_sees_function_level_imports():
     """The checker itself: an import inside a function is an edge."""
     assert "mnb.magics" in import_graph()["mnb"]  # load_ipython_extension imports it when called
