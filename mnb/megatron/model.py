@@ -134,7 +134,12 @@ class MegatronModel:
         )
 
 
-_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (GPT-2's ``gelu_new``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "silu": F.silu}
 _last_model: "weakref.ref[MegatronModel] | None" = None
 _built: "weakref.WeakSet[MegatronModel]" = weakref.WeakSet()
 
@@ -197,6 +202,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, fusions: b
         gated_linear_unit=cfg.gated_linear_unit,
         activation_func=_ACTIVATIONS[cfg.activation],
         add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
         init_method_std=cfg.init_method_std,
         layernorm_epsilon=cfg.layernorm_epsilon,
         tensor_model_parallel_size=parallel.tp,
@@ -312,6 +318,8 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
             share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
             position_embedding_type=cfg.position_embedding_type,
             rotary_base=cfg.rotary_base,
+            rope_scaling=cfg.rope_scaling,
+            rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp_stage,
         )
         chunks.append(chunk)
