@@ -165,3 +165,7 @@ def test_training_on_text_through_the_checkpoint_tokenizer(cpu_pool, folders, tm
     fingerprint = load_hf_tokenizer(folders["llama"]).fingerprint
     assert [m["tokenizer"]["fingerprint"] for m in metas.values()] == [fingerprint, fingerprint]
     assert metas[0]["num_documents"] == 1 and metas[0]["max_token_id"] < 384
+    # the run records name the tokenizer, so %mnb export writes --tokenizer-model FOLDER
+    from mnb.controller.registry import last_settings
+
+    assert last_settings()["tokenizer"] == str(folders["llama"])
