@@ -43,8 +43,9 @@ FLAGS = {
 """Every magic's flags and positional choices (-h/--help aside): a contract, so any change is deliberate."""
 
 PUBLIC = ["CompositeRankError", "ModelConfig", "ParallelConfig", "RankError", "TrainConfig", "__version__",
-          "estimate", "explorer", "export", "gpt", "last_run", "load", "load_ipython_extension", "pool", "record",
-          "save", "sweep", "train", "unload_ipython_extension"]
+          "estimate", "explorer", "export", "from_hf", "gpt", "hf_config", "last_run", "load",
+          "load_ipython_extension", "logits", "pool", "record", "save", "save_hf", "sweep", "train",
+          "unload_ipython_extension"]
 """``mnb.__all__``, sorted: adding a public name means adding it here (and to docs/api.md)."""
 
 

@@ -1,0 +1,216 @@
+"""Hugging Face checkpoints on real CPU ranks: from_hf -> logits under every layout -> train -> save_hf -> back.
+
+Tiny random checkpoints are built here with transformers (no downloads): Llama (GQA, untied),
+Qwen2 (q/k/v biases, tied), Mixtral (4 experts, top-2) and GPT-2 (LayerNorm with biases,
+gelu_new, Conv1D, learned positions, tied).  transformers' own logits, computed once in this
+process, are the reference for ``mnb.logits`` under each layout; one cell per layout checks
+every architecture (a layout change is in-process).  One 2-rank pool for the module, one
+4-rank pool for tp2*pp2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import mnb
+from mnb.config import ParallelConfig
+from mnb.errors import CompositeRankError
+
+pytestmark = pytest.mark.slow
+
+LAYERS = 4  # pp2 * vpp2 needs 4
+TOKENS = 13  # odd: sequence and context parallelism pad it
+ATOL = 1e-4
+
+
+def _build(folder, kind: str, *, dtype=None, shard: str | None = None):
+    import torch
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    torch.manual_seed({"llama": 1, "qwen2": 2, "mixtral": 3, "gpt2": 4}[kind])
+    small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                 num_hidden_layers=LAYERS, vocab_size=300, max_position_embeddings=64, initializer_range=0.1)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**small, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**small, tie_word_embeddings=True))
+    elif kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=LAYERS, vocab_size=300, n_positions=64,
+                                           initializer_range=0.1, bos_token_id=0, eos_token_id=0))
+    with torch.no_grad():  # random biases and norms, so a wrong mapping of them shows in the logits
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def reference_logits(folder, tokens):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (folder, reference logits); the token ids shared by every cell."""
+    root = tmp_path_factory.mktemp("hf")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 300, size=(2, TOKENS)).tolist()
+    out = {}
+    for kind in ("llama", "qwen2", "mixtral", "gpt2"):
+        folder = root / kind
+        _build(folder, kind)
+        out[kind] = (str(folder), reference_logits(folder, tokens))
+    sharded = root / "llama-bf16-sharded"
+    import torch
+
+    _build(sharded, "llama", dtype=torch.bfloat16, shard="40KB")
+    out["llama-bf16-sharded"] = (str(sharded), reference_logits(sharded, tokens))
+    return {"models": out, "tokens": tokens, "root": root}
+
+
+def _logits_cell(models: dict, tokens, kwargs: dict | None = None) -> str:
+    paths = {name: folder for name, (folder, _) in models.items()}
+    return (f"_out = {{}}\n"
+            f"for _name, _path in {paths!r}.items():\n"
+            f"    _m = mnb.from_hf(_path, **{kwargs or {}!r}.get(_name, {{}}))\n"
+            f"    _out[_name] = mnb.logits(_m, {tokens!r}).numpy()\n"
+            f"del _m\n"
+            f"_out")
+
+
+def _check(results: dict, models: dict, label: str) -> None:
+    for rank, per_model in results.items():
+        assert set(per_model) == set(models), (label, rank)
+        for name, got in per_model.items():
+            want = models[name][1]
+            assert got.shape == want.shape, (label, rank, name, got.shape)
+            err = float(np.abs(got - want).max())
+            assert err < ATOL, f"{label} rank {rank} {name}: max |mnb - transformers| = {err:.2e}"
+
+
+LAYOUTS_2 = {
+    "1 rank (dp2)": (ParallelConfig(), ("llama", "qwen2", "mixtral", "gpt2", "llama-bf16-sharded")),
+    "tp2": (ParallelConfig(tp=2), ("llama", "qwen2", "gpt2")),
+    "tp2+sp": (ParallelConfig(tp=2, sequence_parallel=True), ("llama", "qwen2", "mixtral", "gpt2")),
+    "pp2": (ParallelConfig(pp=2), ("llama", "qwen2", "mixtral", "gpt2")),
+    "pp2-vpp2": (ParallelConfig(pp=2, vpp=2), ("llama", "qwen2", "mixtral", "gpt2")),
+    "cp2": (ParallelConfig(cp=2), ("llama", "qwen2", "mixtral", "gpt2")),
+    "ep2": (ParallelConfig(ep=2), ("mixtral",)),
+}
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS_2))
+def test_logits_equal_transformers_under_each_layout(cpu_pool, checkpoints, label):
+    layout, names = LAYOUTS_2[label]
+    models = {n: checkpoints["models"][n] for n in names}
+    results = cpu_pool.run(_logits_cell(models, checkpoints["tokens"]), layout=layout, quiet=True)
+    _check(results, models, label)
+
+
+def test_train_save_hf_and_back_under_another_layout(cpu_pool, checkpoints):
+    """from_hf -> 3 steps -> save_hf (pp2: each stage writes its shards; tied Qwen2 across stages) and mnb.save;
+    transformers loads the folder with mnb's logits; tp2 reads it back, and mnb.load restores the same model."""
+    models, tokens, root = checkpoints["models"], checkpoints["tokens"], checkpoints["root"]
+    names = ("llama", "qwen2")
+    paths = {n: models[n][0] for n in names}
+    out = {n: str(root / f"trained-{n}") for n in names}
+    trained = cpu_pool.run(
+        "_res = {}\n"
+        f"for _name, _path in {paths!r}.items():\n"
+        "    _m = mnb.from_hf(_path)\n"
+        "    mnb.train(_m, steps=3, micro_batch_size=2, global_batch_size=2, lr=1e-2, data='mock')\n"
+        f"    mnb.save_hf({out!r}[_name], _m, max_shard_bytes=100_000)\n"
+        f"    mnb.save({str(root / 'dist-llama')!r} if _name == 'llama' else {str(root / 'dist-qwen2')!r}, _m)\n"
+        f"    _res[_name] = mnb.logits(_m, {tokens!r}).numpy()\n"
+        "_res", layout=ParallelConfig(pp=2), quiet=True)
+    assert np.array_equal(trained[0]["llama"], trained[1]["llama"])
+    for name in names:
+        mine = trained[0][name]
+        assert float(np.abs(mine - models[name][1]).max()) > 1e-2, "training changed nothing"
+        folder = root / f"trained-{name}"
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 2 and all((folder / f).stat().st_size < 100_000 + 4096 for f in shards), shards
+        assert (name == "qwen2") == ("lm_head.weight" not in index["weight_map"])
+        err = float(np.abs(reference_logits(folder, tokens) - mine).max())
+        assert err < ATOL, f"{name}: transformers on mnb.save_hf's folder differs by {err:.2e}"
+    assert not list(root.glob("trained-*.tmp-*"))
+    back = cpu_pool.run(
+        "_res = {}\n"
+        f"for _name, _path in {out!r}.items():\n"
+        "    _res[_name] = mnb.logits(mnb.from_hf(_path), " + repr(tokens) + ").numpy()\n"
+        f"_m = mnb.from_hf({paths['llama']!r})\n"
+        f"mnb.load({str(root / 'dist-llama')!r}, _m)\n"
+        f"_res['dist'] = mnb.logits(_m, {tokens!r}).numpy()\n"
+        "_res", layout=ParallelConfig(tp=2), quiet=True)
+    for rank in back:
+        for name in names:
+            assert float(np.abs(back[rank][name] - trained[0][name]).max()) < ATOL, (rank, name)
+        assert float(np.abs(back[rank]["dist"] - trained[0]["llama"]).max()) < ATOL, rank
+
+
+def _config_only(root, name: str, **config) -> str:
+    folder = root / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_bad_input_is_refused_alike_on_every_rank(cpu_pool, checkpoints):
+    models, root = checkpoints["models"], checkpoints["root"] / "bad"
+    root.mkdir()
+    llama = json.loads((root.parent / "llama" / "config.json").read_text())
+    no_weights = _config_only(root, "no-weights", **llama)
+    bert = _config_only(root, "bert", architectures=["BertForMaskedLM"], model_type="bert")
+    wrong = root / "wrong-shape"
+    shutil.copytree(models["llama"][0], wrong)
+    (wrong / "config.json").write_text(json.dumps({**llama, "intermediate_size": 128}))
+    missing = root / "missing-shard"
+    shutil.copytree(models["llama-bf16-sharded"][0], missing)
+    lost = sorted(missing.glob("model-*.safetensors"))[1]
+    lost.unlink()
+    three_heads = _config_only(root, "three-heads", **{**llama, "num_attention_heads": 3, "num_key_value_heads": 3,
+                                                       "hidden_size": 48, "head_dim": 16})
+    one_group = _config_only(root, "one-group", **{**llama, "num_key_value_heads": 1})
+    mixtral = json.loads((root.parent / "mixtral" / "config.json").read_text())
+    three_experts = _config_only(root, "three-experts", **{**mixtral, "num_local_experts": 3})
+    cases = [  # (folder, layout, fragments of the one message)
+        (no_weights, ParallelConfig(), ["no-weights holds no weights: neither model.safetensors nor "
+                                        "model.safetensors.index.json"]),
+        (bert, ParallelConfig(), ["bert/config.json: architecture BertForMaskedLM is not supported; mnb.from_hf "
+                                  "reads LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, "
+                                  "GPT2LMHeadModel"]),
+        (str(wrong), ParallelConfig(), ["wrong-shape/model.safetensors: model.layers.0.mlp.gate_proj.weight has "
+                                        "shape [96, 64], but ", "wrong-shape/config.json implies [128, 64]"]),
+        (str(missing), ParallelConfig(), [f"model.safetensors.index.json names shard {lost.name}, which is missing"]),
+        (three_heads, ParallelConfig(tp=2), ["three-heads (LlamaForCausalLM) under tp2 pp1 dp1: "
+                                             "num_attention_heads(3) is not divisible by tp(2)"]),
+        (one_group, ParallelConfig(tp=2), ["num_query_groups(1) is not divisible by tp(2)"]),
+        (three_experts, ParallelConfig(ep=2), ["num_moe_experts(3) is not divisible by ep(2)"]),
+    ]
+    for folder, layout, fragments in cases:
+        with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
+            cpu_pool.run(f"mnb.from_hf({folder!r})", layout=layout, quiet=True)
+        text = str(info.value)
+        assert "[r0-1] ValueError" in text, text  # one error, the same on both ranks
+        assert all(f in text for f in fragments), text
+    # the pool is still usable: the sharded bf16 checkpoint loads after all that
+    assert cpu_pool.run(f"mnb.from_hf({models['llama-bf16-sharded'][0]!r}).config.num_layers", quiet=True,
+                        layout=ParallelConfig()) == \
+        {0: LAYERS, 1: LAYERS}
