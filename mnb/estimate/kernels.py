@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 
@@ -44,6 +45,7 @@ from .params import stage_params
 ATTENTION_KINDS = ("flash", "unfused")
 
 
+@lru_cache(maxsize=4096)
 def gemm_fraction(dev: Device, m: float, n: float, k: float) -> float:
     """Fraction of peak a GEMM of this shape reaches on ``dev`` (the device's curve)."""
     if min(m, n, k) <= 0:
@@ -59,6 +61,7 @@ def gemm_fraction(dev: Device, m: float, n: float, k: float) -> float:
     return curve[-1][1]
 
 
+@lru_cache(maxsize=4096)
 def gemm_time(dev: Device, peak: float, m: float, n: float, k: float, *, backward: bool = False) -> float:
     """Seconds of one GEMM (``backward``: its data- and weight-gradient GEMMs instead)."""
     shapes = [(m, k, n), (k, n, m)] if backward else [(m, n, k)]

@@ -113,7 +113,7 @@ def plan(
     recomputes: Sequence[str] = ("none", "selective", "full"),
     gpus_per_node: int = 8,
     capacity_bytes: int | None = None,
-    achievable_fraction: float = 0.5,
+    achievable_fraction: float | None = None,
 ) -> Plan:
     """Enumerate valid layouts and rank them by predicted step time (fitting ones first).
 
@@ -123,6 +123,9 @@ def plan(
     ``cps`` defaults to 1 and the powers of two up to ``MAX_CP`` that divide the
     GPUs (context parallelism runs with or without Transformer Engine; its memory
     is that of mnb's all-gather attention, see :mod:`mnb.estimate.activations`).
+    Step times come from :func:`mnb.estimate.step_time`'s shape-aware model
+    (``gpu``'s calibration, :mod:`mnb.estimate.hardware`); ``achievable_fraction``
+    switches to its first-order model.
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus!r}")

@@ -189,9 +189,16 @@ def step_time(
     v = parallel.vpp
 
     bpp = bytes_per_param(train, grad_bytes=grad_bytes)
-    works = [stage_work(model, parallel, train, dev, peak, r, attention=attention, grad_bytes=bpp["gradients"],
-                        gradient_accumulation_fusion=gradient_accumulation_fusion) for r in range(pp)]
     layers = model.layers_per_stage(pp)
+    distinct: dict[tuple[int, bool, bool], StageWork] = {}  # middle stages of equal size are alike
+    works = []
+    for r in range(pp):
+        key = (layers[r], r == 0, r == pp - 1)
+        if key not in distinct:
+            distinct[key] = stage_work(model, parallel, train, dev, peak, r, attention=attention,
+                                       grad_bytes=bpp["gradients"],
+                                       gradient_accumulation_fusion=gradient_accumulation_fusion)
+        works.append(distinct[key])
     s, b, h = model.seq_length // cp, train.micro_batch_size, model.hidden_size
     act = s * b * h * e
     comm = []  # per stage and microbatch: (tp exposed, tp hidden, cp, ep)
