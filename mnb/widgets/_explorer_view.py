@@ -216,7 +216,17 @@ def summary_html(ex: "Explorer") -> str:
                 f" on the pool; memory from {html.escape(str(m.get('memory_source')))}"
                 + ("; MFU n/a (no peak)" if m.get("mfu") is None else "") + "</div>")
     peak = f"<div style='font-size:11px;color:#555'>MFU vs {html.escape(p.get('peak_source', ''))}</div>"
-    return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}{peak}"
+    return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}{peak}{_explain_html(p)}"
+
+
+def _explain_html(p: dict) -> str:
+    """Where the predicted step goes (``mnb.estimate.step_time(...).explain()``), one row per part."""
+    rows = p.get("explain") or []
+    total = p["step_time_s"]
+    body = "".join(f"<tr><td>{html.escape(name)}</td><td>{_fmt(sec, 's')}</td><td>{sec / total:.1%}</td></tr>"
+                   for name, sec in rows)
+    return ("<details class='mnb-explain'><summary style='font-size:11px'>where the predicted step goes</summary>"
+            f"<table style='font-size:11px'>{body}</table></details>") if rows else ""
 
 
 def summary_text(ex: "Explorer") -> str:
@@ -231,6 +241,9 @@ def summary_text(ex: "Explorer") -> str:
                  + (f" of {format_bytes(cap)} ({'fits' if p['fits'] else 'does not fit'})" if cap else "")
                  + f", bubble {p['bubble']:.1%}, step {p['step_time_s']:.3g} s, "
                  f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} (vs {p.get('peak_source', '?')})")
+    if p.get("explain"):
+        lines.append("  where the predicted step goes: " + ", ".join(
+            f"{name} {_fmt(sec, 's')} ({sec / p['step_time_s']:.0%})" for name, sec in p["explain"]))
     if m:
         mfu = "n/a (no peak)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
         lines.append(f"  measured ({m['steps']} steps on the pool): peak "
