@@ -13,7 +13,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from mnb.config import ParallelConfig
 from mnb.errors import CompositeRankError
-from mnb.magics import LAYOUT_FLAGS, megatron_parser, parse_ranks, requested_layout, start_parser
+from mnb.magics import LAYOUT_FLAGS, megatron_parser, parse_ranks, plan_parser, requested_layout, start_parser
 from tests.conftest import assert_no_orphans
 
 
@@ -30,6 +30,8 @@ def test_flags_are_a_frozen_contract():
     assert {"-n", "--device", "--gpus", "--timeout", "--cell-timeout", "--grace", "--verbose"} <= start_flags
     cell_flags = {s for a in megatron_parser()._actions for s in a.option_strings}
     assert {"--tp", "--pp", "--vpp", "--cp", "--ep", "--sp", "--no-sp", "--ranks", "--timeout"} <= cell_flags
+    plan_flags = {s for a in plan_parser()._actions for s in a.option_strings}
+    assert {"--model", "--gpus", "--gpu", "--seq", "--mbs", "--gbs", "--top", "--calibrate"} <= plan_flags
 
 
 def test_public_surface_is_deliberate():
@@ -96,9 +98,22 @@ def test_magics_end_to_end(shell, capsys):
     with pytest.raises(UsageError, match=r"unknown GPU id\(s\) \[7\]"):
         shell.run_line_magic("mnb", "start --gpus 7")
 
+    with pytest.raises(UsageError, match="--calibrate measures the live pool"):
+        shell.run_line_magic("mnb", "plan --model tiny --gpus 2 --calibrate")
     shell.run_line_magic("mnb", "start -n 2 --device cpu")
     out = capsys.readouterr().out
     assert "rank  pid" in out and "gloo" in out and "2 ranks ready" in out
+
+    # %mnb plan --calibrate measures the CPU ranks (GEMM rates, copy and all-reduce bandwidth) and plans with it
+    from mnb.estimate import hardware
+
+    shell.run_line_magic("mnb", "plan --model tiny --gpus 2 --calibrate --top 3")
+    out = capsys.readouterr().out
+    measured = hardware.DEVICES.pop("cpu-calibrated")
+    assert "(calibrated here)" in out and "GEMM efficiency by effective size" in out and "tp1 pp1 dp2" in out
+    assert max(f for _, f in measured.gemm_curve) == 1.0 and measured.bf16_flops > 0  # the best rate is the peak
+    assert "--calibrate on cpu (2 rank(s)" in measured.source_of("intra_efficiency")
+    assert measured.hbm_bytes_per_s != hardware.DEVICES["cpu"].hbm_bytes_per_s
 
     shell.run_cell_magic("megatron", "--tp 2", "print('tp size', ps.get_tensor_model_parallel_world_size())")
     assert "[r0-1] tp size 2" in capsys.readouterr().out
