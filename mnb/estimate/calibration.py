@@ -28,6 +28,12 @@ Sources, shortened in the entries below:
   time per kind for llama-1b and llama-3b at micro batch 8 (GEMM 1.35 / 3.63 s,
   flash attention 0.21 / 0.41 s, elementwise + norms + mnb's Triton kernels
   0.43 / 0.83 s).
+- [SWEEP] ``bench/gemm_sweep.py``'s shapes on one H200 (2026-12-01, torch 2.11 +
+  cu130): 120 bf16 GEMMs, squares 256-16384 and Llama-1B/3B/8B/70B's QKV,
+  projection, fc1 and fc2 at tp 1-8 with m = 4096 and 16384 tokens, each the
+  best of repeats timed with CUDA events; large GEMMs level off at 0.69-0.75 of
+  the 989 TFLOP/s datasheet peak (best 744 TFLOP/s on that host; BENCHMARKS.md's
+  790 on another); squares below 2048 are launch-latency bound alone and left out.
 - [DS] vendor datasheets (HBM bandwidth).
 """
 
@@ -42,6 +48,11 @@ _B18 = "BENCHMARKS.md issue 18: bench/kernel_profile.py on one H200 (llama-1b/-3
 _NCCL_A100 = "nccl-tests all_reduce bus bandwidth on DGX A100 (~230 of 300 GB/s NVLink-3)"
 _NCCL_H100 = "nccl-tests all_reduce bus bandwidth on DGX H100/H200 (~360 of 450 GB/s NVLink-4)"
 _IB = "nccl-tests inter-node all_reduce bus bandwidth, one 200/400 Gb/s NIC per GPU (~90 %)"
+
+_H200_CURVE = (
+    (660, 0.30), (977, 0.43), (1507, 0.55), (2048, 0.63), (2879, 0.685), (4030, 0.70), (5898, 0.70),
+    (8001, 0.695), (11864, 0.693), (15672, 0.698),
+)
 
 CALIBRATION: dict[str, dict[str, Entry]] = {
     "a100": {
@@ -61,8 +72,8 @@ CALIBRATION: dict[str, dict[str, Entry]] = {
     },
     "h100": {
         "gemm_curve": (
-            ((256, 0.20), (512, 0.36), (1024, 0.52), (2048, 0.64), (4096, 0.71), (8192, 0.76), (16384, 0.78)),
-            "H200's measured curve [B18] (same SM90 die and clocks; the H200 has more HBM)",
+            _H200_CURVE,
+            "the H200's measured curve [SWEEP] (the same SM90 die, 132 SMs and clocks; the H200 has more HBM)",
         ),
         "attention_fraction": ({"flash": 0.30, "unfused": 0.40}, _B18 + ": flash attention, head dim 64-128"),
         "hbm_bytes_per_s": (3.35e12, "NVIDIA H100 SXM datasheet"),
@@ -72,8 +83,8 @@ CALIBRATION: dict[str, dict[str, Entry]] = {
     },
     "h200": {
         "gemm_curve": (
-            ((256, 0.20), (512, 0.36), (1024, 0.52), (2048, 0.64), (4096, 0.71), (8192, 0.76), (16384, 0.80)),
-            _B18 + ": 0.80 = the 790 TFLOP/s largest torch.matmul; 0.70-0.73 = llama-1b/-3b GEMM time",
+            _H200_CURVE,
+            "[SWEEP] one H200, 2026-12-01: median of bf16 torch.matmul per half octave of effective size",
         ),
         "attention_fraction": ({"flash": 0.30, "unfused": 0.40}, _B18 + ": cuDNN flash attention, head dim 64-128"),
         "hbm_bytes_per_s": (4.8e12, "NVIDIA H200 SXM datasheet"),
