@@ -63,7 +63,7 @@ def register_measurement(measurement: dict[str, Any], *, name: str | None = None
         else:
             numbers["inter_efficiency"] = min(1.0, float(bus) / parent.inter_node_bytes_per_s)
     key = name or f"{parent.name}-calibrated"
-    label = f"{parent.label} (calibrated here)"
+    label = "CPU ranks (calibrated here)" if on_cpu else f"{parent.label} (calibrated here)"
     return hardware.register(key, base=parent.name, label=label, source=what, **numbers)
 
 
