@@ -162,8 +162,26 @@ def test_register_adds_a_device_or_replaces_a_number():
             for field in ("gemm_curve", "hbm_bytes_per_s", "memory_efficiency", "intra_efficiency",
                           "inter_efficiency", "flash_attention_fraction", "unfused_attention_fraction"):
                 assert d.source_of(field), (name, field)
+        # what %mnb plan --calibrate does with a GPU pool's measurement (mnb.megatron.calibrate.measure)
+        from mnb.estimate.measured import register_measurement
+
+        measured = register_measurement({
+            "device_name": "NVIDIA H200", "world_size": 8, "intra_node": True,
+            "gemm": [[16384, 16384, 16384, 700e12], [16384, 1024, 4096, 500e12], [16384, 16384, 16384, 690e12]],
+            "copy_bytes_per_s": 4.2e12, "allreduce_bus_bytes_per_s": 360e9,
+        })
+        assert measured.name == "h200-calibrated" and measured.bf16_flops == 989e12
+        assert measured.gemm_curve == ((2340.6, pytest.approx(500 / 989)), (16384.0, pytest.approx(700 / 989)))
+        assert measured.hbm_bytes_per_s == 4.2e12 and measured.intra_efficiency == pytest.approx(0.8)
+        assert "--calibrate on NVIDIA H200 (8 rank(s)" in measured.source_of("gemm_curve")
+        assert measured.memory_efficiency == hardware.device("h200").memory_efficiency  # kept from the table
+        with pytest.raises(ValueError, match="'NVIDIA L4' is not in the hardware table; register it first"):
+            register_measurement({"device_name": "NVIDIA L4", "gemm": [[1, 1, 1, 1.0]], "copy_bytes_per_s": 1.0})
+        with pytest.raises(ValueError, match="a measurement needs 'gemm'"):
+            register_measurement({"device_name": "NVIDIA H200"})
     finally:
         hardware.DEVICES.pop("h200-mine", None)
+        hardware.DEVICES.pop("h200-calibrated", None)
     with pytest.raises(ValueError, match="register needs source="):
         hardware.register("x", base="h200", memory_efficiency=0.5, source="")
     with pytest.raises(ValueError, match="unknown Device field.*gemm_curv\\b"):
