@@ -12,7 +12,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb stacks          each rank's current Python stack (where is it stuck?)
     %mnb plot memory|timeline|mfu      plots of mnb.last_run, predicted beside measured
     %mnb run [--ranks R] [--timeout S] [--grace S] SCRIPT [ARGS...]   a torchrun script, unmodified
-    %mnb plan --model PRESET --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K]
+    %mnb plan --model PRESET --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K] [--calibrate]
     %mnb start --slurm --nodes N [--gpus-per-node G] [--partition P] [--time T] [--account A] [--sbatch-arg ARG]
     %mnb export [megatron-lm|torchrun|slurm] [--nodes N] [--gpus-per-node G] [-o FILE] [--model PRESET] ...
 
@@ -263,6 +263,7 @@ def plan_parser() -> MagicArgumentParser:
         "%mnb plan --model llama-8b --gpus 8 --gpu h200",
         "%mnb plan --model llama-70b --gpus 64 --seq 8192 --gbs 512 --top 5",
         "%mnb plan --model /models/Llama-3.2-1B --gpus 8     # a Hugging Face checkpoint folder (its config.json)",
+        "%mnb plan --model llama-8b --gpus 64 --calibrate   # with this pool's measured GPU",
     ])
     p.add_argument("--model", required=True, metavar="PRESET|PATH",
                    help="model preset, e.g. llama-8b, or a Hugging Face checkpoint folder (its config.json is read)")
@@ -274,6 +275,9 @@ def plan_parser() -> MagicArgumentParser:
     p.add_argument("--gbs", type=int, default=None, metavar="G",
                    help="global batch size (default: 4 * gpus * mbs)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows to show")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first measure the live pool's GEMM rates by shape, memory and all-reduce bandwidth "
+                        "(seconds; CPU ranks measure the CPU) and plan with them instead of --gpu's table entry")
     return p
 
 
@@ -558,14 +562,31 @@ class MegatronMagics(Magics):
         from mnb.estimate import plan
         from mnb.plot import plot_plan
 
+        gpu = self._calibrated_gpu() if args.calibrate else args.gpu
         try:
-            rows = plan(args.model, args.gpus, gpu=args.gpu, seq=args.seq, mbs=args.mbs, gbs=args.gbs)
+            rows = plan(args.model, args.gpus, gpu=gpu, seq=args.seq, mbs=args.mbs, gbs=args.gbs)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         from mnb.estimate import format_plan
 
         print(format_plan(rows[: args.top]))
         plot_plan(rows)
+
+    def _calibrated_gpu(self) -> str:
+        """Measure the live pool (mnb.megatron.calibrate), register it as a device, return its name."""
+        from mnb.estimate.measured import describe, register_measurement
+
+        pool = current_pool(required=False)
+        if pool is None:
+            raise UsageError("--calibrate measures the live pool's devices: start one first "
+                             "(%mnb start -n 2 --device cuda) or drop --calibrate to plan with --gpu's table entry")
+        values = pool.run("__import__('mnb.megatron.calibrate', fromlist=['measure']).measure()", quiet=True)
+        try:
+            dev = register_measurement(values[min(values)])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        print(describe(dev))
+        return dev.name
 
     @cell_magic
     def megatron(self, line: str, cell: str) -> None:

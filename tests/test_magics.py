@@ -33,7 +33,7 @@ FLAGS = {
                    "--time", "--timeout", "--timings", "--verbose", "-n"],
     "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [],
     "%mnb plot": ["memory", "mfu", "timeline"],
-    "%mnb plan": ["--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
+    "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
     "%mnb run": ["--grace", "--ranks", "--timeout"],
     "%mnb export": ["--cp", "--data", "--ep", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
                     "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
@@ -131,9 +131,22 @@ def test_magics_end_to_end(shell, capsys):
     with pytest.raises(UsageError, match=r"unknown GPU id\(s\) \[7\]"):
         shell.run_line_magic("mnb", "start --gpus 7")
 
+    with pytest.raises(UsageError, match="--calibrate measures the live pool"):
+        shell.run_line_magic("mnb", "plan --model tiny --gpus 2 --calibrate")
     shell.run_line_magic("mnb", "start -n 2 --device cpu")
     out = capsys.readouterr().out
     assert "rank  pid" in out and "gloo" in out and "2 ranks ready" in out
+
+    # %mnb plan --calibrate measures the CPU ranks (GEMM rates, copy and all-reduce bandwidth) and plans with it
+    from mnb.estimate import hardware
+
+    shell.run_line_magic("mnb", "plan --model tiny --gpus 2 --calibrate --top 3")
+    out = capsys.readouterr().out
+    measured = hardware.DEVICES.pop("cpu-calibrated")
+    assert "(calibrated here)" in out and "GEMM efficiency by effective size" in out and "tp1 pp1 dp2" in out
+    assert max(f for _, f in measured.gemm_curve) == 1.0 and measured.bf16_flops > 0  # the best rate is the peak
+    assert "--calibrate on cpu (2 rank(s)" in measured.source_of("intra_efficiency")
+    assert measured.hbm_bytes_per_s != hardware.DEVICES["cpu"].hbm_bytes_per_s
 
     shell.run_cell_magic("megatron", "--tp 2", "print('tp size', ps.get_tensor_model_parallel_world_size())")
     assert "[r0-1] tp size 2" in capsys.readouterr().out

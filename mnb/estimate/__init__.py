@@ -13,10 +13,13 @@ field names (``_bytes``, ``_flops``, ``_s``)::
     est.bubble(ParallelConfig(pp=4, vpp=2, dp=1), 8)  # idle share of the step: (p-1)/(v*m+p-1) = 0.158
     est.mfu("llama-7b", train, step_time_s=6.0, num_gpus=8, gpu="h200")
     est.plan("llama-7b", gpus=8, gpu="h200", seq=4096, gbs=128)[0].describe()
+    est.step_time("llama-7b", ParallelConfig(), train, gpus=8, gpu="h200").explain()  # where the time goes
 
 Sources are cited in each module: Korthikanti et al. 2022 (activations),
 Megatron-LM theoretical_memory_usage.py and training.py (bytes per parameter,
-FLOPs), Narayanan et al. 2021 (bubble).
+FLOPs), Narayanan et al. 2021 (bubble, and Table 1, which the step-time model
+reproduces: tests/estimate/test_estimate_scale.py); per-device calibration with
+a source on every number in :mod:`mnb.estimate.calibration`.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from .memory import COMPONENTS, MemoryEstimate, StageMemory, bytes_per_param, me
 from .params import StageParams, layer_params, stage_params
 from .pipeline import bubble, bubble_time_ratio, in_flight, simulate_schedule, timeline_bubble, warmup_microbatches
 from .plan import Plan, PlanRow, format_plan, plan
+from .explain import Explanation
 from .timing import StepTimeEstimate, step_time
 
 __all__ = [
     "COMPONENTS",
     "DEVICES",
     "Device",
+    "Explanation",
     "MemoryEstimate",
     "Plan",
     "PlanRow",

@@ -13,13 +13,29 @@ datasheets; formulas never hard-code them, they look them up here (or take a
 Capacities are roughly what ``torch.cuda.get_device_properties(i).total_memory``
 reports (a little below the marketing "80 GB"/"141 GB"), since that is what an
 allocation can reach.  Bandwidths are per GPU, one direction, in bytes/s.
+
+Beyond the datasheet, each device carries the step-time model's calibration
+(GEMM efficiency curve, attention efficiency, HBM bandwidth and the share of it
+elementwise kernels reach, collective efficiency), from
+:mod:`mnb.estimate.calibration`, with the source of every number
+(``device.source_of("gemm_curve")``).  :func:`register` adds a device or
+replaces numbers with your own measurement::
+
+    >>> from mnb.estimate import hardware
+    >>> d = hardware.register("my-h200", base="h200", memory_efficiency=0.5, source="my profile")
+    >>> d.memory_efficiency, d.source_of("memory_efficiency"), d.bf16_flops
+    (0.5, 'my profile', 989000000000000.0)
+    >>> _ = hardware.DEVICES.pop("my-h200")
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from mnb.units import GIB
+
+from .calibration import CALIBRATION
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +59,32 @@ class Device:
     inter_node_bytes_per_s: float
     """Per-GPU one-direction bandwidth across nodes (one 400 Gb/s NIC per GPU)."""
     source: str
-    """Where the numbers come from."""
+    """Where the datasheet numbers come from."""
+    hbm_bytes_per_s: float = 2e12
+    """Device memory bandwidth (datasheet)."""
+    gemm_curve: tuple[tuple[float, float], ...] = ((1, 0.5),)
+    """(effective size d = 3/(1/m+1/n+1/k), fraction of peak) points, d ascending."""
+    flash_attention_fraction: float = 0.3
+    """Core attention (flash/SDPA kernels, masked half skipped) against the peak."""
+    unfused_attention_fraction: float = 0.4
+    """Core attention as batched GEMMs over the full s x s scores, against the peak."""
+    memory_efficiency: float = 0.5
+    """Share of ``hbm_bytes_per_s`` that elementwise and norm kernels reach."""
+    intra_efficiency: float = 0.8
+    """Share of ``intra_node_bytes_per_s`` a large NCCL collective reaches (bus bandwidth)."""
+    inter_efficiency: float = 0.9
+    """Share of ``inter_node_bytes_per_s`` a large collective across nodes reaches."""
+    sources: tuple[tuple[str, str], ...] = ()
+    """(field, source) for every calibration number; see :meth:`source_of`."""
+
+    def source_of(self, name: str) -> str:
+        """Where the number in field ``name`` comes from."""
+        for key, text in self.sources:
+            if key == name:
+                return text
+        if name in {f.name for f in fields(self)}:
+            return self.source
+        raise ValueError(f"Device has no field {name!r}")
 
 
 _NVLINK4 = 450e9  # NVLink 4: 900 GB/s bidirectional per GPU
@@ -122,6 +163,84 @@ DEVICES: dict[str, Device] = {
         ),
     )
 }
+
+_CALIBRATED_FIELDS = ("hbm_bytes_per_s", "gemm_curve", "memory_efficiency", "intra_efficiency", "inter_efficiency")
+
+
+def _calibrated(dev: Device, key: str) -> Device:
+    table = CALIBRATION[key]
+    values: dict[str, Any] = {name: table[name][0] for name in _CALIBRATED_FIELDS}
+    sources = [(name, table[name][1]) for name in _CALIBRATED_FIELDS]
+    attention, attention_source = table["attention_fraction"]
+    values.update(flash_attention_fraction=attention["flash"], unfused_attention_fraction=attention["unfused"])
+    sources += [("flash_attention_fraction", attention_source), ("unfused_attention_fraction", attention_source)]
+    if dev.name != key:  # a device measured against another peak: the same kernels, other fractions
+        scale = DEVICES[key].bf16_flops / dev.bf16_flops
+        values["gemm_curve"] = tuple((d, min(1.0, f * scale)) for d, f in values["gemm_curve"])
+        values["flash_attention_fraction"] *= scale
+        values["unfused_attention_fraction"] *= scale
+    return replace(dev, **values, sources=tuple(sources))
+
+
+for _name, _dev in list(DEVICES.items()):
+    _key = "h200" if _name == "h200-measured" else _name
+    DEVICES[_name] = _calibrated(_dev, _key)
+
+
+def register(name: str, *, source: str, base: str | None = None, label: str | None = None,
+             **numbers: Any) -> Device:
+    """Add a device or replace numbers of one, each with ``source`` (required); returns it.
+
+    ``base`` (a table key) supplies the numbers not given, else the device ``name``
+    itself if it exists; a new device without a base must give every datasheet field.
+    ``numbers`` are :class:`Device` fields (``bf16_flops``, ``gemm_curve``,
+    ``memory_efficiency``, ``intra_node_bytes_per_s``, ...)::
+
+        hardware.register("h200", gemm_curve=((1024, 0.55), (8192, 0.78)), source="bench/gemm_sweep.py, 2026-12-02")
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError("register needs source='where the numbers come from'")
+    known = {f.name for f in fields(Device)} - {"name", "sources", "source", "label"}
+    unknown = sorted(set(numbers) - known)
+    if unknown:
+        raise ValueError(f"unknown Device field(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+    if "gemm_curve" in numbers:
+        numbers["gemm_curve"] = _check_curve(numbers["gemm_curve"])
+    for key in ("memory_efficiency", "intra_efficiency", "inter_efficiency",
+                "flash_attention_fraction", "unfused_attention_fraction"):
+        if key in numbers and not 0 < numbers[key] <= 1:
+            raise ValueError(f"{key} must be in (0, 1], got {numbers[key]!r}")
+    key = name.strip().lower()
+    start = base if base is not None else (key if key in DEVICES else None)
+    if start is None:
+        missing = [f.name for f in fields(Device) if f.name in _DATASHEET and f.name not in numbers]
+        if missing:
+            raise ValueError(f"a new device {name!r} needs base='h200' (or another table key) or {', '.join(missing)}")
+        dev = Device(name=key, label=label or name, source=source, **numbers)
+        dev = replace(dev, sources=tuple((k, source) for k in numbers))
+    else:
+        parent = device(start)
+        sources = dict(parent.sources)
+        sources.update({k: source for k in numbers})
+        dev = replace(parent, name=key, label=label or (parent.label if key == parent.name else name),
+                      sources=tuple(sources.items()), **numbers)
+    DEVICES[key] = dev
+    return dev
+
+
+_DATASHEET = ("bf16_flops", "fp8_flops", "fp32_flops", "capacity_bytes", "intra_node_bytes_per_s",
+              "inter_node_bytes_per_s")
+
+
+def _check_curve(curve: Any) -> tuple[tuple[float, float], ...]:
+    try:
+        points = tuple(sorted((float(d), float(f)) for d, f in curve))
+    except (TypeError, ValueError):
+        raise ValueError(f"gemm_curve must be (effective size, fraction of peak) pairs, got {curve!r}") from None
+    if not points or any(d <= 0 or not 0 < f <= 1 for d, f in points):
+        raise ValueError(f"gemm_curve needs sizes > 0 and fractions in (0, 1], got {curve!r}")
+    return points
+
 
 _ALIASES = {
     "h100-sxm": "h100",

@@ -51,6 +51,8 @@ class PlanRow:
     bubble: float
     memory_estimate: MemoryEstimate
     time_estimate: StepTimeEstimate
+    hfu: float = 0.0
+    """Hardware FLOPs utilisation (with recompute), beside ``mfu`` (model FLOPs)."""
 
     def describe(self) -> str:
         extra = [] if self.recompute == "none" else [f"recompute={self.recompute}"]
@@ -73,25 +75,25 @@ class Plan(list):
         return self.table()
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{c}</th>" for c in ("layout", "memory GiB", "fits", "step s", "MFU", "tokens/s"))
+        head = "".join(f"<th>{c}</th>" for c in ("layout", "memory GiB", "fits", "step s", "MFU", "HFU", "tokens/s"))
         body = []
         for r in self[:30]:
             style = "" if r.fits else ' style="color:#999"'
             body.append(
                 f"<tr{style}><td>{r.describe()}</td><td>{r.memory_bytes / GIB:.1f}</td>"
                 f"<td>{'yes' if r.fits else 'no'}</td><td>{r.step_time_s:.3f}</td>"
-                f"<td>{r.mfu:.1%}</td><td>{r.tokens_per_s:,.0f}</td></tr>"
+                f"<td>{r.mfu:.1%}</td><td>{r.hfu:.1%}</td><td>{r.tokens_per_s:,.0f}</td></tr>"
             )
         return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
 def format_plan(rows: Iterable[PlanRow]) -> str:
-    """Plain-text table of plan rows (layout, memory, fits, step time, MFU, tokens/s)."""
-    lines = [f"{'layout':<50} {'mem GiB':>8} {'fits':>5} {'step s':>8} {'MFU':>6} {'tokens/s':>10}"]
+    """Plain-text table of plan rows (layout, memory, fits, step time, MFU, HFU, tokens/s)."""
+    lines = [f"{'layout':<50} {'mem GiB':>8} {'fits':>5} {'step s':>8} {'MFU':>6} {'HFU':>6} {'tokens/s':>10}"]
     for r in rows:
         lines.append(
             f"{r.describe():<50} {r.memory_bytes / GIB:8.1f} {'yes' if r.fits else 'no':>5} "
-            f"{r.step_time_s:8.3f} {r.mfu:6.1%} {r.tokens_per_s:10,.0f}"
+            f"{r.step_time_s:8.3f} {r.mfu:6.1%} {r.hfu:6.1%} {r.tokens_per_s:10,.0f}"
         )
     return "\n".join(lines)
 
@@ -113,7 +115,7 @@ def plan(
     recomputes: Sequence[str] = ("none", "selective", "full"),
     gpus_per_node: int = 8,
     capacity_bytes: int | None = None,
-    achievable_fraction: float = 0.5,
+    achievable_fraction: float | None = None,
 ) -> Plan:
     """Enumerate valid layouts and rank them by predicted step time (fitting ones first).
 
@@ -123,6 +125,9 @@ def plan(
     ``cps`` defaults to 1 and the powers of two up to ``MAX_CP`` that divide the
     GPUs (context parallelism runs with or without Transformer Engine; its memory
     is that of mnb's all-gather attention, see :mod:`mnb.estimate.activations`).
+    Step times come from :func:`mnb.estimate.step_time`'s shape-aware model
+    (``gpu``'s calibration, :mod:`mnb.estimate.hardware`); ``achievable_fraction``
+    switches to its first-order model.
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
@@ -207,6 +212,7 @@ def _row(model, parallel, train, gpu, capacity, gpus_per_node, achievable_fracti
         fits=fits,
         step_time_s=t.total_s,
         mfu=t.mfu,
+        hfu=t.hfu,
         tokens_per_s=t.tokens_per_s,
         bubble=bubble(parallel, mem.num_microbatches),
         memory_estimate=mem,

@@ -236,7 +236,17 @@ def summary_html(p: dict[str, Any], m: dict[str, Any], error: str = "") -> str:
     peak = f"<div style='font-size:11px;color:#555'>MFU vs {html.escape(p.get('peak_source', ''))}</div>"
     if p.get("rough"):
         peak += f"<div class='mnb-rough' style='font-size:11px;color:#a60'>{html.escape(p['rough'])}</div>"
-    return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}{peak}"
+    return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}{peak}{_explain_html(p)}"
+
+
+def _explain_html(p: dict) -> str:
+    """Where the predicted step goes (``mnb.estimate.step_time(...).explain()``), one row per part."""
+    rows = p.get("explain") or []
+    total = p["step_time_s"]
+    body = "".join(f"<tr><td>{html.escape(name)}</td><td>{_fmt(sec, 's')}</td><td>{sec / total:.1%}</td></tr>"
+                   for name, sec in rows)
+    return ("<details class='mnb-explain'><summary style='font-size:11px'>where the predicted step goes</summary>"
+            f"<table style='font-size:11px'>{body}</table></details>") if rows else ""
 
 
 def summary_text(model: str, gpus: int, gpu: str, p: dict[str, Any], m: dict[str, Any], error: str = "") -> str:
@@ -252,6 +262,9 @@ def summary_text(model: str, gpus: int, gpu: str, p: dict[str, Any], m: dict[str
                  f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} (vs {p.get('peak_source', '?')})")
     if p.get("rough"):
         lines.append(f"  {p['rough']}")
+    if p.get("explain"):
+        lines.append("  where the predicted step goes: " + ", ".join(
+            f"{name} {_fmt(sec, 's')} ({sec / p['step_time_s']:.0%})" for name, sec in p["explain"]))
     if m:
         mfu = "n/a (no peak)" if m.get("mfu") is None else f"{m['mfu']:.1%}"
         lines.append(f"  measured ({m['steps']} steps on the pool): peak "

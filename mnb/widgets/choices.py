@@ -329,6 +329,8 @@ class Predictions:
             "step_time_s": time.total_s,
             "tokens_per_s": time.tokens_per_s,
             "mfu": time.mfu,
+            "hfu": time.hfu,
+            "explain": [[name, seconds] for name, seconds in time.explain().rows],
             "peak_source": self.peak_source,
             "rough": self.rough,
         }

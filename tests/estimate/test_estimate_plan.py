@@ -24,7 +24,9 @@ def test_llama7b_on_8_h200_prefers_data_parallel():
         assert r.use_distributed_optimizer == (p.dp * p.cp > 1)  # Megatron shards over dp x cp
     fits = [r.fits for r in rows]
     assert fits == sorted(fits, reverse=True)
-    assert "tp1 pp1 dp8" in est.format_plan(rows[:3])
+    assert "tp1 pp1 dp8" in est.format_plan(rows[:3]) and "HFU" in est.format_plan(rows[:3])
+    full = next(r for r in rows if r.recompute == "full")
+    assert full.hfu == pytest.approx(full.time_estimate.hfu) and full.hfu > full.mfu  # recompute counted
 
 
 def test_llama70b_on_64_needs_model_parallelism():

@@ -55,6 +55,12 @@ def test_bubble_and_timeline_follow_pp(llama):
     assert llama.predicted["bubble"] == pytest.approx(3 / (2 * m + 3))
     assert llama.timeline_png != png
     assert llama.predicted["step_time_s"] > 0 and 0 < llama.predicted["mfu"] < 1
+    # the summary says where the predicted step goes (StepTimeEstimate.explain() of this layout)
+    parts = dict(llama.predicted["explain"])
+    assert sum(parts.values()) == pytest.approx(llama.predicted["step_time_s"])
+    assert parts["pipeline bubble"] > 0 and parts["GEMM"] > parts["core attention"] > 0
+    assert "where the predicted step goes" in llama.controls["summary"].value
+    assert "pipeline bubble" in llama.controls["summary"].value
     llama.vpp, llama.pp = 1, 1
 
 
