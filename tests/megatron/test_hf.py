@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 LAYERS = 4  # pp2 * vpp2 needs 4
 TOKENS = 13  # odd: sequence and context parallelism pad it
 ATOL = 1e-4
+TEXT = "The notebook kernel drives a pool of ranks."
 
 
 def _build(folder, kind: str, *, dtype=None, shard: str | None = None):
@@ -76,6 +77,11 @@ def checkpoints(tmp_path_factory):
         folder = root / kind
         _build(folder, kind)
         out[kind] = (str(folder), reference_logits(folder, tokens))
+    from hf_tokenizers import llama_style  # a tokenizer trained here on local text: save_hf copies it
+
+    tokenizer = llama_style(root / "tokenizer", vocab_size=300)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, root / "llama" / name)
     sharded = root / "llama-bf16-sharded"
     import torch
 
@@ -158,11 +164,17 @@ def test_train_save_hf_and_back_under_another_layout(cpu_pool, checkpoints):
         f"_m = mnb.from_hf({paths['llama']!r})\n"
         f"mnb.load({str(root / 'dist-llama')!r}, _m)\n"
         f"_res['dist'] = mnb.logits(_m, {tokens!r}).numpy()\n"
+        f"_res['tokens'] = mnb.from_hf({out['llama']!r}).tokenizer.tokenize({TEXT!r})\n"
         "_res", layout=ParallelConfig(tp=2), quiet=True)
     for rank in back:
         for name in names:
             assert float(np.abs(back[rank][name] - trained[0][name]).max()) < ATOL, (rank, name)
         assert float(np.abs(back[rank]["dist"] - trained[0]["llama"]).max()) < ATOL, rank
+    from tokenizers import Tokenizer
+
+    assert (root / "trained-llama" / "tokenizer_config.json").is_file()
+    want = Tokenizer.from_file(str(root / "llama" / "tokenizer.json")).encode(TEXT).ids
+    assert back[0]["tokens"] == back[1]["tokens"] == want and len(want) > 3
 
 
 def _config_only(root, name: str, **config) -> str:
