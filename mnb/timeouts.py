@@ -14,6 +14,9 @@ START_TIMEOUT_S = 180.0
 how long an automatic restart may take to restore the layout."""
 SHUTDOWN_WAIT_S = 3.0
 """How long ``stop()`` lets idle ranks leave on their own before they are signalled."""
+STOP_REQUEST_WAIT_S = 10.0
+"""How long ``stop()``/``restart()`` wait for a request another thread runs to end once cancelled
+(it ends at its next check, within a tenth of a second, unless an event handler blocks it)."""
 TEARDOWN_GRACE_S = 5.0
 """Between SIGTERM and SIGKILL when the pool's processes are ended."""
 EXIT_TEARDOWN_GRACE_S = 2.0

@@ -13,7 +13,13 @@ its state or restarts ranks.  Every wait is bounded:
 - past the cell's timeout the same happens to every pending rank;
 - Jupyter's interrupt (KeyboardInterrupt in the kernel) is forwarded to the
   ranks as ``interrupt`` messages, and the output still queued for the cell
-  is dropped and counted, never replayed into the next cell.
+  is dropped and counted, never replayed into the next cell;
+- a request another thread cancelled (``Pool.stop``/``restart``: the latch's
+  ``cancelled``) ends the wait at once: the ranks are about to be ended;
+- an event handler that raises (the live widget's drawing) is logged once per
+  request and the wait goes on; any other error while waiting ends the wait
+  like an interrupt (the ranks are interrupted and given back), and the pool
+  raises it once the rank table is right.
 
 A rank that has not returned a short while after its interrupt is
 *unreleased* (blocked in C code or a collective): the pool restarts it.
@@ -21,6 +27,7 @@ A rank that has not returned a short while after its interrupt is
 
 from __future__ import annotations
 
+import logging
 import queue
 import re
 import sys
@@ -32,6 +39,8 @@ from mnb.controller.guards import NO_LATCH, InterruptLatch
 from mnb.controller.output import LineFolder, ProgressLine, show_bundle
 from mnb.protocol import Message
 from mnb.timeouts import ASK_TIMEOUT_S, DEFERRED_STOP_S, INTERRUPT_ACK_S, INTERRUPT_RELEASE_MAX_S, RELEASE_S
+
+log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 0.1
 """How often the ranks' processes are checked (a timer, never per message)."""
@@ -63,6 +72,10 @@ class Outcome:
     timeout_s: float | None = None
     """The timeout that ended the wait (``timed_out``)."""
     last_step_time_s: float | None = None
+    cancelled: str | None = None
+    """Why another thread ended the wait (``Pool.stop``: the ranks were not interrupted)."""
+    error: Exception | None = None
+    """What went wrong in the notebook kernel while waiting (the ranks were interrupted first)."""
 
     @property
     def pending(self) -> list[int]:
@@ -102,6 +115,7 @@ class Collector:
         self._failed_at: float | None = None
         self._unshown: Message | None = None  # the first failure, until it is shown
         self._latch: InterruptLatch = NO_LATCH
+        self._failed_handlers: set[int] = set()  # id() of the handlers that raised in this request
 
     # ------------------------------------------------------------------ wait
     def wait(self, latch: InterruptLatch = NO_LATCH) -> Outcome:
@@ -116,6 +130,9 @@ class Collector:
         interrupted = False
         try:
             while self._pending():
+                if latch.cancelled:
+                    self.outcome.cancelled = latch.cancelled
+                    return self._finish()
                 if latch.take():
                     interrupted = True
                     break
@@ -135,6 +152,10 @@ class Collector:
                         self.outcome.died = True
                         return self._finish()
         except KeyboardInterrupt:
+            interrupted = True
+        except Exception as exc:  # the kernel's side broke: give the ranks back, then the pool raises it
+            log.debug("waiting for request %s failed", self.request_id, exc_info=True)
+            self.outcome.error = exc
             interrupted = True
         if interrupted:
             self.outcome.interrupted = True
@@ -178,17 +199,24 @@ class Collector:
                     if self.any_dead():
                         self.outcome.died = True
                         break
+                if self._latch.cancelled:
+                    self.outcome.cancelled = self._latch.cancelled
+                    break
                 second = self._latch.take()
             except KeyboardInterrupt:
                 second = True
+            except Exception as exc:  # as in wait(): stop showing, keep giving the ranks back
+                self.outcome.error = self.outcome.error or exc
+                self._muted, second = True, False
             if second:  # a second interrupt while the first takes effect
                 self._muted = True
                 if deferred:
                     break
         still = self._pending()
-        if still and not self.outcome.stacks:
+        ending = self.outcome.died or self.outcome.cancelled  # the ranks go anyway: nothing to release
+        if still and not self.outcome.stacks and not ending:
             self.outcome.stacks = _stack_texts(self.transport.ask("stacks", still, ASK_TIMEOUT_S))
-        self.outcome.unreleased = [] if self.outcome.died else still
+        self.outcome.unreleased = [] if ending else still
         return self._finish(where_for=pending)
 
     def _finish(self, where_for: list[int] | None = None) -> Outcome:
@@ -278,9 +306,16 @@ class Collector:
         if self._muted:
             return
         quiet = self.folder is None  # pool.run(..., quiet=True): no output, so no widget and no text line
-        for handler in self.event_handlers:
-            if not (quiet and getattr(handler, "shows_output", False)):
+        for handler in list(self.event_handlers):
+            if quiet and getattr(handler, "shows_output", False):
+                continue
+            try:
                 handler(rank, kind, payload)
+            except Exception:  # a drawing that fails must not end a training the ranks go on with
+                if id(handler) not in self._failed_handlers:
+                    self._failed_handlers.add(id(handler))
+                    log.exception("the event handler %r raised on a %r event of rank %s; the request goes on "
+                                  "(its later errors in this request are not logged)", handler, kind, rank)
         if kind == "progress" and not self.event_handlers and not quiet:
             self.progress = self.progress or ProgressLine()
             self.progress.update(payload)

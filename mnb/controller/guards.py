@@ -1,17 +1,15 @@
-"""How a request stays whole: one at a time, and stopped by an interrupt only where that is safe.
+"""How a request stays whole: stopped by an interrupt (or a stop) only where that is safe.
 
-Both guards live on the notebook side and never touch a rank.
+The interrupt latch and the section that holds interrupts live on the notebook side and
+never touch a rank; the request gate that uses them (one request at a time) is ``gate.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import signal
 import threading
-from typing import Any, Callable, Iterator
-
-from mnb.errors import PoolError, interrupted
+from typing import Any, Iterator
 
 
 class InterruptLatch:
@@ -28,6 +26,8 @@ class InterruptLatch:
     def __init__(self) -> None:
         self.count = 0
         self.taken = 0
+        self.cancelled: str | None = None
+        """Why another thread ended this request (``Pool.stop``/``restart``): the waits end at once."""
         self._previous: Any = None
         self._installed = False
 
@@ -45,6 +45,10 @@ class InterruptLatch:
 
     def _arrived(self, signum: int, frame: Any) -> None:
         self.count += 1
+
+    def cancel(self, reason: str) -> None:
+        """End the request's waits from another thread; ``reason`` is the error its caller gets."""
+        self.cancelled = reason
 
     def take(self) -> bool:
         """Whether an interrupt arrived since the last ``take`` (and mark it handled)."""
@@ -78,44 +82,4 @@ def interrupts_held() -> Iterator[None]:
 
 
 NO_LATCH = InterruptLatch()
-"""For requests made outside :func:`exclusive` (a background restart): never interrupted."""
-
-
-def exclusive(method: Callable) -> Callable:
-    """One request at a time, and interrupts taken only where the request can stop cleanly.
-
-    Replies are read from one queue, so a second thread (the explorer's
-    background "Run on pool", a sweep) must not wait on it concurrently.  A
-    request from another thread while one runs is refused at once, never
-    queued behind a long training run.  ``status`` and ``stacks`` are not
-    exclusive.  The request runs under an :class:`InterruptLatch` (found by
-    ``self._latch()``); an interrupt nothing took while it ran (it arrived as
-    the ranks finished) is raised when it returns, so Run All still stops.
-    """
-
-    @functools.wraps(method)
-    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self._lock.acquire(blocking=False):
-            raise PoolError(
-                f"the pool is busy with a request from another thread ({self._lock_holder}); "
-                "wait for it to finish (a background 'Run on pool' or a sweep), then run this again"
-            )
-        previous, self._lock_holder = self._lock_holder, f"{method.__name__} in {threading.current_thread().name}"
-        thread = threading.get_ident()
-        outermost = thread not in self._latches
-        try:
-            if not outermost:  # a request made by a request (same thread): the outer latch holds
-                return method(self, *args, **kwargs)
-            with InterruptLatch() as latch:
-                self._latches[thread] = latch
-                result = method(self, *args, **kwargs)
-            if latch.take():
-                raise interrupted("interrupted as the ranks finished the request; nothing was stopped")
-            return result
-        finally:
-            if outermost:
-                self._latches.pop(thread, None)
-            self._lock_holder = previous
-            self._lock.release()
-
-    return guarded
+"""For waits outside a request (``status``, a start): never interrupted, never cancelled."""

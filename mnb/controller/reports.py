@@ -15,16 +15,25 @@ Labels = dict[int, str]
 """rank -> 'r1 tp0 pp0 dp1'"""
 
 
-def interrupt_line(outcome: Outcome, targets: list[int]) -> str:
-    """One line: which ranks stopped, and where (the training step, or the cell line)."""
-    replies = [outcome.replies[r] for r in targets if r in outcome.replies]
-    stopped = sorted(outcome.replies)
-    train = {m.get("evalue") for m in replies if str(m.get("evalue", "")).startswith("mnb.train stopped")}
+def interrupt_line(outcome: Outcome, targets: list[int], labels: Labels) -> str:
+    """One line: the ranks that could not be stopped (stuck in C code or a collective) first, with where
+    each was stuck; then which ranks stopped and where (the training step, or the cell line)."""
+    replies = {r: outcome.replies[r] for r in targets if r in outcome.replies}
+    stuck = [r for r in outcome.unreleased if r in targets]
+    parts = [f"rank {r} ({labels.get(r, f'r{r}')}) did not stop: stuck at {outcome.waiting.get(r) or '(no stack)'}"
+             for r in stuck]
+    train = {m.get("evalue") for m in replies.values() if str(m.get("evalue", "")).startswith("mnb.train stopped")}
+    finished = [r for r, m in replies.items() if m.get("ok")]
     if train:
-        text = f"rank(s) {stopped}: {sorted(train)[0]}"  # the same step on every rank
-    else:
-        places = {last_frame(m.get("traceback", "")) for m in replies} - {""}
-        text = f"interrupted rank(s) {stopped}" + (f" at {'; '.join(sorted(places))}" if places else "")
+        parts.append(f"rank(s) {sorted(replies)}: {sorted(train)[0]}")  # the same step on every rank
+    else:  # beside a stuck rank, only those the interrupt stopped count as interrupted
+        stopped = sorted(r for r in replies if r not in finished) if stuck else sorted(replies)
+        places = {last_frame(replies[r].get("traceback", "")) for r in stopped} - {""}
+        if stopped or not stuck:
+            parts.append(f"interrupted rank(s) {stopped}" + (f" at {'; '.join(sorted(places))}" if places else ""))
+        if finished and stuck:
+            parts.append(f"rank(s) {sorted(finished)} had finished")
+    text = "; ".join(parts)
     if outcome.dropped_lines:
         text += f" ({outcome.dropped_lines:,} line(s) of its output were dropped)"
     return text

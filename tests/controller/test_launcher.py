@@ -61,7 +61,7 @@ def _interleave(monkeypatch, pid: int, other) -> list[BaseException]:
     """Run ``other`` in a second thread, to its end, the first time the launcher walks rank ``pid``'s children.
 
     That is the moment a stop is inside its loop over the rank table: what the second thread does then
-    is what a background restart (Pool._relaunch_main) can do at the same point.
+    is what a background restart (Repair._relaunch) can do at the same point.
     """
     original = psutil.Process.children
     errors: list[BaseException] = []

@@ -1,0 +1,239 @@
+"""Self-repair: the pool's one owner of its generations, the relaunch thread and the broken state.
+
+Every way the pool's processes change goes through :class:`Repair`:
+
+- ``launch`` (``Pool.start``/``restart``): a new generation, in the caller's thread;
+- ``after(outcome)``, the one entry point after each request's outcome, and
+  ``replace(why)``: ranks died or cannot be released, so every process is
+  replaced in the background with the same size, device and layout (one line
+  says so; the layout it promises is the one the new ranks get, restored on the
+  new generation before the pool adopts it);
+- ``stop``: from then on nothing relaunches; a relaunch under way is cancelled
+  and joined (a late failure of a request that was running cannot start torchrun again);
+- ``adopt``: a built generation becomes the pool's in one assignment.
+
+The relaunch thread reads only the inbox of the generation it builds, never the
+pool's current one, so ``status`` during a restart cannot take its hellos; it
+answers from the restart's own progress (:meth:`Repair.rows`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from mnb.config import ParallelConfig
+from mnb.controller.collector import Collector, Outcome
+from mnb.controller.generation import Generation, RankInfo, launch
+from mnb.controller.guards import InterruptLatch
+from mnb.controller.launcher import LaunchSpec, Launcher
+from mnb.controller.output import coords_label
+from mnb.errors import PoolError, interrupted
+from mnb.protocol import Message
+from mnb.timeouts import DEFAULT_GRACE_S
+
+log = logging.getLogger(__name__)
+
+STOPPED = "the pool was stopped"
+
+
+class Repair:
+    """The pool's current generation and everything that replaces or ends it."""
+
+    def __init__(self, spec: LaunchSpec, *, bind_ip: str, start_timeout_s: float,
+                 make_launcher: Callable[[LaunchSpec], Launcher]):
+        self.spec = spec
+        self.bind_ip = bind_ip
+        self.start_timeout_s = start_timeout_s
+        self.make_launcher = make_launcher
+        self.generation: Generation | None = None
+        """The ranks requests go to (replaced in one assignment, never changed in size)."""
+        self.broken: str | None = None
+        """Why requests are refused until ``%mnb restart`` (a failed restart, a multi-host pool's death, a stop)."""
+        self.stopped = False
+        self.restarts = 0
+        """How many times the pool replaced its processes on its own."""
+        self._lock = threading.Lock()  # state changes only; never held over a wait
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._building: Launcher | None = None
+        self._restore_latch = InterruptLatch()
+        self._progress: dict[int, dict[str, Any]] | None = None  # replaced, never changed in place
+
+    # ------------------------------------------------------------ in the caller's thread
+    def launch(self) -> Generation:
+        """A new generation for ``Pool.start``/``restart`` (default layout), adopted before it returns."""
+        with self._lock:
+            self.stopped, self.broken = False, None
+            self._cancel.clear()
+        self.adopt(launch(self.spec, self.make_launcher, bind_ip=self.bind_ip, timeout_s=self.start_timeout_s,
+                          cancelled=self._cancel))
+        return self.generation
+
+    def adopt(self, generation: Generation) -> None:
+        """Make ``generation`` the pool's (a stopped pool closes it instead and raises)."""
+        with self._lock:
+            refused = self.stopped or self._cancel.is_set()
+            if not refused:
+                self.generation, self.broken, self._progress = generation, None, None
+        if refused:
+            generation.close(grace_s=0)
+            raise PoolError(f"{STOPPED}; the new ranks were ended")
+
+    def after(self, outcome: Outcome, layout: ParallelConfig, died: list[int] | None = None) -> str:
+        """The one entry point after each outcome: what is repaired, as the line that says so ("" for nothing)."""
+        if outcome.cancelled:
+            return ""
+        if outcome.died:
+            return self.replace(f"rank(s) {died if died is not None else []} died", layout)
+        if outcome.unreleased:
+            return self.replace(f"rank(s) {outcome.unreleased} could not be released", layout)
+        return ""
+
+    def replace(self, why: str, layout: ParallelConfig) -> str:
+        """Replace every process (same size, device and ``layout``) without blocking the cell; one line says so."""
+        with self._lock:
+            old = self.generation
+            if self.stopped:
+                return f"{why}; {STOPPED}, so nothing was restarted"
+            if self._thread is not None and self._thread.is_alive():
+                return f"{why}; mnb is already restarting the ranks"
+            several_hosts = self.spec.nnodes > 1
+            if several_hosts:
+                self.broken = why
+            else:
+                self.restarts += 1
+                self._restore_latch = InterruptLatch()
+                self._progress = {r: {"stage": "stopping the old ranks"} for r in range(self.spec.world_size)}
+                self._thread = threading.Thread(target=self._relaunch, args=(old, layout), name="mnb-restart",
+                                                daemon=True)
+                self._thread.start()
+        if several_hosts:
+            if old is not None:
+                old.close(grace_s=0)
+            if self.spec.slurm is not None:
+                return (f"{why}; the pool's Slurm job spans {self.spec.nnodes} nodes and was cancelled: "
+                        "run %mnb restart to submit a new one")
+            return (f"{why}; the pool spans {self.spec.nnodes} hosts, so mnb cannot restart it on its own: "
+                    "run %mnb restart, then the join command on the other hosts")
+        return (f"mnb is restarting all {self.spec.world_size} ranks ({why}); names defined in earlier cells are "
+                f"gone, the layout {layout.describe()} stays, and the next cell waits for the new ranks.")
+
+    def wait(self, latch: InterruptLatch) -> None:
+        """Wait for a restart under way (the next request's); raise what keeps requests from running."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            print("mnb: waiting for the restarted ranks...", flush=True)
+            try:
+                while thread.is_alive():
+                    thread.join(0.1)
+                    if latch.cancelled:
+                        raise PoolError(latch.cancelled)
+                    if latch.take():
+                        raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise interrupted("stopped waiting for the restarting ranks; they go on starting "
+                                  "in the background") from None
+        if self.generation is None and self.broken is None:
+            raise PoolError("the pool is not running; start it with %mnb start (or %mnb restart)")
+        if self.broken:
+            raise PoolError(f"{self.broken}; run %mnb restart to bring the pool back")
+
+    def stop(self) -> None:
+        """Nothing relaunches from now on; a relaunch under way is cancelled and waited for."""
+        with self._lock:
+            self.stopped = True
+            self.broken = self.broken or STOPPED
+            self._cancel.set()
+            thread, building = self._thread, self._building
+        self._restore_latch.cancel(STOPPED)
+        if building is not None:
+            building.stop(grace_s=0)  # its hello wait sees torchrun exit and returns
+        if thread is not None:
+            thread.join()  # bounded: every wait in it watches the cancel
+
+    # ------------------------------------------------------------ what status shows
+    @property
+    def restarting(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def rows(self, layout: ParallelConfig) -> list[dict[str, Any]] | None:
+        """``status`` rows from a restart's own progress (None when no restart is under way)."""
+        progress = self._progress
+        if progress is None:
+            return None
+        shape = layout.as_dict()
+        return [{
+            "rank": rank, "pid": row.get("pid"), "host": row.get("host", ""), "state": f"restarting: {row['stage']}",
+            "device": row.get("device", self.spec.device), "memory_bytes": None, "layout": layout.describe(),
+            "coords": coords_label(rank, layout.coordinates(rank), shape),
+            "torch": row.get("torch", ""), "megatron": row.get("megatron", ""),
+        } for rank, row in sorted(progress.items())]
+
+    def _stage(self, stage: str, rank: int | None = None, **fields: Any) -> None:
+        progress = self._progress or {}
+        ranks = [rank] if rank is not None else list(progress)
+        self._progress = {**progress, **{r: {**progress.get(r, {}), **fields, "stage": stage} for r in ranks}}
+
+    def _on_hello(self, info: RankInfo) -> None:
+        self._stage("ready", info.rank, pid=info.pid, host=info.host, device=info.device,
+                    torch=info.torch_version, megatron=info.megatron_version)
+
+    def _on_launched(self, launcher: Launcher) -> None:
+        with self._lock:
+            self._building = launcher
+        if self._cancel.is_set():
+            launcher.stop(grace_s=0)
+        self._stage("launched")
+
+    # ------------------------------------------------------------ the relaunch thread
+    def _relaunch(self, old: Generation | None, layout: ParallelConfig) -> None:
+        try:
+            if old is not None:
+                old.close(grace_s=0)  # stuck or dead ranks: nothing to wait for
+            if self._cancel.is_set():
+                return
+            generation = launch(self.spec, self.make_launcher, bind_ip=self.bind_ip,
+                                timeout_s=self.start_timeout_s, cancelled=self._cancel,
+                                on_launched=self._on_launched, on_hello=self._on_hello)
+            try:
+                if layout != ParallelConfig().resolve(self.spec.world_size):
+                    self._stage(f"restoring {layout.describe()}")
+                    self._restore_layout(generation, layout)
+                self.adopt(generation)
+            except BaseException:
+                generation.close(grace_s=0)
+                raise
+        except BaseException as exc:  # reported to the next request, which cannot run without ranks
+            if self._cancel.is_set():  # Pool.stop()/restart() cancelled it: nothing failed
+                log.debug("automatic restart cancelled: %s: %s", type(exc).__name__, exc)
+                return
+            with self._lock:
+                self.broken = f"the automatic restart failed ({type(exc).__name__}: {exc})"
+            log.warning("%s", self.broken)
+        finally:
+            with self._lock:
+                self._building, self._progress = None, None
+
+    def _restore_layout(self, generation: Generation, layout: ParallelConfig) -> None:
+        """Put the new ranks in the layout the pool promised, through the generation's own inbox."""
+        message = Message("execute", header={"code": "None", "layout": layout.as_dict(), "want_value": False})
+        targets = sorted(generation.ranks)
+        collector = Collector(
+            generation.transport, message.id, targets,
+            {r: generation.ranks[r].label(layout.as_dict()) for r in targets},
+            timeout_s=self.start_timeout_s, grace_s=DEFAULT_GRACE_S, stream=False, any_dead=generation.any_dead,
+            event_handlers=[], on_stray=lambda message: None,
+        )
+        for rank in targets:
+            generation.transport.send(rank, message)
+        outcome = collector.wait(self._restore_latch)
+        for rank, reply in outcome.replies.items():
+            generation.ranks[rank].coords = reply.get("coords") or generation.ranks[rank].coords
+        failed = [m for m in outcome.replies.values() if not m.get("ok")]
+        if failed or outcome.waiting or outcome.died or outcome.cancelled or len(outcome.replies) < len(targets):
+            raise PoolError(f"restoring the layout {layout.describe()} failed: "
+                            + ("; ".join(f"{m.get('ename')}: {m.get('evalue')}" for m in failed)
+                               or outcome.cancelled or "the new ranks did not answer"))

@@ -1,0 +1,336 @@
+"""The request path: one request from its targets to the one error the notebook sees.
+
+``run``, ``run_script``, ``push`` and ``pull`` (the request API of
+:class:`~mnb.controller.pool.Pool`, which inherits them) each pass the gate
+(``exclusive``), wait for a restart under way (the repair part), mark their
+ranks busy, send, let the :class:`~mnb.controller.collector.Collector` wait,
+take in the replies (values, layout, run records for ``mnb.last_run``) and turn
+the outcome into an error after the repair part acted on it (``Repair.after``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from mnb.config import ParallelConfig
+from mnb.controller import reports
+from mnb.controller.collector import Collector, Outcome
+from mnb.controller.gate import RequestGate, exclusive
+from mnb.controller.generation import RankInfo
+from mnb.controller.registry import set_last_run
+from mnb.controller.repair import Repair
+from mnb.controller.transport import Transport
+from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
+                        interrupted)
+from mnb.protocol import Message
+from mnb.timeouts import DEATH_REPORT_WAIT_S, REMOTE_RANK_SILENCE_S, VALUES_TIMEOUT_S
+from mnb.values import ValueDecodeError, decode_values, encode_push
+
+log = logging.getLogger(__name__)
+
+
+class Requests:
+    """The request API; the pool (lifecycle, state, status) is :class:`mnb.controller.pool.Pool`."""
+
+    layout: ParallelConfig
+    grace_s: float
+    cell_timeout_s: float | None
+    start_timeout_s: float
+    event_handlers: list[Callable[[int, str, dict], None]]
+    last_cell_records: list[dict[str, Any]]
+    ranks: dict[int, RankInfo]
+    world_size: int
+    _gate: RequestGate
+    _repair: Repair
+    _transport: Transport | None
+    _stray_lines: int
+
+    @exclusive
+    def run(
+        self,
+        code: str,
+        ranks: Iterable[int] | None = None,
+        timeout: float | None = None,
+        *,
+        layout: ParallelConfig | None = None,
+        display_ranks: Iterable[int] = (0,),
+        show_result: bool = False,
+        quiet: bool = False,
+        grace: float | None = None,
+    ) -> dict[int, Any]:
+        """Run ``code`` on ``ranks`` (all by default); return {rank: value of the last expression}.
+
+        Output streams live, labelled by rank.  An exception on any rank raises
+        one :class:`CompositeRankError`, the first failure first; ranks still
+        running ``grace`` seconds (default: the pool's) after a failure are
+        stopped and reported with where they waited.  Past ``timeout`` seconds a
+        :class:`CellTimeoutError` carries each stuck rank's stack.  Figures and
+        ``display()`` calls of ``display_ranks`` appear inline; with
+        ``show_result`` (as ``%%megatron`` does) so does the last expression.
+        """
+        targets = self._targets(ranks)
+        header: dict[str, Any] = {
+            "code": code, "display_ranks": list(display_ranks), "want_value": True, "show_result": show_result,
+        }
+        if layout is not None:
+            try:
+                resolved = layout.resolve(self.world_size)
+            except ValueError as exc:
+                raise RequestRefused(str(exc)) from None
+            if resolved != self.layout:
+                if len(targets) != self.world_size:
+                    raise RequestRefused(
+                        f"changing the layout ({self.layout.describe()} -> {resolved.describe()}) "
+                        f"needs every rank, but the cell runs on {len(targets)} of {self.world_size}; "
+                        "drop --ranks or change the layout in a cell of its own"
+                    )
+                header["layout"] = resolved.as_dict()
+                for rank in targets:  # label this cell's output with the coordinates it will have
+                    self.ranks[rank].coords = resolved.coordinates(rank)
+                self.layout = resolved
+        outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
+        errors, values = self._absorb(outcome)
+        self._raise_for(outcome, targets, errors)
+        return values
+
+    @exclusive
+    def run_script(
+        self,
+        path: str | os.PathLike,
+        args: Iterable[str] = (),
+        ranks: Iterable[int] | None = None,
+        timeout: float | None = None,
+        *,
+        display_ranks: Iterable[int] = (0,),
+        quiet: bool = False,
+        grace: float | None = None,
+    ) -> None:
+        """Run a script written for torchrun on the ranks, unmodified (what ``%mnb run`` does)::
+
+            pool.run_script("train.py", ["--lr", "3e-4"])    # as torchrun --nproc-per-node N train.py --lr 3e-4
+
+        The ranks give it ``__name__ == "__main__"``, ``sys.argv``, torchrun's environment, and
+        adopt its ``init_process_group``, ``set_device`` and Megatron parallel-state calls
+        (``mnb.worker.script``, ``mnb.megatron.adopt``); its globals stay for later cells and the
+        pool's layout is restored after it.  Output, errors, timeouts and interrupts are a cell's.
+        """
+        script = Path(path).expanduser()
+        if not script.is_file():
+            raise FileNotFoundError(f"no script {str(script)!r} (relative paths start in {os.getcwd()})")
+        targets = self._targets(ranks)
+        header: dict[str, Any] = {
+            "code": "", "script": {"path": str(script.resolve()), "args": [str(a) for a in args]},
+            "ranks": targets, "display_ranks": list(display_ranks), "want_value": False, "show_result": False,
+        }
+        outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
+        for rank, reply in outcome.replies.items():  # label by the pool's coordinates, not the script's
+            reply.header["coords"] = self.ranks[rank].coords
+        errors, _ = self._absorb(outcome)
+        records = self.last_cell_records
+        if not (outcome.died or outcome.unreleased or outcome.waiting):
+            # Every rank is idle: rebuild the pool's layout (collectives) in a request of its own.
+            after = self._exchange("execute", targets, {"code": "None", "after_script": True, "want_value": False},
+                                   timeout=self.start_timeout_s, stream=False)
+            errors += self._absorb(after)[0]
+            self.last_cell_records = records
+            if after.died or after.unreleased or after.waiting or after.timed_out:
+                outcome = after
+        self._raise_for(outcome, targets, errors)
+
+    def _absorb(self, outcome: Outcome) -> tuple[list[RankError], dict[int, Any]]:
+        """Coordinates, layout, run records and values of an execute's replies (in arrival order)."""
+        errors: list[RankError] = []
+        values: dict[int, Any] = {}
+        records: list[dict[str, Any]] = []
+        last_records: list[dict[str, Any]] = []  # each rank's last training of the cell: mnb.last_run
+        for rank, reply in outcome.replies.items():
+            info = self.ranks[rank]
+            info.coords = reply.get("coords") or info.coords
+            if reply.get("layout"):
+                self.layout = ParallelConfig(**reply["layout"])
+            payload = reply.payload or {}
+            records.extend(payload.get("records") or [])
+            last_records.extend((payload.get("records") or [])[-1:])
+            if reply.get("payload_error") and reply.get("ok"):
+                errors.append(RankError(
+                    rank=rank, ename="UnpicklingError", label=info.label(self.layout.as_dict()),
+                    evalue=f"the notebook kernel could not rebuild this rank's result: {reply['payload_error']}",
+                ))
+            elif reply.get("ok"):
+                values[rank] = payload.get("value")
+            elif reply.get("ename") != "KeyboardInterrupt" or not (outcome.interrupted or rank in outcome.waiting):
+                errors.append(self._rank_error(rank, reply))  # not the interrupt mnb itself sent
+        self.last_cell_records = records
+        if last_records:  # a cell that trained twice: the second training, not a mix of both
+            set_last_run(sorted(last_records, key=lambda r: r.get("rank", 0)))
+        return errors, dict(sorted(values.items()))
+
+    @exclusive
+    def push(self, namespace: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
+        """Bind names on the ranks: ``pool.push({"lr": 1e-3})``.
+
+        Each name is pickled here first: what the ranks could not rebuild (a lambda,
+        a function or class of the notebook, an open file, a lock) raises TypeError
+        naming it before any rank is touched.
+        """
+        encoded = encode_push(namespace)  # raises before any rank is touched
+        self._raise_errors(self._request("push", self._targets(ranks), {"encoded": True}, payload=encoded,
+                                         timeout=VALUES_TIMEOUT_S))
+
+    @exclusive
+    def pull(self, name: str | list[str], ranks: Iterable[int] | None = None) -> dict[int, Any]:
+        """Read a name (or names) from the ranks: ``{rank: value}`` (tensors arrive as numpy).
+
+        Values the kernel cannot rebuild without torch (torch functions, models,
+        objects of cell-defined classes) arrive as ``mnb.values.Unportable`` notes
+        showing their repr and why; a value that still fails to decode raises one
+        CompositeRankError naming the name(s) and rank(s), and the ranks stay idle.
+        """
+        names = [name] if isinstance(name, str) else list(name)
+        replies = self._request("pull", self._targets(ranks), {"names": names}, timeout=VALUES_TIMEOUT_S)
+        self._raise_errors(replies)
+        pulled: dict[int, dict[str, Any]] = {}
+        errors, failed = [], []
+        for rank, reply in sorted(replies.items()):
+            try:
+                pulled[rank] = decode_values(reply.payload or {})
+            except ValueDecodeError as exc:
+                failed += [n for n in exc.problems if n not in failed]
+                errors.append(RankError(rank=rank, ename="ValueDecodeError", evalue=str(exc),
+                                        label=self.ranks[rank].label(self.layout.as_dict())))
+        if errors:
+            raise CompositeRankError(
+                errors, cell_ranks=sorted(replies),
+                headline=(f"pull: the notebook kernel cannot rebuild {', '.join(map(repr, failed))} from "
+                          f"rank(s) {[e.rank for e in errors]}; the values stay on the ranks (pull plain data "
+                          "instead, e.g. x.tolist() or str(x) computed in a %%megatron cell)"),
+            )
+        if isinstance(name, str):
+            return {rank: values[name] for rank, values in pulled.items()}
+        return pulled
+
+    # ------------------------------------------------------------ internals
+    def _targets(self, ranks: Iterable[int] | None) -> list[int]:
+        self._repair.wait(self._gate.latch())
+        targets = sorted(self.ranks) if ranks is None else sorted(set(ranks))
+        bad = [r for r in targets if r not in self.ranks]
+        if bad or not targets:
+            raise RequestRefused(
+                f"rank(s) {bad or '(none)'} not in this pool of world size {self.world_size} "
+                f"(valid: 0-{self.world_size - 1})"
+            )
+        self._drain()
+        busy = [r for r in targets if self.ranks[r].state == "busy"]
+        if busy:  # a request that was never answered: replace the ranks rather than refuse forever
+            raise PoolError(self._repair.replace(f"rank(s) {busy} never answered an earlier request", self.layout))
+        return targets
+
+    def _drain(self) -> None:
+        """Handle messages that arrived between requests (late output of ended cells is dropped).
+
+        Only a request (which holds the gate) drains: the inbox is the request's alone.
+        """
+        transport = self._transport
+        if transport is None:
+            return
+        while True:
+            try:
+                message = transport.inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._handle_stray(message)
+        if self._stray_lines:
+            log.info("dropped %d late output line(s) of earlier cells", self._stray_lines)
+            self._stray_lines = 0
+
+    def _handle_stray(self, message: Message) -> None:
+        """A message of a request that already ended: never replayed into the current cell."""
+        info = self.ranks.get(message.get("rank"))
+        if info is None:
+            return
+        if message.type == "reply" and info.state == "busy" and message.id == info.request_id:
+            info.state, info.request_id = "idle", None
+        elif message.type == "stream":
+            self._stray_lines += message["text"].count("\n") or 1
+
+    def _exchange(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
+                  timeout: float | None = None, stream: bool = True, grace: float | None = None) -> Outcome:
+        """Send one request to ``targets`` and wait for its outcome (no error raised here).
+
+        The ranks that replied are idle again whatever ended the wait; the others stay
+        busy (still running it: the next request replaces them rather than queue behind).
+        """
+        message = Message(kind, header=header, payload=payload)
+        generation = self._repair.generation
+        layout = self.layout.as_dict()
+        collector = Collector(
+            generation.transport, message.id, targets, {r: generation.ranks[r].label(layout) for r in targets},
+            timeout_s=timeout if timeout is not None else self.cell_timeout_s,
+            grace_s=self.grace_s if grace is None else grace, stream=stream, any_dead=generation.any_dead,
+            event_handlers=self.event_handlers, on_stray=self._handle_stray,
+        )
+        for rank in targets:
+            generation.ranks[rank].state, generation.ranks[rank].request_id = "busy", message.id
+            generation.transport.send(rank, message)
+        try:
+            return collector.wait(self._gate.latch())
+        finally:
+            for rank in collector.outcome.replies:
+                generation.ranks[rank].state, generation.ranks[rank].request_id = "idle", None
+
+    def _request(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
+                 timeout: float | None = None, stream: bool = True) -> dict[int, Message]:
+        """A request whose error replies the caller handles; deaths, hangs and interrupts raise here."""
+        outcome = self._exchange(kind, targets, header, payload=payload, timeout=timeout, stream=stream)
+        self._raise_for(outcome, targets, [])
+        return dict(sorted(outcome.replies.items()))
+
+    def _raise_for(self, outcome: Outcome, targets: list[int], errors: list[RankError]) -> None:
+        """Turn an outcome into the one error the notebook shows, after the repair part acted on it."""
+        if outcome.cancelled:
+            raise PoolError(outcome.cancelled)
+        if outcome.died:
+            raise self._died_error(outcome)
+        note = self._repair.after(outcome, self.layout)
+        if outcome.error is not None:
+            raise outcome.error
+        if outcome.interrupted:
+            raise interrupted(reports.interrupt_line(outcome, targets, self._labels()) + (f"\n{note}" if note else ""))
+        if outcome.timed_out:
+            raise CellTimeoutError(reports.timeout_text(outcome, targets, self._labels(), note), outcome.stacks)
+        if errors or outcome.waiting:
+            raise reports.failure_error(errors, outcome, targets, self._labels(), note)
+
+    def _labels(self) -> dict[int, str]:
+        layout = self.layout.as_dict()
+        return {rank: info.label(layout) for rank, info in self.ranks.items()}
+
+    def _rank_error(self, rank: int, reply: Message) -> RankError:
+        return RankError(rank=rank, ename=reply.get("ename", "Error"), evalue=reply.get("evalue", ""),
+                         traceback=reply.get("traceback", ""), label=self.ranks[rank].label(self.layout.as_dict()))
+
+    def _died_error(self, outcome: Outcome) -> RankDiedError:
+        """Say how each rank ended (the first failure first), then let the repair part replace the processes."""
+        generation = self._repair.generation
+        deaths = generation.launcher.deaths(DEATH_REPORT_WAIT_S)
+        now, beats = time.monotonic(), generation.transport.last_heartbeat
+        for rank, info in generation.ranks.items():
+            if not info.local and now - beats.get(rank, now) > REMOTE_RANK_SILENCE_S:
+                deaths.setdefault(rank, f"no heartbeat for {REMOTE_RANK_SILENCE_S:.0f} s (host {info.host})")
+        deaths = deaths or {r: "stopped with torchrun" for r in generation.ranks}
+        lines, first = reports.death_lines(deaths, self._labels())
+        lines.append(self._repair.after(outcome, self.layout, died=first))
+        if self.spec.nnodes > 1:
+            lines.append(f"torchrun log: {self.spec.log_file}")
+        return RankDiedError("\n".join(lines), deaths)
+
+    def _raise_errors(self, replies: dict[int, Message]) -> None:
+        errors = [self._rank_error(r, m) for r, m in sorted(replies.items()) if not m.get("ok")]
+        if errors:
+            raise CompositeRankError(errors, cell_ranks=sorted(replies))
+

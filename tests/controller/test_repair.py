@@ -1,0 +1,164 @@
+"""One owner for self-repair: status, stop and the restart thread never race (real CPU ranks, gloo).
+
+Interleavings are made exact with events (a rank's event, a wrapped method of the
+real pool that starts the other thread at the point under test), never with sleeps.
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import threading
+
+import psutil
+import pytest
+
+from mnb.config import ParallelConfig
+from mnb.controller.launcher import Launcher
+from mnb.controller.registry import set_current_pool
+from mnb.controller.repair import Repair
+from mnb.errors import PoolError, RankDiedError
+from tests.conftest import alive_pids
+
+pytestmark = pytest.mark.slow
+
+EMIT = "from mnb.megatron import events\n"
+
+
+def _agents() -> list[psutil.Process]:
+    """torchrun agents this test process started (a relaunch would start one)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "mnb.worker.agent" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def test_status_during_an_automatic_restart_answers_from_the_restarts_progress(cpu_pool):
+    restarts = cpu_pool.restarts
+    with pytest.raises(RankDiedError, match="restarting all 2 ranks"):
+        cpu_pool.run("import os\nif rank == 1:\n    os._exit(3)\ndist.barrier()", quiet=True)
+    seen: list[list[dict]] = []
+    restart = cpu_pool._repair._thread
+    while cpu_pool.restarting:  # the restart's hellos must not be taken by status (they were: 180 s, failed)
+        seen.append(cpu_pool.status())
+        restart.join(0.05)  # ask again when it ended or 50 ms later
+    assert seen, "the restart ended before status was asked"
+    assert all([row["rank"] for row in rows] == [0, 1] for rows in seen), seen  # rows, never an empty table
+    states = {row["state"] for rows in seen for row in rows}
+    assert all(state.startswith("restarting: ") or state == "idle" for state in states), states
+    assert "restarting: launched" in states, states  # before any hello: a row per rank all the same
+    assert cpu_pool.run("rank", quiet=True) == {0: 0, 1: 1}  # the restart finished and nothing waits on it
+    assert cpu_pool.restarts == restarts + 1
+    assert [row["state"] for row in cpu_pool.status()] == ["idle", "idle"]
+
+
+def test_an_event_handler_that_raises_is_logged_once_and_the_request_completes(cpu_pool, caplog):
+    def broken(rank: int, kind: str, payload: dict) -> None:
+        raise RuntimeError("the widget could not draw")
+
+    cpu_pool.event_handlers.append(broken)
+    pids, restarts = cpu_pool.pids(), cpu_pool.restarts
+    with caplog.at_level(logging.ERROR, logger="mnb.controller.collector"):
+        values = cpu_pool.run(EMIT + "for i in range(3):\n    events.emit('test-tick', {'i': i})\nrank + 5",
+                              quiet=True)
+    assert values == {0: 5, 1: 6}
+    logged = [r for r in caplog.records if "raised" in r.getMessage()]
+    assert len(logged) == 1 and "the widget could not draw" in logged[0].exc_text, caplog.records
+    assert [row["state"] for row in cpu_pool.status()] == ["idle", "idle"]
+    assert cpu_pool.run("rank", quiet=True) == {0: 0, 1: 1}  # no restart: the ranks were given back
+    assert cpu_pool.pids() == pids and cpu_pool.restarts == restarts
+
+
+def test_an_interrupted_stuck_barrier_under_pp2_keeps_the_layout_and_names_the_stuck_rank(cpu_pool, capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    set_current_pool(cpu_pool)
+
+    def interrupt_once_rank_0_waits(rank: int, kind: str, payload: dict) -> None:
+        if kind != "test-stuck":
+            return
+        for _ in range(1000):  # rank 0 emitted this just before its barrier: interrupt once it is in it
+            if "barrier" in cpu_pool.stacks([0]).get(0, ""):
+                break
+        _thread.interrupt_main()  # Kernel -> Interrupt; the request's latch takes it
+
+    cpu_pool.event_handlers.append(interrupt_once_rank_0_waits)
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            shell.run_cell_magic("megatron", "--pp 2",
+                                 EMIT + "if rank == 0:\n    events.emit('test-stuck', {})\n    dist.barrier()")
+    finally:
+        cpu_pool.event_handlers.remove(interrupt_once_rank_0_waits)
+    message = str(info.value)
+    assert "rank 0 (r0 tp0 pp0 dp0) did not stop: stuck at cell line 4 `dist.barrier()`" in message, message
+    assert "rank(s) [1] had finished" in message and "interrupted rank(s) [1]" not in message
+    assert "the layout tp1 pp2 dp1 stays" in message
+    assert cpu_pool.layout.describe() == "tp1 pp2 dp1"  # also while the restart runs: what %%megatron reads
+    capsys.readouterr()
+    shell.run_cell_magic("megatron", "", "print('pp', ps.get_pipeline_model_parallel_world_size(), "
+                                         "ps.get_pipeline_model_parallel_rank())")
+    out = capsys.readouterr().out
+    assert "pp 2 0" in out and "pp 2 1" in out, out  # the restarted ranks are at tp1 pp2
+    assert cpu_pool.layout == ParallelConfig(pp=2).resolve(2)
+
+
+def test_a_stopped_pool_is_not_relaunched_by_a_late_failure(cpu_pool, monkeypatch):
+    """The death of a rank is being reported when another thread stops the pool: no torchrun again."""
+    stopped, stopper, restarts = threading.Event(), [], cpu_pool.restarts
+    stop, deaths = Repair.stop, Launcher.deaths
+
+    def stop_then_tell(self: Repair) -> None:
+        stop(self)
+        stopped.set()
+
+    def stop_from_another_thread_first(self: Launcher, *args, **kwargs):
+        stopper.append(threading.Thread(target=cpu_pool.stop, name="stopper"))
+        stopper[0].start()
+        assert stopped.wait(60), "the stop never began"
+        return deaths(self, *args, **kwargs)
+
+    monkeypatch.setattr(Repair, "stop", stop_then_tell)
+    monkeypatch.setattr(Launcher, "deaths", stop_from_another_thread_first)
+    pids = cpu_pool.descendants()
+    with pytest.raises(RankDiedError) as info:
+        cpu_pool.run("import os\nif rank == 1:\n    os._exit(3)\ndist.barrier()", quiet=True)
+    stopper[0].join()
+    assert "the pool was stopped, so nothing was restarted" in str(info.value)
+    assert cpu_pool.restarts == restarts and not cpu_pool.restarting
+    assert _agents() == [] and alive_pids(pids) == []
+    with pytest.raises(PoolError, match="the pool was stopped; run %mnb restart"):
+        cpu_pool.run("rank")
+
+
+def test_stop_during_a_background_training_cancels_it_and_leaves_no_process(cpu_pool):
+    training, errors = threading.Event(), []
+
+    def on_event(rank: int, kind: str, payload: dict) -> None:
+        if kind == "progress":
+            training.set()
+
+    def train() -> None:
+        try:
+            cpu_pool.run("mnb.train(mnb.gpt('tiny'), steps=100000, micro_batch_size=2, global_batch_size=4)",
+                         quiet=True)
+        except BaseException as exc:  # noqa: BLE001 - what the thread's call ended with is the point
+            errors.append(exc)
+
+    cpu_pool.event_handlers.append(on_event)
+    worker = threading.Thread(target=train, name="bg-train")
+    worker.start()
+    assert training.wait(180), "the background training never reported a step"
+    pids = cpu_pool.descendants()
+    cpu_pool.stop()
+    assert not worker.is_alive()  # stop waited for the request it cancelled
+    worker.join()
+    assert len(errors) == 1 and isinstance(errors[0], PoolError), errors
+    assert "the pool was stopped (Pool.stop, %mnb stop) while this request ran" in str(errors[0])
+    assert alive_pids(pids) == [] and _agents() == []
+    assert not cpu_pool.running and not cpu_pool.restarting
