@@ -41,13 +41,6 @@ from mnb.units import GIB, format_bytes
 MEASURED_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "peak")
 
 
-def _model_from_dict(data: dict[str, Any]) -> ModelConfig:
-    known = {f.name for f in fields(ModelConfig)}
-    base = ModelConfig(**{k: v for k, v in data.items() if k in known})
-    unknown = {k: v for k, v in data.items() if k not in known}
-    return base.with_overrides(**unknown) if unknown else base
-
-
 def _filtered(cls, data: dict[str, Any]):
     known = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in known})
@@ -108,7 +101,7 @@ class Run:
 
     @cached_property
     def model(self) -> ModelConfig:
-        return _model_from_dict(dict(self._first.get("model") or {}))
+        return ModelConfig.from_dict(dict(self._first.get("model") or {}))
 
     @cached_property
     def train(self) -> TrainConfig:

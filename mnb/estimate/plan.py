@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, divisors
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
 from mnb.units import GIB
 
 from . import hardware
@@ -157,7 +157,7 @@ def plan(
                 if gpus % (tp * pp * cp):
                     continue
                 dp = gpus // (tp * pp * cp)
-                if gbs % (mbs * dp):
+                if batch_problem(gbs, mbs, dp):
                     continue
                 m = gbs // (mbs * dp)
                 for vpp in vpp_choices:

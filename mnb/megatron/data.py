@@ -16,8 +16,8 @@ The training loop calls one function::
 
 Text is tokenized with :class:`~mnb.megatron.tokenizer.ByteTokenizer` (one document
 per file, large files cut at blank lines; each document ends with the eod id 256)
-into ``$MNB_CACHE/corpora/<name>-<content hash>.{bin,idx}`` (default cache
-``~/.cache/mnb``). A second call with the same content finds the finished files and
+into ``<cache>/corpora/<name>-<content hash>.{bin,idx}`` (``<cache>``: :func:`mnb.config.cache_dir`,
+``$MNB_CACHE`` else ``~/.cache/mnb``). A second call with the same content finds the finished files and
 returns at once.
 
 Several ranks at once. ``.bin/.idx`` files are built under an exclusive file lock
@@ -49,6 +49,7 @@ from typing import Callable, Iterator, Sequence, Union
 import numpy as np
 
 from mnb.config import ModelConfig
+from mnb.config import cache_dir as config_cache_dir
 from mnb.megatron.tokenizer import ByteTokenizer, MockTokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ DataSpec = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 
 def cache_dir() -> Path:
-    """``$MNB_CACHE`` or ``~/.cache/mnb``."""
-    return Path(os.environ.get("MNB_CACHE") or Path.home() / ".cache" / "mnb").expanduser()
+    """mnb's cache folder (:func:`mnb.config.cache_dir`: ``$MNB_CACHE``, else ``$XDG_CACHE_HOME/mnb``, else ``~/.cache/mnb``)."""
+    return config_cache_dir()
 
 
 def stdlib_files(max_bytes: int) -> list[Path]:

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import mnb.estimate as est
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors, load_preset, model_config, preset_names
+from mnb.config import (ModelConfig, ParallelConfig, TrainConfig, batch_problem, divisors, load_preset, model_config,
+                        preset_names)
 from mnb.estimate import hardware
 
 AXES = ("tp", "pp", "vpp", "cp", "ep")
@@ -279,9 +280,8 @@ def refusal(settings: Settings, name: str, value: Any) -> str:
         return axis_refusal(name, value, model, trial.layout_sizes(), trial.gpus, trial.train_or_none())
     elif name == "global_batch_size" and value:
         dp = trial.dp()
-        if dp and value % (trial.micro_batch_size * dp):
-            return (f"global_batch_size({value}) is not divisible by micro_batch_size"
-                    f"({trial.micro_batch_size}) * dp({dp}) = {trial.micro_batch_size * dp}")
+        if dp:
+            return batch_problem(value, trial.micro_batch_size, dp)
     return ""
 
 
