@@ -86,6 +86,9 @@ class NotKernelSafe(pickle.UnpicklingError):
         super().__init__(f"{module}.{name} is not plain data the notebook kernel rebuilds"
                          + ("" if loaded else f" (unpickling it would import {module} there)"))
 
+    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
+        return type(self), (self.module, self.name), dict(self.__dict__)
+
 
 class KernelUnpickler(pickle.Unpickler):
     """An Unpickler that resolves only the globals of plain data (see the module docstring)."""
@@ -299,6 +302,9 @@ class ValueDecodeError(ValueError):
     def __init__(self, problems: dict[str, str], decoded: dict[str, Any]):
         self.problems, self.decoded = problems, decoded
         super().__init__("; ".join(f"{name}: {why}" for name, why in problems.items()))
+
+    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
+        return type(self), (self.problems, self.decoded), dict(self.__dict__)
 
 
 def decode_values(encoded: dict[str, bytes]) -> dict[str, Any]:
