@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
-from mnb.units import GIB
+from mnb.units import GIB, Text
 
 from . import hardware
 from ._inputs import as_model, as_train
@@ -66,8 +66,8 @@ class Plan(list):
     def best(self) -> PlanRow | None:
         return self[0] if self and self[0].fits else None
 
-    def table(self, limit: int = 15) -> str:
-        return format_plan(self[:limit])
+    def table(self, limit: int = 15) -> Text:
+        return Text(format_plan(self[:limit]))
 
     def __str__(self) -> str:
         return self.table()
