@@ -355,7 +355,7 @@ def derive(settings: Settings, previous: Settings | None = None, *,
     if s.tp == 1 and s.sequence_parallel:
         s = replace(s, sequence_parallel=False)
     dp = s.dp()
-    if dp and s.global_batch_size and s.global_batch_size % (s.micro_batch_size * dp):
+    if dp and s.global_batch_size and batch_problem(s.global_batch_size, s.micro_batch_size, dp):
         per = s.micro_batch_size * dp
         new = -(-s.global_batch_size // per) * per
         notes.append(f"global_batch_size {s.global_batch_size} -> {new}: a multiple of "

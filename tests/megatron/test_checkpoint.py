@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -224,12 +225,16 @@ def rank_schedule_continues(path: str) -> dict:
     first = run(model, steps=5, schedule_steps=10, **SCHEDULE)
     checkpoint.save(path, model)
     second = run(model, steps=5)  # names nothing: the same schedule, batch and data continue
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        past = run(model, steps=1)  # past the schedule's end: min_lr, and rank 0 says so
+    past["warned"] = [str(w.message) for w in caught if "mnb.train" in str(w.message)]
     resumed = {}
     for name, (tp, pp) in (("same-layout", (2, 1)), ("pp2", (1, 2))):
         fresh = build(tp=tp, pp=pp, seed=999)  # other weights: everything comes from the checkpoint
         info = checkpoint.load(path, fresh)
         resumed[name] = {**run(fresh, steps=5), "schedule_loaded": info["schedule_loaded"], "info": repr(info)}
-    return {"once": once, "first": first, "second": second, "resumed": resumed}
+    return {"once": once, "first": first, "second": second, "past": past, "resumed": resumed}
 
 
 def rank_save_then_fail(path: str, mode: str) -> dict:
@@ -420,12 +425,16 @@ def test_resume_in_another_layout_continues_the_loss(tmp_path, dist_opt):
 
 def test_schedule_and_data_continue_across_calls_saves_and_layouts(tmp_path):
     """Warm-up + cosine over 10 steps: a restarted schedule would warm up again from lr 0."""
-    for r in _run("rank_schedule_continues", 2, tmp_path, path=str(tmp_path / "ckpt" / "sched")):
+    results = _run("rank_schedule_continues", 2, tmp_path, path=str(tmp_path / "ckpt" / "sched"))
+    for r in results:
         once, first, second = r["once"], r["first"], r["second"]
         assert once["lr"][0] == 0.0 and once["lr"][3] == pytest.approx(3e-3) and once["lr"][-1] > 3e-4
         assert first["lr"] + second["lr"] == once["lr"]  # the same schedule, step by step
         assert first["loss"] + second["loss"] == once["loss"]
         assert second["step"] == [5, 6, 7, 8, 9] and second["schedule_steps"] == 10
+        assert r["past"]["lr"] == [pytest.approx(3e-4)] and r["past"]["step"] == [10]
+        assert len(r["past"]["warned"]) == (1 if r is results[0] else 0)
+        assert all("schedule of 10 steps is at step 10" in w and "schedule_steps" in w for w in r["past"]["warned"])
         for name, resumed in r["resumed"].items():
             assert resumed["schedule_loaded"] and resumed["step"] == [5, 6, 7, 8, 9], name
             assert resumed["info"].endswith(": step 5, saved under tp2 pp1 dp1; weights, optimizer, schedule"
