@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+from mnb.fields import check_fields
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -65,6 +68,14 @@ def as_vpp(vpp: int | None) -> int:
     return vpp
 
 
+def _positive(obj: Any, names: tuple[str, ...]) -> None:
+    """Each named field (already type-checked) at least 1 unless None."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How ranks are arranged.  dp is derived: world / (tp * pp * cp)."""
@@ -91,14 +102,15 @@ class ParallelConfig:
         object.__setattr__(self, "vpp", as_vpp(self.vpp))
         for name in ("tp", "pp", "cp", "ep"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_fields(self)
         if self.vpp > 1 and self.pp < 2:
             raise ValueError(
                 f"vpp({self.vpp}) needs pipeline parallelism: pp is {self.pp}; "
                 "set --pp 2 or more, or drop --vpp"
             )
-        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+        if self.dp is not None and self.dp < 1:
             raise ValueError(f"dp must be a positive integer or None, got {self.dp!r}")
 
     @property
@@ -217,10 +229,10 @@ class ModelConfig:
     """Further TransformerConfig fields passed through unchanged."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_fields(self)
+        _positive(self, ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                         "max_position_embeddings", "num_query_groups", "ffn_hidden_size", "kv_channels",
+                         "rotary_base", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size"))
         if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
             raise ValueError(
                 f"hidden_size({self.hidden_size}) is not divisible by "
@@ -287,6 +299,22 @@ class ModelConfig:
     @property
     def moe_ffn(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """A ModelConfig from a dict of its fields (a run record's ``"model"``, a user's dict).
+
+        The one rule for a model dict, used by the estimators, the explorer, export and runs:
+        its keys must be ModelConfig fields (``extra`` holds TransformerConfig names); any
+        other key is refused with the names, where a preset's overrides
+        (``mnb.gpt("tiny", hidden_dropout=0.1)``) send unknown names to ``extra``.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"model dict has unknown key(s) {unknown}; use ModelConfig fields "
+                             f"({', '.join(sorted(known))}), and put TransformerConfig names in 'extra'")
+        return cls(**data)
 
     def with_overrides(self, **overrides: Any) -> "ModelConfig":
         """Copy with Megatron-named overrides; unknown names go to ``extra``."""
@@ -368,15 +396,29 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One training run: batch sizes, schedule, precision and memory savers."""
+    """One training run: batch sizes, schedule, precision and memory savers.
+
+    The learning-rate schedule (warm-up, then constant / linear / cosine decay to
+    ``min_lr``) spans ``schedule_steps`` steps counted from the model's first step;
+    ``mnb.train`` keeps it, and its step count, with the model's optimizer (and
+    ``mnb.save`` in the checkpoint), so a later call continues it.
+    """
 
     steps: int = 10
+    """Steps of this call."""
+    schedule_steps: int | None = None
+    """Length of the whole learning-rate schedule, from the model's first step, when it is longer
+    than this call (e.g. ``steps=5, schedule_steps=10``, then ``steps=5`` again).  None: this call's
+    ``steps`` on a model's first call, the model's own schedule on later calls."""
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     """None = micro_batch_size * dp (one microbatch per step)."""
     lr: float = 3e-4
+    """Peak learning rate (after warm-up)."""
     min_lr: float = 0.0
+    """Where decay ends (lr_decay_style 'linear' or 'cosine')."""
     warmup_steps: int = 0
+    """Linear warm-up from 0 (the first step runs at lr 0, as in Megatron-LM)."""
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
     weight_decay: float = 0.0
     clip_grad: float = 1.0
@@ -392,32 +434,70 @@ class TrainConfig:
     log_every: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.global_batch_size is not None and (
-            not isinstance(self.global_batch_size, int) or self.global_batch_size < 1
-        ):
-            raise ValueError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+        check_fields(self)
+        _positive(self, ("steps", "schedule_steps", "micro_batch_size", "global_batch_size", "log_every"))
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be between 0 and lr({self.lr}), got {self.min_lr}")
+        for name in ("warmup_steps", "weight_decay", "clip_grad"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.schedule_steps is not None:
+            self.check_schedule(self.schedule_steps)
+
+    @property
+    def schedule_length(self) -> int:
+        """The schedule's length as this config alone says it: ``schedule_steps``, else ``steps``."""
+        return self.schedule_steps or self.steps
+
+    def check_schedule(self, length: int | None = None) -> None:
+        """The warm-up rule: a decaying schedule of ``length`` steps (default :attr:`schedule_length`)
+        must warm up in fewer steps than it has.  Training, export and the explorer ask here."""
+        length = self.schedule_length if length is None else length
+        if self.lr_decay_style != "constant" and self.warmup_steps >= length:
+            raise ValueError(
+                f"warmup_steps({self.warmup_steps}) must be smaller than the schedule's {length} steps "
+                f"(schedule_steps, else steps) for lr_decay_style={self.lr_decay_style!r}; warm up for "
+                "fewer steps or make the schedule longer with schedule_steps=..."
+            )
 
     def num_microbatches(self, dp: int) -> int:
-        """Microbatches per step per data-parallel rank, checked for divisibility."""
+        """Microbatches per step per data-parallel rank, checked for divisibility (:func:`batch_problem`)."""
         gbs = self.global_batch_size or self.micro_batch_size * dp
-        per_step = self.micro_batch_size * dp
-        if gbs % per_step:
-            raise ValueError(
-                f"global_batch_size({gbs}) is not divisible by micro_batch_size"
-                f"({self.micro_batch_size}) * dp({dp}) = {per_step}"
-            )
-        return gbs // per_step
+        problem = batch_problem(gbs, self.micro_batch_size, dp)
+        if problem:
+            raise ValueError(problem)
+        return gbs // (self.micro_batch_size * dp)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def batch_problem(global_batch_size: int, micro_batch_size: int, dp: int) -> str:
+    """Why a global batch does not split into microbatches of ``micro_batch_size`` on ``dp`` replicas
+    ('' when it does): the one statement of the rule, for training, export, the explorer and the plan."""
+    per_step = micro_batch_size * dp
+    if global_batch_size % per_step == 0:
+        return ""
+    low = max(per_step, global_batch_size - global_batch_size % per_step)
+    return (f"global_batch_size({global_batch_size}) is not divisible by micro_batch_size({micro_batch_size}) * "
+            f"dp({dp}) = {per_step}; use a multiple of {per_step} (e.g. {low} or {low + per_step}), another "
+            "micro batch size, or another layout")
+
+
+def cache_dir() -> Path:
+    """mnb's cache folder: ``$MNB_CACHE``, else ``$XDG_CACHE_HOME/mnb``, else ``~/.cache/mnb``.
+
+    One rule for every cache (tokenised corpora and dataset indices on the ranks, the
+    compiled kernels a pool's CUDA ranks keep); with several nodes it must be shared storage.
+    """
+    if os.environ.get("MNB_CACHE"):
+        return Path(os.environ["MNB_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "mnb"
 
 
 def divisors(n: int) -> list[int]:
@@ -446,7 +526,7 @@ def model_config(preset_or_config: str | ModelConfig | dict, **overrides: Any) -
     elif isinstance(preset_or_config, str):
         base = load_preset(preset_or_config)
     elif isinstance(preset_or_config, dict):
-        base = ModelConfig(**preset_or_config)
+        base = ModelConfig.from_dict(preset_or_config)
     else:
         raise TypeError(
             f"expected a preset name, a dict or a ModelConfig, got {type(preset_or_config).__name__}"

@@ -11,12 +11,34 @@ that raised it (identical tracebacks are folded).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable
+
+
+def _rebuild(cls: type, values: dict[str, Any], state: dict[str, Any]) -> BaseException:
+    error = cls(**values)
+    error.__dict__.update(state)
+    return error
+
+
+class _TravellingFields:
+    """Pickle and ``copy.deepcopy`` for a dataclass exception: rebuilt from its fields.
+
+    An exception pickles as ``type(e)(*e.args)``; a dataclass exception's ``args`` are not its
+    fields (``CompositeRankError``'s are its summary line), so logging handlers, process pools
+    and ``copy.deepcopy`` broke on it.  Attributes set later (``add_note``'s ``__notes__``)
+    travel too.
+    """
+
+    def __reduce__(self):
+        names = [f.name for f in fields(self)]  # type: ignore[arg-type]
+        state = {k: v for k, v in self.__dict__.items() if k not in names}
+        return _rebuild, (type(self), {name: getattr(self, name) for name in names}, state)
 
 
 @dataclass(eq=False)
-class RankError(Exception):
+class RankError(_TravellingFields, Exception):
     """One rank's exception, as plain data."""
 
     rank: int
@@ -25,6 +47,9 @@ class RankError(Exception):
     traceback: str = ""
     label: str = ""
     """Rank and coordinates, e.g. 'r3 tp1 pp0 dp1'."""
+
+    def __post_init__(self) -> None:
+        super().__init__(str(self))  # args: the message, however the fields were passed
 
     def __str__(self) -> str:
         return f"[{self.label or f'r{self.rank}'}] {self.ename}: {self.evalue}"
@@ -48,7 +73,7 @@ def format_rank_set(ranks: Iterable[int]) -> str:
 
 
 @dataclass(eq=False)
-class CompositeRankError(Exception):
+class CompositeRankError(_TravellingFields, Exception):
     """The exceptions of every failing rank of one cell, grouped by traceback.
 
     ``errors`` is in the order the ranks failed: the first entry is the root
@@ -186,5 +211,10 @@ def interrupted(message: str) -> KeyboardInterrupt:
     through mnb's own waiting loop.
     """
     error = KeyboardInterrupt(message)
-    error._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # type: ignore[attr-defined]
+    # a partial of a module function, not a lambda: the error still pickles
+    error._render_traceback_ = functools.partial(_one_line, message)  # type: ignore[attr-defined]
     return error
+
+
+def _one_line(message: str) -> list[str]:
+    return [f"KeyboardInterrupt: {message}"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig
+from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig, batch_problem
 from mnb.launch_templates import render_template
 from mnb.model_source import resolve_model, tokenizer_folder, tokenizer_vocab_size
 
@@ -159,7 +159,7 @@ def _model_and_train(model: Any, train: Any, settings: dict[str, Any],
         if not remembered.get("model"):
             raise ValueError("no model to export: name one (--model PRESET|PATH, model='llama-1b'), or run "
                              "mnb.gpt(...) / mnb.from_hf(...) / mnb.train(...) in a %%megatron cell first")
-        model = _model_from_dict(remembered["model"])
+        model = ModelConfig.from_dict(remembered["model"])
         tokenizer = remembered.get("tokenizer")
     else:
         tokenizer = tokenizer_folder(model)
@@ -171,12 +171,9 @@ def _model_and_train(model: Any, train: Any, settings: dict[str, Any],
         train = remembered.get("train") or {}
     train_fields = train.to_dict() if isinstance(train, TrainConfig) else dict(train)
     train_fields.update({k: v for k, v in settings.items() if k in _TRAIN_FIELDS})
+    if "steps" in settings and "schedule_steps" not in settings:
+        train_fields["schedule_steps"] = None  # steps named here: the exported run is that long
     return model_cfg, TrainConfig(**{k: v for k, v in train_fields.items() if k in _TRAIN_FIELDS}), tokenizer
-
-
-def _model_from_dict(data: dict[str, Any]) -> ModelConfig:
-    known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in data.items() if k in known})
 
 
 def check_target(model: ModelConfig, train: TrainConfig, layout: ParallelConfig, nodes: int,
@@ -189,21 +186,15 @@ def check_target(model: ModelConfig, train: TrainConfig, layout: ParallelConfig,
         model.check_parallel(resolved)
     except ValueError as exc:
         raise ValueError(f"{exc} ({where})") from None
-    per_step = train.micro_batch_size * resolved.dp
-    gbs = train.global_batch_size or per_step
-    if gbs % per_step:
-        low = max(per_step, gbs - gbs % per_step)
-        raise ValueError(
-            f"global_batch_size({gbs}) is not divisible by micro_batch_size({train.micro_batch_size}) * "
-            f"dp({resolved.dp}) = {per_step} {where} with {resolved.describe()}; use a multiple of "
-            f"{per_step} (e.g. {low} or {low + per_step}), another micro batch size, or more tp/pp"
-        )
+    problem = batch_problem(train.global_batch_size or train.micro_batch_size * resolved.dp,
+                            train.micro_batch_size, resolved.dp)
+    if problem:
+        head, _, advice = problem.partition("; ")
+        raise ValueError(f"{head} {where} with {resolved.describe()}; {advice}")
     if resolved.ep > 1 and resolved.tp > 1 and not resolved.sequence_parallel:
         raise ValueError(f"Megatron-LM needs sequence parallelism with ep({resolved.ep}) and tp({resolved.tp}) "
                          "> 1: add --sp (sequence_parallel=True) to the layout")
-    if train.warmup_steps >= train.steps and train.lr_decay_style != "constant":
-        raise ValueError(f"warmup_steps({train.warmup_steps}) must be smaller than steps({train.steps}) "
-                         f"for lr_decay_style={train.lr_decay_style!r}")
+    train.check_schedule()
     return resolved
 
 
@@ -298,13 +289,13 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     # batch, schedule, optimizer
     add("--micro-batch-size", train.micro_batch_size)
     add("--global-batch-size", train.global_batch_size or train.micro_batch_size * layout.dp)
-    add("--train-iters", train.steps)
+    add("--train-iters", train.schedule_length)  # the whole schedule, as the notebook's calls ran it
     add("--optimizer", "adam")
     add("--lr", train.lr)
     add("--min-lr", train.min_lr)
     add("--lr-decay-style", train.lr_decay_style)
     add("--lr-warmup-iters", train.warmup_steps)
-    add("--lr-decay-iters", max(train.steps, train.warmup_steps + 1))
+    add("--lr-decay-iters", max(train.schedule_length, train.warmup_steps + 1))
     add("--weight-decay", train.weight_decay)
     add("--clip-grad", train.clip_grad)
     add("--adam-beta1", train.adam_beta1)

@@ -98,6 +98,9 @@ class MessageTooLarge(ProtocolError):
             "limit of one message; send less at once (e.g. pull a slice or a summary of the value)"
         )
 
+    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
+        return type(self), (self.kind, self.size_bytes, self.limit_bytes), dict(self.__dict__)
+
 
 @dataclass
 class Message:

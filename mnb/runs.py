@@ -36,16 +36,9 @@ from typing import Any, Iterable
 from mnb import estimate
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 from mnb.estimate import hardware
-from mnb.units import GIB, format_bytes
+from mnb.units import GIB, Text, format_bytes
 
 MEASURED_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "peak")
-
-
-def _model_from_dict(data: dict[str, Any]) -> ModelConfig:
-    known = {f.name for f in fields(ModelConfig)}
-    base = ModelConfig(**{k: v for k, v in data.items() if k in known})
-    unknown = {k: v for k, v in data.items() if k not in known}
-    return base.with_overrides(**unknown) if unknown else base
 
 
 def _filtered(cls, data: dict[str, Any]):
@@ -108,7 +101,7 @@ class Run:
 
     @cached_property
     def model(self) -> ModelConfig:
-        return _model_from_dict(dict(self._first.get("model") or {}))
+        return ModelConfig.from_dict(dict(self._first.get("model") or {}))
 
     @cached_property
     def train(self) -> TrainConfig:
@@ -147,6 +140,12 @@ class Run:
     def losses(self) -> list[float | None]:
         """Loss per step: mean over the ranks that report one (the last pipeline stage)."""
         return [sum(v) / len(v) if v else None for v in self._per_step("loss").values()]
+
+    @property
+    def lrs(self) -> list[float | None]:
+        """Learning rate per step (the schedule's, the same on every rank; as in Megatron-LM the
+        lr a step's optimizer update used)."""
+        return [v[0] if v else None for v in self._per_step("lr").values()]
 
     @property
     def step_times_s(self) -> list[float | None]:
@@ -431,8 +430,8 @@ class Run:
         return estimate.bubble(self.layout, self.num_microbatches)
 
     # ----- text ----------------------------------------------------------------------
-    def summary(self) -> str:
-        """A few lines: loss, tokens/s, MFU, bubble, peak memory vs predicted."""
+    def summary(self) -> Text:
+        """A few lines: loss, tokens/s, MFU, bubble, peak memory vs predicted (a str that shows as text)."""
         where = "CPU" if self.on_cpu else (self.device_name or self._first.get("device", "?"))
         lines = [f"{self.model.name} | {self.layout.describe()} | {self.world_size} ranks on {where} | "
                  f"m={self.num_microbatches}"]
@@ -477,7 +476,7 @@ class Run:
             except ValueError as err:
                 text += f"; no prediction: {err}"
             lines.append(text)
-        return "\n".join(lines)
+        return Text("\n".join(lines))
 
     def __repr__(self) -> str:
         return f"<Run {self.model.name} {self.layout.describe()} steps={len(self.steps)}>\n{self.summary()}"

@@ -47,3 +47,20 @@ def in_kernel() -> bool:
         return False
     shell = ipython_shell()
     return shell is not None and hasattr(shell, "kernel")
+
+
+class Text(str):
+    """A ``str`` that shows as its text: a summary as a cell's last value reads as lines.
+
+    A plain ``str`` as a cell's value shows as a quoted literal with ``\\n`` escapes; this one's
+    ``repr`` (and IPython's ``_repr_pretty_``) is the text itself.  Everything else is ``str``:
+    ``print(...)``, ``in``, ``.splitlines()``, equality with plain strings.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))

@@ -68,7 +68,11 @@ _SAFE_GLOBALS = frozenset({
     ("numpy.ma.core", "MaskedArray"),
     ("numpy.ma.core", "_mareconstruct"),
     ("mnb.values", "Unportable"),
+    ("mnb.results", "TrainResult"),  # mnb.train's record and mnb.load's answer: dicts with a one-line repr
+    ("mnb.results", "LoadResult"),
 })
+_KERNEL_MODULES = frozenset({__name__, "mnb.results"})
+"""mnb's own modules whose objects the kernel rebuilds (stdlib-only, both sides)."""
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType)
@@ -85,6 +89,9 @@ class NotKernelSafe(pickle.UnpicklingError):
         loaded = module == "builtins" or module in _CLASS_MODULES
         super().__init__(f"{module}.{name} is not plain data the notebook kernel rebuilds"
                          + ("" if loaded else f" (unpickling it would import {module} there)"))
+
+    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
+        return type(self), (self.module, self.name), dict(self.__dict__)
 
 
 class KernelUnpickler(pickle.Unpickler):
@@ -171,6 +178,8 @@ def _convert(value: Any, depth: int) -> Any:
 def _own_type_or(value: Any, plain: Any, unchanged: bool) -> Any:
     """A container subclass (OrderedDict, Counter, a namedtuple ...) keeps its type when its
     contents needed no conversion and the type itself travels; else the plain container."""
+    if type(value).__module__ in _KERNEL_MODULES and isinstance(value, dict):
+        return type(value)(plain)  # mnb's own readable dicts (mnb.results) keep their type, converted inside
     if type(value) in (dict, list, tuple, set, frozenset) or not unchanged:
         return plain
     kept = _checked(value)
@@ -200,7 +209,7 @@ def _tensor_to_numpy(value: Any, torch: Any) -> Any:
 
 def _checked(value: Any) -> Any:
     module = _home(value)
-    if module is not None and module.split(".")[0] in NEVER_IN_KERNEL and module != __name__:
+    if module is not None and module.split(".")[0] in NEVER_IN_KERNEL and module not in _KERNEL_MODULES:
         return Unportable(_short_repr(value), _refusal(value, module))
     numpy = sys.modules.get("numpy")
     if (numpy is not None and type(value) is numpy.ndarray
@@ -299,6 +308,9 @@ class ValueDecodeError(ValueError):
     def __init__(self, problems: dict[str, str], decoded: dict[str, Any]):
         self.problems, self.decoded = problems, decoded
         super().__init__("; ".join(f"{name}: {why}" for name, why in problems.items()))
+
+    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
+        return type(self), (self.problems, self.decoded), dict(self.__dict__)
 
 
 def decode_values(encoded: dict[str, bytes]) -> dict[str, Any]:

@@ -134,3 +134,84 @@ def test_the_estimate_counts_each_uneven_stages_own_layers():
     assert (first.num_layers, last.num_layers) == (3, 1)
     even = [stage_params(load_preset("tiny").with_overrides(num_layers=4), parallel, s) for s in (0, 1)]
     assert first.dense > even[0].dense and last.dense < even[1].dense
+
+
+def _literal_fields(cls) -> dict[str, tuple]:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return {name: typing.get_args(hint) for name, hint in hints.items() if typing.get_origin(hint) is typing.Literal}
+
+
+@pytest.mark.parametrize("cls", [ModelConfig, ParallelConfig, TrainConfig])
+def test_every_literal_field_refuses_a_value_outside_its_choices(cls):
+    literal = _literal_fields(cls)
+    assert cls is ParallelConfig or literal  # ModelConfig and TrainConfig have Literal fields
+    for name, options in literal.items():
+        for bad in (options[0].upper() + "x", options[0][:-1], True):
+            with pytest.raises(ValueError) as caught:
+                cls(**{name: bad})
+            message = str(caught.value)
+            assert name in message and repr(bad) in message, message
+            assert all(repr(option) in message for option in options), message
+        for good in options:
+            assert getattr(cls(**{name: good}), name) == good
+    with pytest.raises(ValueError, match=r"TrainConfig.recompute must be one of 'none', 'selective', 'full', got 'ful'"):
+        TrainConfig(recompute="ful")
+
+
+def test_integers_are_not_bools_and_types_are_checked():
+    for cls, name in [(ParallelConfig, "tp"), (ParallelConfig, "pp"), (ParallelConfig, "cp"), (ParallelConfig, "ep"),
+                      (ParallelConfig, "dp"), (TrainConfig, "steps"), (TrainConfig, "schedule_steps"),
+                      (TrainConfig, "micro_batch_size"), (TrainConfig, "global_batch_size"),
+                      (TrainConfig, "warmup_steps"), (TrainConfig, "seed"), (ModelConfig, "num_layers"),
+                      (ModelConfig, "num_query_groups"), (ModelConfig, "ffn_hidden_size"), (ModelConfig, "rotary_base")]:
+        with pytest.raises(ValueError, match=rf"{name} must be .*got True"):
+            cls(**{name: True})
+    for cls, name, bad in [(TrainConfig, "lr", True), (TrainConfig, "bf16", 1), (TrainConfig, "data", 3),
+                           (ParallelConfig, "sequence_parallel", "yes"), (ModelConfig, "init_method_std", "0.02"),
+                           (TrainConfig, "steps", 2.0)]:
+        with pytest.raises(ValueError, match=rf"{cls.__name__}.{name} must be .*got {bad!r}"):
+            cls(**{name: bad})
+    numpy = pytest.importorskip("numpy")
+    layout = ParallelConfig(tp=2, dp=numpy.int64(2))
+    assert type(layout.dp) is int and layout.resolve(4).dp == 2  # numpy integers are stored as ints
+    for name, bad in [("min_lr", 1.0), ("weight_decay", -0.1), ("adam_beta2", 1.0), ("schedule_steps", 0)]:
+        with pytest.raises(ValueError, match=name):
+            TrainConfig(lr=0.1, **{name: bad})
+
+
+def test_rules_stated_once():
+    from mnb.config import batch_problem, cache_dir
+
+    # warm-up vs the schedule's length: schedule_steps when given, else steps
+    with pytest.raises(ValueError, match=r"warmup_steps\(5\) must be smaller than the schedule's 5 steps"):
+        TrainConfig(steps=2, schedule_steps=5, warmup_steps=5, lr_decay_style="cosine")
+    later_call = TrainConfig(steps=2, warmup_steps=5, lr_decay_style="cosine")  # may continue a longer schedule
+    with pytest.raises(ValueError, match=r"smaller than the schedule's 2 steps"):
+        later_call.check_schedule()
+    later_call.check_schedule(10)
+    assert TrainConfig(steps=3, warmup_steps=3).schedule_length == 3  # constant lr: any warm-up
+    # batch divisibility, with the numbers and what to use instead
+    assert batch_problem(8, 2, 2) == ""
+    assert batch_problem(12, 4, 2) == ("global_batch_size(12) is not divisible by micro_batch_size(4) * dp(2) = 8; "
+                                       "use a multiple of 8 (e.g. 8 or 16), another micro batch size, or another layout")
+    # the cache folder
+    import os
+
+    saved = {k: os.environ.pop(k, None) for k in ("MNB_CACHE", "XDG_CACHE_HOME")}
+    try:
+        os.environ["XDG_CACHE_HOME"] = "/x/cache"
+        assert str(cache_dir()) == "/x/cache/mnb"
+        os.environ["MNB_CACHE"] = "/y/mnb"
+        assert str(cache_dir()) == "/y/mnb"
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+    # a model dict: fields only (extra for TransformerConfig names), unknown keys named
+    assert model_config({"num_layers": 3, "extra": {"hidden_dropout": 0.1}}).extra == {"hidden_dropout": 0.1}
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['hiden_size'\]"):
+        model_config({"num_layers": 3, "hiden_size": 64})
+    assert ModelConfig.from_dict(load_preset("tiny").to_dict()) == load_preset("tiny")

@@ -47,6 +47,17 @@ def fresh_notebook(monkeypatch):
     monkeypatch.setattr(registry, "_SETTINGS", {})
 
 
+def test_the_exported_schedule_is_the_whole_schedule():
+    """A notebook that trained 5 steps of a 10-step schedule exports the 10-step run; naming steps resets it."""
+    train = TrainConfig(steps=5, schedule_steps=10, warmup_steps=2, lr_decay_style="cosine").to_dict()
+    got = pairs(export("megatron-lm", model="tiny", nodes=1, gpus_per_node=2, train=train).args)
+    assert (got["--train-iters"], got["--lr-decay-iters"], got["--lr-warmup-iters"]) == ("10", "10", "2")
+    got = pairs(export("megatron-lm", model="tiny", nodes=1, gpus_per_node=2, train=train, steps=30).args)
+    assert (got["--train-iters"], got["--lr-decay-iters"]) == ("30", "30")
+    with pytest.raises(ValueError, match=r"warmup_steps\(2\) must be smaller than the schedule's 2 steps"):
+        export("megatron-lm", model="tiny", nodes=1, gpus_per_node=2, train=train, steps=2)
+
+
 def test_megatron_lm_arguments_carry_the_model_layout_and_training():
     e = export("megatron-lm", **LLAMA)
     got = pairs(e.args)
@@ -159,7 +170,8 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
         dict(model="moe-tiny", nodes=1, gpus_per_node=4, micro_batch_size=1, global_batch_size=8,
              recompute="full", layout=ParallelConfig(tp=2, ep=2, sequence_parallel=True)),
         dict(model="gpt2-124m", nodes=1, gpus_per_node=4, micro_batch_size=2, lr=6e-4, min_lr=6e-5,
-             weight_decay=0.1, lr_decay_style="linear", warmup_steps=5, steps=20, layout=ParallelConfig(cp=2)),
+             weight_decay=0.1, lr_decay_style="linear", warmup_steps=5, steps=20, schedule_steps=40,
+             layout=ParallelConfig(cp=2)),
         dict(model=str(checkpoint(tmp_path, "Llama-3.2-1B", tokenizer_ids=128256)), nodes=1, gpus_per_node=8,
              micro_batch_size=1, global_batch_size=16, bf16=True, layout=ParallelConfig(tp=2, pp=2)),
         dict(model=str(checkpoint(tmp_path, "Qwen2.5-0.5B", tokenizer_ids=151665)), nodes=1, gpus_per_node=4,
@@ -210,9 +222,9 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
             "context_parallel_size": lay.cp, "expert_model_parallel_size": lay.ep,
             "sequence_parallel": lay.sequence_parallel and lay.tp > 1, "data_parallel_size": lay.dp,
             "micro_batch_size": t.micro_batch_size,
-            "global_batch_size": t.global_batch_size or t.micro_batch_size * lay.dp, "train_iters": t.steps,
+            "global_batch_size": t.global_batch_size or t.micro_batch_size * lay.dp, "train_iters": t.schedule_length,
             "lr": t.lr, "min_lr": t.min_lr, "lr_decay_style": t.lr_decay_style, "lr_warmup_iters": t.warmup_steps,
-            "lr_decay_iters": max(t.steps, t.warmup_steps + 1), "weight_decay": t.weight_decay,
+            "lr_decay_iters": max(t.schedule_length, t.warmup_steps + 1), "weight_decay": t.weight_decay,
             "clip_grad": t.clip_grad, "adam_beta1": t.adam_beta1, "adam_beta2": t.adam_beta2, "bf16": t.bf16,
             "recompute_granularity": None if t.recompute == "none" else t.recompute,
             "use_distributed_optimizer": t.use_distributed_optimizer, "seed": t.seed,

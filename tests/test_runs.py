@@ -178,3 +178,44 @@ def test_expected_bubble_replays_measured_stage_times():
     assert run.measured_bubble > 0.25  # the faster stage waits for the slower one
     assert run.expected_bubble == pytest.approx(run.measured_bubble)
     assert "for the measured stage times" in run.summary()
+
+
+def test_summaries_render_as_text():
+    """A summary as a cell's last value shows its lines, not a quoted string with \\n (IPython's pretty printer too)."""
+    from IPython.lib.pretty import pretty
+
+    from mnb import estimate
+
+    run = Run(make_records())
+    for text in (run.summary(), estimate.memory("tiny", {"tp": 1}).summary(),
+                 estimate.plan("tiny", gpus=2, gpu="h200").table()):
+        assert isinstance(text, str) and "\n" in text
+        assert repr(text) == str(text) == pretty(text) and "\\n" not in repr(text)
+        assert text.splitlines() == str(text).splitlines() and text == str(text)
+    assert run.lrs == [3e-4, 3e-4]
+
+
+def test_train_result_is_the_record_with_a_one_line_repr():
+    import json
+    import pickle
+
+    from IPython.lib.pretty import pretty
+
+    from mnb.results import LoadResult, TrainResult
+    from mnb.values import kernel_safe, loads_safe
+
+    record = make_records()[1]
+    record["memory_components"] = {"peak": 3 * 2**20}
+    result = TrainResult(record)
+    line = repr(result)
+    assert "\n" not in line and len(line) < 160 and pretty(result) == line
+    for piece in ("rank 1 (tp0 pp1 dp0)", "2 steps (1-2)", "loss 5.5000 -> 5.0000", "14 tokens/s", "peak 3.0 MiB"):
+        assert piece in line, (piece, line)
+    assert result == record and json.loads(json.dumps(result)) == json.loads(json.dumps(record))
+    assert result["losses"] == [5.5, 5.0] == result.losses and result.lrs == [3e-4, 3e-4]
+    assert "losses" not in result and set(result) == set(record)  # derived, not stored
+    travelled = loads_safe(pickle.dumps(kernel_safe(result), protocol=5))  # as a pulled value reaches the kernel
+    assert type(travelled) is TrainResult and travelled == record
+    info = LoadResult({"path": "/c/run1", "step": 20, "layout": {"tp": 2, "pp": 1, "vpp": 1, "dp": 1},
+                       "optimizer_loaded": True, "schedule_loaded": True, "rng_loaded": False})
+    assert repr(info) == "<mnb.load /c/run1: step 20, saved under tp2 pp1 dp1; weights, optimizer, schedule loaded>"

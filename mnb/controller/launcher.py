@@ -40,6 +40,7 @@ from typing import Any
 
 import psutil
 
+from mnb.config import cache_dir
 from mnb.protocol import EXITS_DIR_ENV
 from mnb.timeouts import DEATH_REPORT_WAIT_S, TEARDOWN_GRACE_S
 from mnb.units import GIB, MIB
@@ -437,8 +438,9 @@ def resolve_device(device: str, nproc: int | None, gpus: list[int] | None) -> tu
     return "cpu", nproc
 
 
-COMPILE_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mnb"
-"""Where CUDA ranks keep Inductor's and Triton's compiled kernels (``%mnb start`` docs say so)."""
+COMPILE_CACHE = cache_dir()
+"""Where CUDA ranks keep Inductor's and Triton's compiled kernels (``%mnb start`` docs say so):
+mnb's one cache folder, :func:`mnb.config.cache_dir`."""
 
 MAX_CPU_RANKS_PER_CORE = 4
 """Beyond this, CPU ranks spend their time switching and gloo's collectives time out."""

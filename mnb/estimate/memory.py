@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
-from mnb.units import GIB
+from mnb.units import GIB, Text
 
 from . import hardware
 from ._inputs import as_model, as_parallel, as_train, dropout, padded_vocab_size
@@ -130,7 +130,7 @@ class MemoryEstimate:
     def for_rank(self, rank: int) -> StageMemory:
         return self.stages[self.stage_of_rank(rank)]
 
-    def summary(self) -> str:
+    def summary(self) -> Text:
         lines = [
             f"{self.model} | {self.parallel.describe()} | m={self.num_microbatches} "
             f"mbs={self.micro_batch_size} seq={self.seq_length} recompute={self.recompute}"
@@ -143,7 +143,7 @@ class MemoryEstimate:
             )
         if self.capacity_bytes:
             lines.append(f"  capacity {self.capacity_bytes / GIB:.1f} GiB; fits: {self.fits}")
-        return "\n".join(lines)
+        return Text("\n".join(lines))
 
     def __str__(self) -> str:
         return self.summary()

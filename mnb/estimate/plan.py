@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, divisors
-from mnb.units import GIB
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
+from mnb.units import GIB, Text
 
 from . import hardware
 from ._inputs import as_model, as_train
@@ -68,8 +68,8 @@ class Plan(list):
     def best(self) -> PlanRow | None:
         return self[0] if self and self[0].fits else None
 
-    def table(self, limit: int = 15) -> str:
-        return format_plan(self[:limit])
+    def table(self, limit: int = 15) -> Text:
+        return Text(format_plan(self[:limit]))
 
     def __str__(self) -> str:
         return self.table()
@@ -162,7 +162,7 @@ def plan(
                 if gpus % (tp * pp * cp):
                     continue
                 dp = gpus // (tp * pp * cp)
-                if gbs % (mbs * dp):
+                if batch_problem(gbs, mbs, dp):
                     continue
                 m = gbs // (mbs * dp)
                 for vpp in vpp_choices:

@@ -3,11 +3,11 @@
 Inside ``%%megatron`` cells (every rank runs the same line)::
 
     model = mnb.gpt("tiny"); mnb.train(model, steps=20, data="stdlib")
-    mnb.save("ckpt/run1", model)            # weights + optimizer + progress + rng
+    mnb.save("ckpt/run1", model)            # weights + optimizer + lr schedule + progress + rng
     ...                                     # later, possibly under another layout:
     model = mnb.gpt("tiny")
     info = mnb.load("ckpt/run1", model)     # {'step': 20, 'optimizer_loaded': True, ...}
-    mnb.train(model, steps=20)              # continues: same optimizer state, next samples
+    mnb.train(model, steps=20)              # continues: same optimizer state and schedule, next samples
 
 The checkpoint is a Megatron distributed checkpoint (``torch_dist`` format) of
 ``chunk.sharded_state_dict()`` for every model chunk, plus the Megatron
@@ -15,7 +15,9 @@ optimizer's ``sharded_state_dict``, so it loads into any other tp/pp/vpp/dp
 layout: Megatron reshards tensors by their global keys (the distributed
 optimizer is saved in its ``fully_reshardable`` format). Beside it, ``mnb.json``
 (written last) records the model's ``steps_done`` and ``consumed_samples`` (the
-data position ``mnb.train`` resumes from), the layout it was saved under, the
+data position ``mnb.train`` resumes from), the learning-rate schedule (the settings of the
+model's train calls and Megatron's ``opt_param_scheduler`` state, as Megatron-LM saves it),
+the layout it was saved under, the
 model and optimizer settings and a user ``extra`` dict. Losses continue exactly
 across layouts as long as the padded vocabulary is the same (it is a multiple
 of 128 * tp; the tiny preset's 512 is the same for tp 1, 2 and 4): padding rows
@@ -47,6 +49,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mnb.megatron import schedule
+from mnb.results import LoadResult
 from mnb.megatron.checkpoint_fixes import cuda_calls_on_cpu, init_empty_optimizer_state, torch_adam_step_fixes
 
 logger = logging.getLogger(__name__)
@@ -339,6 +343,7 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
         "optimizer_config": _optimizer_config(optimizer),
         "consumed_samples": getattr(model, "consumed_samples", None),
         "model_config": _model_config(model), "extra": extra or {}, "time": time.time(),
+        "schedule": schedule.state(model),  # settings + Megatron's opt_param_scheduler state, or None
     }
     if rank == 0:
         (tmp / (META_FILE + ".part")).write_text(json.dumps(meta, indent=1, default=str))
@@ -407,7 +412,7 @@ def _ensure_optimizer(model, meta: dict):
 
     So the checkpoint's optimizer state can be loaded now and training continues
     with it (mnb.train keeps an existing optimizer). Uses the optimizer settings
-    recorded at save time; the learning-rate schedule is set by each train call.
+    recorded at save time; the learning-rate schedule is restored after the load (:mod:`mnb.megatron.schedule`).
     """
     saved = meta.get("optimizer_config")
     if getattr(model, "optimizer", None) is not None or not saved or not hasattr(model, "wrapped"):
@@ -458,8 +463,9 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     ``load_optimizer`` (a never-trained ``mnb.gpt`` model first gets its DDP wrappers
     and optimizer, built as ``mnb.train`` would with the saved settings); RNG
     states when the layout is unchanged and ``load_rng``. Sets ``model.steps_done``
-    and ``model.consumed_samples``. Returns ``mnb.json`` plus ``path``,
-    ``optimizer_loaded`` and ``rng_loaded``. ``strict``: every model tensor must be
+    and ``model.consumed_samples``, and with the optimizer state the learning-rate schedule
+    at its step (``model.scheduler``, ``model.train_settings``). Returns ``mnb.json`` plus
+    ``path``, ``optimizer_loaded``, ``rng_loaded`` and ``schedule_loaded``. ``strict``: every model tensor must be
     in the checkpoint. A model of another shape raises ValueError naming the fields; a
     folder whose ``mnb.json`` or ``metadata.json`` is missing, truncated, not JSON or
     lacks fields raises :class:`DamagedCheckpointError` naming the folder, the file and
@@ -508,6 +514,11 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     for attr, key in (("steps_done", "step"), ("consumed_samples", "consumed_samples")):
         if hasattr(model, attr) and meta.get(key) is not None:
             setattr(model, attr, meta[key])
+    # The learning-rate schedule goes with the optimizer state (older checkpoints have none:
+    # the next mnb.train starts a schedule as a first call does).
+    schedule_loaded = use_optimizer and hasattr(model, "scheduler") and schedule.restore(
+        model, meta.get("schedule"), getattr(optimizer, "chained_optimizers", None) or [optimizer])
     dist.barrier()
     logger.info("loaded %s (step %s) in %.2f s", found, meta.get("step"), time.perf_counter() - t0)
-    return {**meta, "path": str(found), "optimizer_loaded": use_optimizer, "rng_loaded": use_rng}
+    return LoadResult({**meta, "path": str(found), "optimizer_loaded": use_optimizer, "rng_loaded": use_rng,
+                       "schedule_loaded": bool(schedule_loaded)})

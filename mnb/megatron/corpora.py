@@ -24,8 +24,10 @@ TEXT_PROBE_BYTES = 8192
 
 
 def cache_dir() -> Path:
-    """``$MNB_CACHE`` or ``~/.cache/mnb``."""
-    return Path(os.environ.get("MNB_CACHE") or Path.home() / ".cache" / "mnb").expanduser()
+    """mnb's cache folder (:func:`mnb.config.cache_dir`: ``$MNB_CACHE``, else ``$XDG_CACHE_HOME/mnb``, else ``~/.cache/mnb``)."""
+    from mnb.config import cache_dir as config_cache_dir
+
+    return config_cache_dir()
 
 
 def stdlib_files(max_bytes: int) -> list[Path]:

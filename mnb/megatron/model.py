@@ -89,6 +89,11 @@ class MegatronModel:
     """Whether mnb's compiled fusions (loss, RoPE, activation) run in this model."""
     steps_done: int = 0
     consumed_samples: int = 0
+    scheduler: Any = None
+    """Megatron's ``OptimizerParamScheduler`` (``None`` until the first ``train``): the learning-rate
+    schedule and its step count, continued by later calls (:mod:`mnb.megatron.schedule`)."""
+    train_settings: dict = field(default_factory=dict)
+    """The TrainConfig fields earlier ``train`` calls named (and the schedule's length): a later call's defaults."""
     history: list[dict] = field(default_factory=list)
     released: str | None = None
     """Why this model's memory was freed (its layout was replaced), or None."""
@@ -113,6 +118,7 @@ class MegatronModel:
         """Drop parameters, DDP buffers and optimizer state; the model cannot be used after."""
         self.wrapped = None
         self.optimizer = None
+        self.scheduler = None
         self.chunks = []
         self.released = reason
 

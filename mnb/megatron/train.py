@@ -5,14 +5,16 @@ Inside a ``%%megatron`` cell, on every rank::
     model = mnb.gpt("tiny")
     record = mnb.train(model, steps=20, micro_batch_size=2, global_batch_size=8,
                        lr=3e-4, data="mock")
-    record = mnb.train(model, steps=20)      # continues: same DDP, optimizer, data position
+    record = mnb.train(model, steps=20)      # continues: same DDP, optimizer, schedule, data position
 
 The path is Megatron-LM's: ``get_forward_backward_func`` (1F1B, interleaved
 for vpp), Megatron ``DistributedDataParallel`` (grads in ``main_grad``),
 ``get_megatron_optimizer`` (Adam; distributed optimizer optional),
 ``finalize_model_grads``, ``OptimizerParamScheduler`` (warmup, then constant
-/ linear / cosine decay over the steps of this call; as in Megatron-LM the
-first warmup step runs at lr 0), ``Float16Module`` for bf16.  The loss is the average per-token loss over the global batch
+/ linear / cosine decay over ``schedule_steps``, default the first call's steps; as in
+Megatron-LM the first warmup step runs at lr 0; kept on the model with its step count,
+:mod:`mnb.megatron.schedule`), ``Float16Module`` for bf16.  A later call continues with
+the settings earlier calls named unless it names others.  The loss is the average per-token loss over the global batch
 (``calculate_per_token_loss``): independent of how the batch is split across
 dp ranks and microbatches, so layouts can be compared step by step.
 
@@ -34,7 +36,6 @@ call continues with the same DDP and optimizer.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 
 from mnb.config import TrainConfig
-from mnb.megatron import events, interrupts
+from mnb.megatron import events, interrupts, schedule
 from mnb.megatron import layout as _layout
 from mnb.megatron.batches import BatchPlan, microbatch_iterators
 from mnb.megatron.memory import ComponentMeter, MemoryMeter
@@ -50,18 +51,15 @@ from mnb.megatron.model import MegatronModel
 from mnb.megatron.record import build_record, device_of, model_flops_per_step
 from mnb.megatron.timing import TimelineRecorder, time_token_dispatch
 from mnb.progress import Progress
+from mnb.results import TrainResult
 from mnb.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
-
 
 def train_config(**fields: Any) -> TrainConfig:
     """A TrainConfig from keyword fields, with a clear error for unknown names."""
-    unknown = sorted(set(fields) - _TRAIN_FIELDS)
-    if unknown:
-        raise TypeError(f"train() got unknown settings {unknown}; valid: {sorted(_TRAIN_FIELDS)}")
+    schedule.check_names(fields)
     return TrainConfig(**fields)
 
 
@@ -174,29 +172,6 @@ def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def _scheduler(model: MegatronModel, tc: TrainConfig):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    if tc.warmup_steps >= tc.steps and tc.lr_decay_style != "constant":
-        raise ValueError(
-            f"warmup_steps({tc.warmup_steps}) must be smaller than steps({tc.steps}) "
-            f"for lr_decay_style={tc.lr_decay_style!r}"
-        )
-    return OptimizerParamScheduler(
-        model.optimizer,
-        init_lr=0.0 if tc.warmup_steps else tc.lr,
-        max_lr=tc.lr,
-        min_lr=tc.min_lr,
-        lr_warmup_steps=tc.warmup_steps,
-        lr_decay_steps=max(tc.steps, tc.warmup_steps + 1),
-        lr_decay_style=tc.lr_decay_style,
-        start_wd=tc.weight_decay,
-        end_wd=tc.weight_decay,
-        wd_incr_steps=tc.steps,
-        wd_incr_style="constant",
-    )
-
-
 def _forward_step(data_iterator, model):
     """Megatron forward_step_func: one microbatch through one chunk; per-token loss sum."""
     batch = next(data_iterator)
@@ -268,10 +243,12 @@ def _oom_error(err: BaseException, step: int, meter: MemoryMeter) -> torch.OutOf
 def train(model: Any, *, steps: int | None = None, micro_batch_size: int | None = None,
           global_batch_size: int | None = None, lr: float | None = None, data: str | None = None,
           forward_step_func=None, data_iterator=None, seq_length: int | None = None, **fields: Any) -> dict:
-    """Train ``model`` for ``steps`` steps; return this rank's run record (see module doc).
+    """Train ``model`` for ``steps`` steps; return this rank's run record (see module doc), a dict
+    whose repr is one line (:class:`mnb.results.TrainResult`).
 
-    Keyword arguments are :class:`mnb.config.TrainConfig` fields (unset ones take
-    its defaults).  ``model`` is what ``mnb.gpt`` returned, or your own Megatron
+    Keyword arguments are :class:`mnb.config.TrainConfig` fields; unset ones take what
+    earlier calls on this model named, else its defaults (``schedule_steps``: the model's
+    schedule, else this call's ``steps``).  ``model`` is what ``mnb.gpt`` returned, or your own Megatron
     module with ``forward_step_func`` and ``data_iterator`` (``seq_length``: the
     schedule's, default the model's ``max_sequence_length``).  Must be called on
     every rank of the pool.
@@ -290,13 +267,16 @@ def train(model: Any, *, steps: int | None = None, micro_batch_size: int | None 
 def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **settings: Any) -> dict:
     from megatron.core import parallel_state as ps
 
-    tc = train_config(**{k: v for k, v in settings.items() if v is not None})
+    given = {k: v for k, v in settings.items() if v is not None}
+    tc = schedule.call_config(model, given)  # what earlier calls named carries over (mnb.megatron.schedule)
     model.check_layout()
     parallel = model.parallel
     num_microbatches = tc.num_microbatches(parallel.dp)
     device = device_of()
     _prepare(model, tc)
-    scheduler = _scheduler(model, tc)
+    scheduler = schedule.scheduler_for(model, tc, _sub_optimizers(model.optimizer))
+    schedule.remember(model, given, tc)
+    schedule.warn_past_end(model, tc, torch.distributed.get_rank())
     config = model.transformer_config
     meter = MemoryMeter(device)
     components = ComponentMeter()
@@ -317,7 +297,10 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **set
         dp=parallel.dp,
         dp_rank=ps.get_data_parallel_rank(),
     )
-    dataset = plan.dataset(tc, model, steps=tc.steps) if own is None else None
+    # Sized for the whole schedule, as Megatron-LM sizes its datasets for --train-iters: one call of
+    # 10 steps and two of 5 read the same samples.
+    dataset = (plan.dataset(tc, model, steps=max(tc.steps, tc.schedule_steps - model.steps_done))
+               if own is None else None)
     if _agree_to_stop(flag, device):
         raise KeyboardInterrupt(f"mnb.train stopped before its first step on every rank "
                                 f"(steps_done={model.steps_done}); nothing was trained")
@@ -342,7 +325,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **set
             f"mnb.train stopped after step {len(step_rows)} of {tc.steps} on every rank "
             f"(steps_done={model.steps_done}); mnb.train(model, ...) continues from there"
         )
-    return record
+    return TrainResult(record)  # the same dict, shown as one line (mnb.results)
 
 
 def _agree_to_stop(flag: interrupts.InterruptFlag, device) -> bool:

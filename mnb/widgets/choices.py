@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import mnb.estimate as est
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors, preset_names
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem, divisors, preset_names
 from mnb.model_source import checkpoint_folder, resolve_model
 from mnb.estimate import hardware
 
@@ -289,9 +289,8 @@ def refusal(settings: Settings, name: str, value: Any) -> str:
         return axis_refusal(name, value, model, trial.layout_sizes(), trial.gpus, trial.train_or_none())
     elif name == "global_batch_size" and value:
         dp = trial.dp()
-        if dp and value % (trial.micro_batch_size * dp):
-            return (f"global_batch_size({value}) is not divisible by micro_batch_size"
-                    f"({trial.micro_batch_size}) * dp({dp}) = {trial.micro_batch_size * dp}")
+        if dp:
+            return batch_problem(value, trial.micro_batch_size, dp)
     return ""
 
 
@@ -370,7 +369,7 @@ def derive(settings: Settings, previous: Settings | None = None, *,
     if s.tp == 1 and s.sequence_parallel:
         s = replace(s, sequence_parallel=False)
     dp = s.dp()
-    if dp and s.global_batch_size and s.global_batch_size % (s.micro_batch_size * dp):
+    if dp and s.global_batch_size and batch_problem(s.global_batch_size, s.micro_batch_size, dp):
         per = s.micro_batch_size * dp
         new = -(-s.global_batch_size // per) * per
         notes.append(f"global_batch_size {s.global_batch_size} -> {new}: a multiple of "

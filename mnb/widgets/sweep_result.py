@@ -22,7 +22,7 @@ import io
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mnb.units import GIB, format_bytes, ipython_shell
+from mnb.units import GIB, Text, format_bytes, ipython_shell
 
 from ._render import DPI, new_figure
 
@@ -139,15 +139,15 @@ class SweepResult:
     HEADER = ["#", "layout", "status", "peak mem", "tokens/s", "MFU", "step ms", "bubble (theory)", "pareto",
               "reason"]
 
-    def table(self) -> str:
-        """Plain-text table, one line per layout."""
+    def table(self) -> Text:
+        """Plain-text table, one line per layout (a str that shows as text)."""
         rows = [self.HEADER] + [self._cells(r) for r in self.rows]
         widths = [max(len(row[i]) for row in rows) for i in range(len(self.HEADER) - 1)]
         lines = []
         for row in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
         lines.append(self._footer())
-        return "\n".join(line.rstrip() for line in lines)
+        return Text("\n".join(line.rstrip() for line in lines))
 
     def _footer(self) -> str:
         done = sum(r.ok for r in self.rows)

@@ -244,6 +244,10 @@ def test_a_cell_that_trains_twice_leaves_the_second_training_as_last_run(cpu_poo
     run = mnb.last_run
     assert len(run.losses) == 3
     assert run.losses == pytest.approx([row["loss"] for row in second["steps"]])
+    # the record reaches the kernel as the one-line mapping it is on the ranks (mnb.results)
+    assert type(second).__name__ == "TrainResult" and second["losses"] == run.losses
+    assert repr(second).startswith("<mnb.train rank 0 ") and "3 steps (2-4)" in repr(second)
+    assert run.lrs == second.lrs == [3e-4] * 3
 
 
 def test_a_training_step_that_raises_gives_back_its_activations(cpu_pool):

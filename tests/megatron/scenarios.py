@@ -410,6 +410,7 @@ def continue_training() -> dict:
         "split": _losses(first) + _losses(second),
         "once": _losses(once),
         "second_steps": [row["step"] for row in second["steps"]],
+        "repr": repr(second), "losses_key": second["losses"], "lrs": second.lrs, "type": type(second).__name__,
     }
 
 

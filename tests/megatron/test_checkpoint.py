@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,38 @@ def rank_load_and_continue(path: str, tp: int, pp: int, extra_steps: int, dist_o
             "step": info["step"]}
 
 
+SCHEDULE = dict(lr=3e-3, min_lr=3e-4, warmup_steps=3, lr_decay_style="cosine", micro_batch_size=2,
+                global_batch_size=4, data="mock")
+
+
+def rank_schedule_continues(path: str) -> dict:
+    """10 steps of warm-up + cosine: in one call, as 5 + 5, and 5, save, load (same layout; pp2), 5."""
+    from mnb.megatron import checkpoint
+    from mnb.megatron.train import train as mnb_train
+
+    def run(model, **kwargs):
+        record = mnb_train(model, **kwargs)
+        rows = record["steps"]
+        return {"loss": [r["loss"] for r in rows], "lr": [r["lr"] for r in rows], "step": [r["step"] for r in rows],
+                "schedule_steps": record["train"]["schedule_steps"]}
+
+    once = run(build(tp=2, pp=1), steps=10, **SCHEDULE)
+    model = build(tp=2, pp=1)
+    first = run(model, steps=5, schedule_steps=10, **SCHEDULE)
+    checkpoint.save(path, model)
+    second = run(model, steps=5)  # names nothing: the same schedule, batch and data continue
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        past = run(model, steps=1)  # past the schedule's end: min_lr, and rank 0 says so
+    past["warned"] = [str(w.message) for w in caught if "mnb.train" in str(w.message)]
+    resumed = {}
+    for name, (tp, pp) in (("same-layout", (2, 1)), ("pp2", (1, 2))):
+        fresh = build(tp=tp, pp=pp, seed=999)  # other weights: everything comes from the checkpoint
+        info = checkpoint.load(path, fresh)
+        resumed[name] = {**run(fresh, steps=5), "schedule_loaded": info["schedule_loaded"], "info": repr(info)}
+    return {"once": once, "first": first, "second": second, "past": past, "resumed": resumed}
+
+
 def rank_save_then_fail(path: str, mode: str) -> dict:
     import torch
     from megatron.core import dist_checkpointing
@@ -374,9 +407,11 @@ def test_round_trip_is_bitwise(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dist_opt", [False, True], ids=["adam", "distributed-optimizer"])
+@pytest.mark.parametrize("dist_opt", [True], ids=["distributed-optimizer"])
 def test_resume_in_another_layout_continues_the_loss(tmp_path, dist_opt):
-    """Save at tp=2 after 2 steps, load at pp=2: the next 2 losses equal the uninterrupted run's."""
+    """Save at tp=2 after 2 steps, load at pp=2: the next 2 losses equal the uninterrupted run's.
+
+    Plain Adam's case is test_schedule_and_data_continue_across_calls_saves_and_layouts."""
     path = str(tmp_path / "ckpt" / "run")
     straight = _run("rank_train_and_save", 2, tmp_path, path=path, steps=2, extra_steps=2,
                     dist_opt=dist_opt)
@@ -386,6 +421,26 @@ def test_resume_in_another_layout_continues_the_loss(tmp_path, dist_opt):
     for r in resumed:
         assert r["step"] == 2 and r["optimizer_loaded"] and not r["rng_loaded"]
         assert r["next_losses"] == pytest.approx(expected, abs=1e-5), (r["next_losses"], expected)
+
+
+def test_schedule_and_data_continue_across_calls_saves_and_layouts(tmp_path):
+    """Warm-up + cosine over 10 steps: a restarted schedule would warm up again from lr 0."""
+    results = _run("rank_schedule_continues", 2, tmp_path, path=str(tmp_path / "ckpt" / "sched"))
+    for r in results:
+        once, first, second = r["once"], r["first"], r["second"]
+        assert once["lr"][0] == 0.0 and once["lr"][3] == pytest.approx(3e-3) and once["lr"][-1] > 3e-4
+        assert first["lr"] + second["lr"] == once["lr"]  # the same schedule, step by step
+        assert first["loss"] + second["loss"] == once["loss"]
+        assert second["step"] == [5, 6, 7, 8, 9] and second["schedule_steps"] == 10
+        assert r["past"]["lr"] == [pytest.approx(3e-4)] and r["past"]["step"] == [10]
+        assert len(r["past"]["warned"]) == (1 if r is results[0] else 0)
+        assert all("schedule of 10 steps is at step 10" in w and "schedule_steps" in w for w in r["past"]["warned"])
+        for name, resumed in r["resumed"].items():
+            assert resumed["schedule_loaded"] and resumed["step"] == [5, 6, 7, 8, 9], name
+            assert resumed["info"].endswith(": step 5, saved under tp2 pp1 dp1; weights, optimizer, schedule"
+                                            + (", rng loaded>" if name == "same-layout" else " loaded>"))
+            assert resumed["lr"] == pytest.approx(once["lr"][5:], rel=1e-12), name
+            assert resumed["loss"] == pytest.approx(once["loss"][5:], abs=1e-5), (name, resumed["loss"], once["loss"])
 
 
 @pytest.mark.slow

@@ -50,6 +50,12 @@ def test_second_train_call_continues(world1):
     result = ok(world1["continue"])
     assert result["split"] == result["once"]
     assert result["second_steps"] == [3, 4, 5]
+    # the record reads as before and shows as one line (a cell's last value)
+    assert result["type"] == "TrainResult" and result["losses_key"] == result["split"][3:]
+    assert result["lrs"] == [1e-3] * 3
+    line = result["repr"]
+    assert "\n" not in line and line.startswith("<mnb.train rank 0 (tp0 pp0 dp0): 3 steps (3-5), loss ")
+    assert "tokens/s" in line and "peak" in line and len(line) < 160
 
 
 @pytest.mark.slow

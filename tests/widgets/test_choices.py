@@ -104,8 +104,9 @@ def test_refusal_names_the_rule_a_typed_value_breaks():
     assert refusal(s, "tp", 2) == "" and refusal(s, "gpus", 3) == ""  # the layout follows a new GPU count
     assert refusal(s, "gpus", 0) == "gpus must be at least 1, got 0"
     assert "not divisible by num_query_groups(3)" in refusal(s, "num_query_groups", 3)
-    assert refusal(s, "global_batch_size", 6) == (
-        "global_batch_size(6) is not divisible by micro_batch_size(1) * dp(8) = 8")
+    assert refusal(s, "global_batch_size", 6) == (  # mnb.config.batch_problem, the rule training applies
+        "global_batch_size(6) is not divisible by micro_batch_size(1) * dp(8) = 8; use a multiple of 8 "
+        "(e.g. 8 or 16), another micro batch size, or another layout")
     assert refusal(s, "model", "nope").startswith("unknown model preset 'nope'")
     assert refusal(s, "vpp", 2).startswith("vpp(2) needs pipeline parallelism: pp is 1")
 

@@ -1,0 +1,76 @@
+"""mnb's exceptions travel: pickle (logging handlers, process pools) and copy.deepcopy keep every field."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from dataclasses import fields
+
+import pytest
+
+from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
+                        interrupted)
+from mnb.protocol import MessageTooLarge, ProtocolError
+from mnb.values import NotKernelSafe, PushRefused, ValueDecodeError
+
+
+def _composite() -> CompositeRankError:
+    root = RankError(rank=1, ename="ValueError", evalue="bad lr", traceback="Traceback ...\nValueError: bad lr\n",
+                     label="r1 tp1 pp0 dp0")
+    other = RankError(3, "RuntimeError", "gloo timed out", "Traceback ...\n", "r3 tp1 pp1 dp0")
+    error = CompositeRankError(errors=[root, other], cell_ranks=[0, 1, 2, 3], headline="",
+                               waiting={0: "cell line 3 `dist.barrier()`"}, notes=["restarted ranks 2, 3"])
+    error.add_note("a note added later")
+    return error
+
+
+def _same(a: BaseException, b: BaseException) -> None:
+    assert type(a) is type(b) and str(a) == str(b) and a.args == b.args
+    def plain(e):
+        return {k: v for k, v in vars(e).items() if not callable(v)}
+
+    assert plain(a) == plain(b) and set(vars(a)) == set(vars(b))
+
+
+@pytest.mark.parametrize("travel", ["pickle", "deepcopy"])
+def test_rank_errors_keep_every_field(travel):
+    move = (lambda e: pickle.loads(pickle.dumps(e))) if travel == "pickle" else copy.deepcopy
+    error = _composite()
+    moved = move(error)
+    assert moved is not error and type(moved) is CompositeRankError
+    for f in fields(CompositeRankError):
+        if f.name != "errors":
+            assert getattr(moved, f.name) == getattr(error, f.name), f.name
+    assert len(moved.errors) == 2
+    for mine, theirs in zip(error.errors, moved.errors):
+        assert type(theirs) is RankError
+        assert {f.name: getattr(theirs, f.name) for f in fields(RankError)} == \
+               {f.name: getattr(mine, f.name) for f in fields(RankError)}
+        assert str(theirs) == str(mine)
+    assert moved.__notes__ == ["a note added later"]
+    assert str(moved) == str(error) and moved._render_traceback_() == error._render_traceback_()
+    assert moved.root_cause.rank == 1
+
+
+@pytest.mark.parametrize("travel", ["pickle", "deepcopy"])
+def test_every_other_mnb_error_travels(travel):
+    move = (lambda e: pickle.loads(pickle.dumps(e))) if travel == "pickle" else copy.deepcopy
+    from mnb.megatron.adopt import ScriptGroupError
+    from mnb.megatron.checkpoint import DamagedCheckpointError
+
+    errors = [
+        RankError(0, "KeyError", "'x'"),
+        RequestRefused("changing the layout needs every rank"), PoolError("no pool: %mnb start"),
+        RankDiedError("rank 1 died (SIGKILL)", deaths={1: "SIGKILL"}),
+        CellTimeoutError("cell timed out after 5 s", stacks={0: "File cell, line 1"}),
+        ProtocolError("bad signature"), MessageTooLarge("reply", 300 * 2**20),
+        NotKernelSafe("torch", "Tensor"), ValueDecodeError({"x": "torch.Tensor ..."}, {"y": 1}),
+        PushRefused("f is defined in the notebook"), DamagedCheckpointError("checkpoint c is damaged"),
+        ScriptGroupError("the script asks for ranks [0, 5]"), interrupted("stopped after step 3"),
+    ]
+    for error in errors:
+        moved = move(error)
+        _same(error, moved)
+    assert move(errors[6]).size_bytes == 300 * 2**20 and move(errors[8]).decoded == {"y": 1}
+    assert move(errors[3]).deaths == {1: "SIGKILL"} and move(errors[7]).module == "torch"
+    assert move(errors[-1])._render_traceback_() == ["KeyboardInterrupt: stopped after step 3"]
