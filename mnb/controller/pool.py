@@ -129,6 +129,8 @@ class Pool:
         self._relaunch_error: str | None = None
         self._cancel_relaunch = threading.Event()
         self._stray_lines = 0
+        self.environ_at_start = dict(os.environ)
+        """The kernel's environment the ranks inherited (``kernel_context`` sends what changed since)."""
         self.start_timings: str | None = None
         """Where the last start's seconds went, for the rank ready last (``%mnb start --timings``)."""
 
@@ -434,6 +436,7 @@ class Pool:
         show_result: bool = False,
         quiet: bool = False,
         grace: float | None = None,
+        kernel: dict[str, Any] | None = None,
     ) -> dict[int, Any]:
         """Run ``code`` on ``ranks`` (all by default); return {rank: value of the last expression}.
 
@@ -443,12 +446,15 @@ class Pool:
         stopped and reported with where they waited.  Past ``timeout`` seconds a
         :class:`CellTimeoutError` carries each stuck rank's stack.  Figures and
         ``display()`` calls of ``display_ranks`` appear inline; with
-        ``show_result`` (as ``%%megatron`` does) so does the last expression.
+        ``show_result`` (as ``%%megatron`` does) so does the last expression.  ``kernel``: the
+        notebook's environment changes for the ranks (``mnb.controller.kernel_context``).
         """
         targets = self._targets(ranks)
         header: dict[str, Any] = {
             "code": code, "display_ranks": list(display_ranks), "want_value": True, "show_result": show_result,
         }
+        if kernel:
+            header["kernel"] = kernel
         if layout is not None:
             try:
                 resolved = layout.resolve(self.world_size)
@@ -481,6 +487,7 @@ class Pool:
         display_ranks: Iterable[int] = (0,),
         quiet: bool = False,
         grace: float | None = None,
+        kernel: dict[str, Any] | None = None,
     ) -> None:
         """Run a script written for torchrun on the ranks, unmodified (what ``%mnb run`` does)::
 
@@ -490,6 +497,8 @@ class Pool:
         adopt its ``init_process_group``, ``set_device`` and Megatron parallel-state calls
         (``mnb.worker.script``, ``mnb.megatron.adopt``); its globals stay for later cells and the
         pool's layout is restored after it.  Output, errors, timeouts and interrupts are a cell's.
+        ``kernel``: the notebook's cwd and environment changes, for the run
+        (``mnb.controller.kernel_context``, ``mnb.worker.sandbox``).
         """
         script = Path(path).expanduser()
         if not script.is_file():
@@ -499,6 +508,8 @@ class Pool:
             "code": "", "script": {"path": str(script.resolve()), "args": [str(a) for a in args]},
             "ranks": targets, "display_ranks": list(display_ranks), "want_value": False, "show_result": False,
         }
+        if kernel:
+            header["kernel"] = kernel
         outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
         for rank, reply in outcome.replies.items():  # label by the pool's coordinates, not the script's
             reply.header["coords"] = self.ranks[rank].coords
