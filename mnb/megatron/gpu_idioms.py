@@ -39,6 +39,7 @@ kernels); torch's own message for NCCL-only collectives options.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import sysconfig
@@ -69,8 +70,12 @@ def _is_device_like(value: Any) -> bool:
 
 def _user_caller(depth: int = 2) -> bool:
     """True when the function ``depth`` frames up was called from the script's own code."""
-    filename = os.path.realpath(sys._getframe(depth).f_code.co_filename)
-    return not filename.startswith(_LIBRARY_ROOTS) and not filename.startswith("<frozen")
+    return _is_user_file(sys._getframe(depth).f_code.co_filename)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_user_file(filename: str) -> bool:
+    return not filename.startswith("<frozen") and not os.path.realpath(filename).startswith(_LIBRARY_ROOTS)
 
 
 class CudaStreamError(RuntimeError):

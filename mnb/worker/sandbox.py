@@ -59,14 +59,18 @@ def apply_environ(changes: dict[str, Any] | None) -> None:
 
 
 def _module_folder(module: Any) -> str | None:
+    """The folder a module was loaded from, as its ``__file__`` (or package path) says."""
     path = getattr(module, "__file__", None)
     if not path:
-        paths = list(getattr(module, "__path__", None) or [])
-        path = paths[0] if paths else None
-        if path:
-            return os.path.realpath(path)
-        return None
-    return os.path.dirname(os.path.realpath(path))
+        paths = getattr(module, "__path__", None)
+        try:
+            path = next(iter(paths), None) if paths else None
+        except TypeError:
+            return None
+        if not path:
+            return None
+        path = os.path.join(path, "__init__")
+    return os.path.dirname(path) if isinstance(path, str) else None
 
 
 def _under(folder: str, root: str) -> bool:
@@ -75,8 +79,13 @@ def _under(folder: str, root: str) -> bool:
 
 def forget_modules(script_dir: str, before: set[str] | None = None) -> list[str]:
     """Forget modules from ``script_dir`` and (those not in ``before``) from paths outside the
-    rank's original ``sys.path``; return their names."""
-    script_dir = os.path.realpath(script_dir)
+    rank's original ``sys.path``; return their names.
+
+    String comparisons for the thousands of modules a rank holds (a run must not spend a
+    fraction of a second per rank on ``realpath``: ranks that start the script at different
+    moments print lines that no longer fold); ``realpath`` only for the modules new in the run.
+    """
+    dirs = {os.path.abspath(script_dir), os.path.realpath(script_dir)}
     gone = []
     for name, module in list(sys.modules.items()):
         if name == "__main__" or module is None:
@@ -84,9 +93,12 @@ def forget_modules(script_dir: str, before: set[str] | None = None) -> list[str]
         folder = _module_folder(module)
         if folder is None:
             continue
-        if _under(folder, script_dir) or (
-                before is not None and name not in before
-                and not any(_under(folder, root) for root in ORIGINAL_SYS_PATH)):
+        forget = any(_under(folder, d) for d in dirs)
+        if not forget and before is not None and name not in before:
+            real = os.path.realpath(folder)
+            forget = _under(real, os.path.realpath(script_dir)) or not any(
+                _under(real, root) for root in ORIGINAL_SYS_PATH)
+        if forget:
             del sys.modules[name]
             gone.append(name)
     return gone
@@ -141,7 +153,7 @@ class ScriptSandbox:
         """mnb's names again after the script's globals joined the namespace; the line saying
         which of the script's values differed (None when none did)."""
         differed = []
-        for name, value in self._names.items():
+        for name, value in getattr(self, "_names", {}).items():  # {} if __enter__ failed early
             theirs = self.namespace.get(name, value)
             if theirs is not value and not _same(theirs, value):
                 differed.append(f"{name} (the script's: {_short(theirs)})")
