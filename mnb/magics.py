@@ -11,8 +11,8 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb restart         stop and start the same pool (same size, device and GPUs)
     %mnb stacks          each rank's current Python stack (where is it stuck?)
     %mnb plot memory|timeline|mfu      plots of mnb.last_run, predicted beside measured
-    %mnb run [--ranks R] [--timeout S] [--grace S] SCRIPT [ARGS...]   a torchrun script, unmodified
-    %mnb plan --model PRESET --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K] [--calibrate]
+    %mnb run [--ranks R] [--timeout S] [--grace S] [--isolated] SCRIPT [ARGS...]   a torchrun script, unmodified
+    %mnb plan --model PRESET|PATH --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K] [--calibrate]
     %mnb start --slurm --nodes N [--gpus-per-node G] [--partition P] [--time T] [--account A] [--sbatch-arg ARG]
     %mnb export [megatron-lm|torchrun|slurm] [--nodes N] [--gpus-per-node G] [-o FILE] [--model PRESET] ...
 
@@ -44,6 +44,7 @@ import contextlib
 import os
 import re
 import shlex
+import time
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
@@ -53,11 +54,18 @@ from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
 from mnb.config import ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
+from mnb.controller.kernel_context import kernel_context
 from mnb.controller.preflight import cell_settings, check_cell
 from mnb.controller.registry import remember_settings
 from mnb.errors import RequestRefused, interrupted
 from mnb.timeouts import DEFAULT_GRACE_S, START_TIMEOUT_S
 from mnb.units import format_bytes
+
+
+def _kernel(pool: Any, *, cwd: bool) -> dict[str, Any] | None:
+    """The kernel's cwd (scripts) and environment changes since the pool started, for the ranks."""
+    since = getattr(pool, "environ_at_start", None)
+    return kernel_context(since, cwd=cwd) if since is not None else None
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -289,6 +297,7 @@ def run_parser() -> MagicArgumentParser:
         "%mnb run train.py --lr 3e-4 --steps 20",
         "%mnb run --timeout 600 examples/pretrain_gpt.py --tensor-model-parallel-size 2",
         "%mnb run --ranks 0 prepare_data.py      # a script that uses no process group",
+        "%mnb run --isolated train.py            # in fresh rank processes (a pool restart before and after)",
     ])
     p.add_argument("--ranks", default=None, metavar="0,2-3",
                    help="run on these ranks only; a script that joins the process group needs them all "
@@ -297,6 +306,10 @@ def run_parser() -> MagicArgumentParser:
                    help="seconds before the script is stopped (default: the pool's --cell-timeout, else none)")
     p.add_argument("--grace", type=_non_negative_float, default=None, metavar="SECONDS",
                    help="seconds the other ranks may take to finish after one rank failed (default: the pool's)")
+    p.add_argument("--isolated", action="store_true",
+                   help="run in fresh rank processes, for scripts whose state cannot be reset: the pool restarts "
+                        "before and after the script (seconds each; the layout is kept, the ranks' names are not; "
+                        "default: off, the warm ranks run it in a fresh-process sandbox)")
     p.add_argument("script", metavar="SCRIPT", help="the script's path (options for %%mnb run come before it)")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments (sys.argv[1:])")
     return p
@@ -530,10 +543,40 @@ class MegatronMagics(Magics):
         if not os.path.isfile(os.path.expanduser(args.script)):
             raise UsageError(f"no script {args.script!r} (relative paths start in {os.getcwd()}); "
                              "%mnb run's own options come before the script, its arguments after it")
-        with pool_request("script"):
-            pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace)
+        if args.isolated:
+            self._run_isolated(pool, args, ranks)
+        else:
+            with pool_request("script"):
+                pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace,
+                                kernel=_kernel(pool, cwd=True))
         if pool.last_cell_records:
             print(last_run().summary())
+
+    def _run_isolated(self, pool: Pool, args: argparse.Namespace, ranks: list[int] | None) -> None:
+        """``%mnb run --isolated``: a restart of the pool before and after the script, layout kept."""
+        layout = pool.layout
+        records: list = []
+
+        def fresh() -> float:
+            t0 = time.perf_counter()
+            pool.restart()
+            if pool.layout != layout:
+                pool.run("None", layout=layout, quiet=True)
+            pool.last_cell_records = records
+            return time.perf_counter() - t0
+
+        before = fresh()
+        print(f"mnb: --isolated: fresh rank processes for the script ({pool.world_size} ranks restarted in "
+              f"{before:.1f} s; they restart again after it, layout {layout.describe()} kept, names of earlier "
+              "cells gone; a plain %mnb run needs no restart)")
+        try:
+            with pool_request("script"):
+                pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace,
+                                kernel=_kernel(pool, cwd=True))
+            records = pool.last_cell_records
+        finally:
+            after = fresh()
+            print(f"mnb: --isolated: the pool restarted after the script in {after:.1f} s")
 
     def _cmd_export(self, args: argparse.Namespace) -> None:
         from mnb.exports import export
@@ -608,7 +651,8 @@ class MegatronMagics(Magics):
         if problems:
             raise UsageError("refused before running on the ranks:\n  " + "\n  ".join(problems))
         with pool_request("cell"):
-            pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace)
+            pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace,
+                     kernel=_kernel(pool, cwd=False))
         remember_settings(**cell_settings(cell))  # what %mnb export takes as "the last settings"
         if pool.last_cell_records:
             print(last_run().summary())

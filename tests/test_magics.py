@@ -34,7 +34,7 @@ FLAGS = {
     "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [],
     "%mnb plot": ["memory", "mfu", "timeline"],
     "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
-    "%mnb run": ["--grace", "--ranks", "--timeout"],
+    "%mnb run": ["--grace", "--isolated", "--ranks", "--timeout"],
     "%mnb export": ["--cp", "--data", "--ep", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
                     "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
                     "megatron-lm", "slurm", "torchrun"],

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -96,6 +97,8 @@ class Pool(Requests):
         self._repair = Repair(spec, bind_ip=bind_ip, start_timeout_s=start_timeout_s, make_launcher=make_launcher)
         self._owns_workdir = owns_workdir
         self._stray_lines = 0
+        self.environ_at_start = dict(os.environ)
+        """The kernel's environment the ranks inherited (``kernel_context`` sends what changed since)."""
 
     # ------------------------------------------------------------ lifecycle
     @classmethod

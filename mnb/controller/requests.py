@@ -62,6 +62,7 @@ class Requests:
         show_result: bool = False,
         quiet: bool = False,
         grace: float | None = None,
+        kernel: dict[str, Any] | None = None,
     ) -> dict[int, Any]:
         """Run ``code`` on ``ranks`` (all by default); return {rank: value of the last expression}.
 
@@ -71,12 +72,15 @@ class Requests:
         stopped and reported with where they waited.  Past ``timeout`` seconds a
         :class:`CellTimeoutError` carries each stuck rank's stack.  Figures and
         ``display()`` calls of ``display_ranks`` appear inline; with
-        ``show_result`` (as ``%%megatron`` does) so does the last expression.
+        ``show_result`` (as ``%%megatron`` does) so does the last expression.  ``kernel``: the
+        notebook's environment changes for the ranks (``mnb.controller.kernel_context``).
         """
         targets = self._targets(ranks)
         header: dict[str, Any] = {
             "code": code, "display_ranks": list(display_ranks), "want_value": True, "show_result": show_result,
         }
+        if kernel:
+            header["kernel"] = kernel
         if layout is not None:
             try:
                 resolved = layout.resolve(self.world_size)
@@ -109,6 +113,7 @@ class Requests:
         display_ranks: Iterable[int] = (0,),
         quiet: bool = False,
         grace: float | None = None,
+        kernel: dict[str, Any] | None = None,
     ) -> None:
         """Run a script written for torchrun on the ranks, unmodified (what ``%mnb run`` does)::
 
@@ -118,6 +123,8 @@ class Requests:
         adopt its ``init_process_group``, ``set_device`` and Megatron parallel-state calls
         (``mnb.worker.script``, ``mnb.megatron.adopt``); its globals stay for later cells and the
         pool's layout is restored after it.  Output, errors, timeouts and interrupts are a cell's.
+        ``kernel``: the notebook's cwd and environment changes, for the run
+        (``mnb.controller.kernel_context``, ``mnb.worker.sandbox``).
         """
         script = Path(path).expanduser()
         if not script.is_file():
@@ -127,6 +134,8 @@ class Requests:
             "code": "", "script": {"path": str(script.resolve()), "args": [str(a) for a in args]},
             "ranks": targets, "display_ranks": list(display_ranks), "want_value": False, "show_result": False,
         }
+        if kernel:
+            header["kernel"] = kernel
         outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
         for rank, reply in outcome.replies.items():  # label by the pool's coordinates, not the script's
             reply.header["coords"] = self.ranks[rank].coords

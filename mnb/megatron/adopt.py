@@ -177,13 +177,31 @@ def _fresh_megatron_training_globals() -> None:
 
 
 @contextlib.contextmanager
+def _fresh_rng_tracker() -> Iterator[None]:
+    """Megatron's CUDA RNG tracker unset while the script runs, as in a fresh process.
+
+    The pool uses the inference tracker kind on CPU ranks (``layout.seed_ranks``); a script's
+    ``model_parallel_cuda_manual_seed(seed)`` would keep that kind (Megatron creates the
+    tracker once) and draw differently from a fresh process.  The pool's tracker is back after.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = None, False
+    try:
+        yield
+    finally:
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+
+
+@contextlib.contextmanager
 def adopted(*, ranks: list[int], cpu_ranks: bool) -> Iterator[_Adoption]:
     """While the block runs, the script's start-up calls adopt the pool's state (module doc)."""
     if not dist.is_initialized():
         raise RuntimeError("adopted() runs in pool ranks, whose default process group exists")
     adoption = _Adoption(ranks, cpu_ranks)
     _fresh_megatron_training_globals()
-    with _parallel_state_for_script(adoption.ranks, adoption.world):
+    with _parallel_state_for_script(adoption.ranks, adoption.world), _fresh_rng_tracker():
         _set("init_process_group", adoption.init_process_group)
         _set("destroy_process_group", adoption.destroy_process_group)
         _set("new_group", adoption.new_group)

@@ -35,8 +35,8 @@ is needed:
 2. ``Tensor.cuda()`` and ``Module.cuda()`` called *from Megatron code* return
    the object itself (tied embeddings with pp > 1 in language_module.py,
    optimizer and grad scaler ``load_state_dict``, dist_checkpointing exchange
-   utils, Megatron-LM's ``get_model``).  A script run by ``%mnb run`` gets the
-   same (:func:`redirect_namespace`, :func:`script_torch`).
+   utils, Megatron-LM's ``get_model``).  A script run by ``%mnb run`` gets more
+   (every module, while it runs): :mod:`mnb.megatron.gpu_idioms`, :func:`script_torch`.
 3. ``Tensor.type()`` called *from Megatron code* reports CPU tensors under
    their ``torch.cuda.*`` names: the optimizers (``Float16OptimizerWith
    Float16Params``, ``DistributedOptimizer``) and ``clip_grad_by_total_norm_
@@ -78,9 +78,20 @@ _INSTALLED = False
 _ORIG_TENSOR_CUDA = torch.Tensor.cuda
 _ORIG_TENSOR_TYPE = torch.Tensor.type
 _ORIG_MODULE_CUDA = torch.nn.Module.cuda
-_REDIRECTED: list[dict] = []
-"""Globals of code that is not Megatron's but gets the same redirection (a script run by
-``%mnb run``, see :func:`redirect_namespace`)."""
+_NOTES: dict[str, None] = {}
+"""GPU idioms a script used that ran on the CPU, in first-use order (:func:`note`)."""
+
+
+def note(idiom: str) -> None:
+    """Remember that ``idiom`` (a GPU call) ran on the CPU, for the line a script's run prints."""
+    _NOTES.setdefault(idiom, None)
+
+
+def take_notes() -> list[str]:
+    """The idioms noted since the last call, in first-use order (and forget them)."""
+    notes = list(_NOTES)
+    _NOTES.clear()
+    return notes
 
 
 def installed() -> bool:
@@ -114,7 +125,7 @@ def _factory(fn):
     return wrapper
 
 
-_FACTORIES = (
+FACTORIES = (
     "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye",
     "rand", "randn", "randint", "randperm", "empty_like", "zeros_like", "ones_like",
     "full_like", "empty_strided",
@@ -202,7 +213,7 @@ def _autocast(device_type: str = "cpu", *args: Any, **kwargs: Any):
 
 def _make_torch_proxy() -> types.ModuleType:
     proxy = types.ModuleType("torch", "Megatron's view of torch on a CPU rank (mnb.megatron.cpu).")
-    overrides: dict[str, Any] = {name: _factory(getattr(torch, name)) for name in _FACTORIES}
+    overrides: dict[str, Any] = {name: _factory(getattr(torch, name)) for name in FACTORIES}
     overrides["cuda"] = _CudaShim()
     overrides["autocast"] = _autocast
     proxy.__dict__.update(overrides)
@@ -256,44 +267,33 @@ class _MegatronImportHook(importlib.abc.MetaPathFinder):
 
 def _caller_is_megatron(depth: int = 2) -> bool:
     frame = sys._getframe(depth)
-    return _is_megatron(frame.f_globals.get("__name__", "")) or any(
-        frame.f_globals is ns for ns in _REDIRECTED)
-
-
-@contextlib.contextmanager
-def redirect_namespace(namespace: dict):
-    """Give the code whose globals are ``namespace`` Megatron's CPU view while the block runs.
-
-    For a torchrun script run on CPU ranks (``%mnb run``): its ``.cuda()`` calls (tensors and
-    modules) return the object itself, as they do for Megatron.  Its ``torch`` name is
-    :func:`script_torch`, bound by the script runner.
-    """
-    _REDIRECTED.append(namespace)
-    try:
-        yield
-    finally:
-        _REDIRECTED[:] = [ns for ns in _REDIRECTED if ns is not namespace]
+    return _is_megatron(frame.f_globals.get("__name__", ""))
 
 
 class _DeviceType(type):
     """``torch.device`` as a CPU-mode script sees it: CUDA spellings make the CPU device."""
 
     def __call__(cls, *args: Any, **kwargs: Any):
-        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
-            return _REAL_TORCH.device("cpu")
-        if kwargs.get("type", "").startswith("cuda"):
+        if args and isinstance(args[0], str) and args[0].startswith("cuda") or \
+                str(kwargs.get("type", "")).startswith("cuda"):
+            note("torch.device('cuda')")
             return _REAL_TORCH.device("cpu")
         return _REAL_TORCH.device(*args, **kwargs)
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return isinstance(obj, _REAL_TORCH.device)
 
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _REAL_TORCH.device)
+
 
 def script_torch() -> types.ModuleType:
-    """The ``torch`` a torchrun script sees on a CPU rank: Megatron's CPU view (see module doc),
-    plus ``torch.device("cuda", i)`` giving the CPU device, so ``.to(device)`` stays on the CPU."""
+    """The ``torch`` a torchrun script's own lines see on a CPU rank: the real torch (with the
+    GPU idioms of :mod:`mnb.megatron.gpu_idioms` redirected while it runs), except that
+    ``torch.device("cuda", i)`` gives the CPU device, so ``.to(device)`` and ``x.device == device``
+    hold on the CPU."""
     view = types.ModuleType("torch", "A torchrun script's view of torch on a CPU rank (mnb.megatron.cpu).")
-    view.__dict__.update({k: v for k, v in _PROXY.__dict__.items() if not k.startswith("__") or k == "__getattr__"})
+    view.__dict__["__getattr__"] = lambda name: getattr(_REAL_TORCH, name)
     view.__dict__["device"] = _DeviceType("device", (), {"__doc__": "CPU-mode torch.device"})
     view.__dict__["__mnb_cpu_proxy__"] = True
     return view

@@ -133,3 +133,107 @@ def close_figures() -> None:
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         pyplot.close("all")
+
+
+class FdCapture:
+    """File-descriptor level capture: what child processes (``subprocess.run(["echo", ...])``,
+    ``make``) and C code write to fds 1 and 2 reaches the running cell, and the pool log.
+
+    Python-level prints go through :class:`RankStream`; a child process inherits the file
+    descriptors, not ``sys.stdout``.  :meth:`start` points fds 1 and 2 at pipes; one thread per
+    pipe copies every byte to the original descriptor (the pool log, as before) and, while a
+    request runs (:attr:`cell_id`), hands the text to the channel as that cell's output, which
+    the controller labels by rank.  The rank's own log lines (``logging``, warnings routed to
+    the log, ``sys.__stderr__``) are moved to the original descriptors, so they stay out of
+    the cells.  :meth:`drain` waits until what was written so far has been handed on (called
+    before a request's reply, so a child's last line lands in its cell).
+    """
+
+    _MARK = b"\x00mnb-drain\x00"
+
+    def __init__(self, channel: Any) -> None:
+        self._channel = channel
+        self.cell_id: str | None = None
+        self._threads: list[Any] = []
+        self._drained: dict[int, Any] = {}
+
+    def start(self) -> None:
+        import logging
+        import os
+        import threading
+
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            original = os.dup(fd)
+            read_end, write_end = os.pipe()
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            log_stream = open(os.dup(original), "w", buffering=1, encoding="utf-8", errors="replace",
+                              closefd=True)
+            old_stream = sys.__stdout__ if fd == 1 else sys.__stderr__
+            for handler in logging.getLogger().handlers:
+                if getattr(handler, "stream", None) is old_stream:
+                    handler.setStream(log_stream)
+            if fd == 1:
+                sys.__stdout__ = log_stream  # type: ignore[misc]
+            else:
+                sys.__stderr__ = log_stream  # type: ignore[misc]
+            self._drained[fd] = threading.Event()
+            thread = threading.Thread(target=self._pump, args=(fd, name, read_end, original),
+                                      name=f"mnb-fd{fd}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _pump(self, fd: int, name: str, read_end: int, original: int) -> None:
+        import codecs
+        import os
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pending = b""
+        while True:
+            try:
+                data = os.read(read_end, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            data = pending + data
+            pending = b""
+            marked = False
+            if self._MARK in data:
+                data = data.replace(self._MARK, b"")
+                marked = True
+            else:  # a marker cut by the read: keep its start for the next read
+                for i in range(len(self._MARK) - 1, 0, -1):
+                    if data.endswith(self._MARK[:i]):
+                        data, pending = data[:-i], data[-i:]
+                        break
+            if data:
+                with _suppress_os_errors():
+                    os.write(original, data)
+                cell = self.cell_id
+                text = decoder.decode(data)
+                if cell is not None and text:
+                    self._channel.write_stream(name, text, cell)
+            if marked:
+                self._drained[fd].set()
+
+    def drain(self, timeout_s: float = 5.0) -> None:
+        """Hand on what fds 1 and 2 hold so far (a marker through each pipe, then wait for it)."""
+        import os
+
+        if not self._threads:
+            return
+        for fd, event in self._drained.items():
+            event.clear()
+            with _suppress_os_errors():
+                os.write(fd, self._MARK)
+        for event in self._drained.values():
+            event.wait(timeout_s)
+
+
+class _suppress_os_errors:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
+        return kind is not None and issubclass(kind, (OSError, ValueError))

@@ -31,8 +31,9 @@ import warnings
 from typing import Any
 
 from mnb.worker.startup import StartClock  # first: its import time is when the rank's own code began
+from mnb.worker import sandbox  # noqa: F401  (second: it records the rank's original sys.path)
 from mnb.protocol import ConnectionInfo, Message
-from mnb.worker.capture import RankStream, close_figures, mime_bundle, open_figures
+from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures
 from mnb.worker.channel import Channel
 from mnb.worker.executor import describe_exception, portable, run_cell
 
@@ -125,6 +126,7 @@ class Rank:
         self.stderr = RankStream("stderr", self.channel, self.rank, sys.__stderr__)
         self.display_here = False
         self.clock = StartClock()
+        self.fd_capture = FdCapture(self.channel)
 
     # -------------------------------------------------------------- start
     def start(self) -> None:
@@ -253,6 +255,7 @@ class Rank:
 
     # ---------------------------------------------------------------- loop
     def serve(self) -> None:
+        self.fd_capture.start()  # child processes' output reaches the cells (capture.FdCapture)
         sys.stdout, sys.stderr = self.stdout, self.stderr
         while True:
             try:
@@ -287,7 +290,10 @@ class Rank:
         self.stdout.cell_id = self.stderr.cell_id = message.id
         self.display_here = self.rank in (message.get("display_ranks") or [])
         self.channel.busy.set()
+        self.fd_capture.cell_id = message.id
         outcome = None
+        kernel = message.get("kernel") or {}  # the notebook's cwd and environment changes
+        sandbox.apply_environ(kernel.get("environ") if not message.get("script") else None)
         requested = message.get("layout")
         if requested:
             try:
@@ -301,13 +307,15 @@ class Rank:
             from mnb.worker.script import run_script
 
             outcome = run_script(message["script"], self.namespace, ranks=message.get("ranks") or [self.rank],
-                                 cpu_ranks=self.device.type == "cpu")
+                                 cpu_ranks=self.device.type == "cpu", kernel=kernel)
         elif outcome is None and message.get("after_script"):
             from mnb.worker.script import restore_pool_state
 
             outcome = restore_pool_state()
         if outcome is None:
             outcome = run_cell(message["code"], self.namespace)
+        self.fd_capture.drain()
+        self.fd_capture.cell_id = None
         self.channel.busy.clear()
         if self.display_here:
             for figure in open_figures():

@@ -8,12 +8,15 @@ worker, so they are already set).  ``sys.modules["__main__"]`` is the script whi
 it runs, so pickling its functions and multiprocessing's spawn (dist_checkpointing's
 helpers) find them.  What a live process cannot repeat (the default process group,
 Megatron's parallel state) is adopted by :mod:`mnb.megatron.adopt`; on CPU ranks
-the script sees torch as Megatron does there (:func:`mnb.megatron.cpu.script_torch`).
+the script's GPU idioms run on the CPU (:mod:`mnb.megatron.gpu_idioms`; one line in
+the cell names those used).  Each run starts as clean as a fresh process -- its
+modules, the notebook's directory and environment, library singletons
+(:mod:`mnb.worker.sandbox`).
 
 ``sys.exit(0)`` (or ``sys.exit()``) is success; another exit code or an exception is
 the rank's error.  Afterwards the script's globals join the rank's namespace, as
-IPython's ``%run`` leaves them; ``sys.argv``, ``sys.path`` and ``__main__`` are
-restored.  Not repeated: ``atexit`` handlers, and ``os._exit`` ends the rank.
+IPython's ``%run`` leaves them, except mnb's own names; ``sys.argv``, ``sys.path``,
+``__main__``, the directory and ``os.environ`` are restored.  Not repeated: ``atexit`` handlers, and ``os._exit`` ends the rank.
 """
 
 from __future__ import annotations
@@ -22,52 +25,63 @@ import builtins
 import contextlib
 import os
 import sys
-import tokenize
 import traceback
-import types
 from typing import Any
 
 from mnb.worker.executor import Outcome, release_frames
+from mnb.worker.sandbox import ScriptSandbox
 
 _KEEP_OUT = frozenset({"__builtins__", "__name__", "__file__", "__doc__", "__spec__", "__loader__",
                        "__package__", "__cached__"})
 
 
-def run_script(request: dict[str, Any], namespace: dict[str, Any], *, ranks: list[int], cpu_ranks: bool) -> Outcome:
-    """Run ``request["path"]`` with ``request["args"]`` on this rank; never raises (see module doc)."""
+def run_script(request: dict[str, Any], namespace: dict[str, Any], *, ranks: list[int], cpu_ranks: bool,
+               kernel: dict[str, Any] | None = None) -> Outcome:
+    """Run ``request["path"]`` with ``request["args"]`` on this rank; never raises (see module doc).
+
+    ``kernel``: the notebook kernel's ``cwd`` and ``environ`` changes (:mod:`mnb.worker.sandbox`)."""
     path = os.path.abspath(request["path"])
     args = [str(a) for a in request.get("args") or []]
     if not os.path.isfile(path):
         return Outcome(ok=False, ename="FileNotFoundError",
                        evalue=f"no script {path} on this rank's host (ranks on other hosts need the same path)")
+    from mnb.megatron.cpurun import script_builtins, script_module
+
     try:
-        with tokenize.open(path) as f:  # honours an encoding declaration, as python does
-            code = compile(f.read(), path, "exec", dont_inherit=True)
+        module, code = script_module(path)
     except (SyntaxError, OSError, UnicodeDecodeError, ValueError) as exc:
         return _failure(exc)
-    module = types.ModuleType("__main__")
-    module.__dict__.update(__file__=path, __builtins__=_builtins(cpu_ranks), __spec__=None, __package__=None)
+    module.__dict__["__builtins__"] = script_builtins() if cpu_ranks else builtins
     saved_argv, saved_path, saved_main = sys.argv, list(sys.path), sys.modules.get("__main__")
-    sys.argv = [path, *args]
-    sys.path.insert(0, os.path.dirname(path))
-    sys.modules["__main__"] = module
-    try:
-        from mnb.megatron import adopt, cpu
+    sandbox = ScriptSandbox(path, namespace, kernel)
+    notes: list[str] = []
+    from mnb.megatron import adopt, cpu, gpu_idioms
 
-        redirect = cpu.redirect_namespace(module.__dict__) if cpu_ranks else contextlib.nullcontext()
-        with adopt.adopted(ranks=ranks, cpu_ranks=cpu_ranks), redirect:
-            exec(code, module.__dict__)
+    try:
+        with sandbox:
+            sys.argv = [path, *args]
+            sys.path.insert(0, os.path.dirname(path))
+            sys.modules["__main__"] = module
+            redirect = gpu_idioms.ScriptRedirection() if cpu_ranks else contextlib.nullcontext()
+            try:
+                with adopt.adopted(ranks=ranks, cpu_ranks=cpu_ranks), redirect:
+                    exec(code, module.__dict__)
+            finally:
+                notes = cpu.take_notes() if cpu_ranks else []
+                sys.argv, sys.path[:] = saved_argv, saved_path
+                if saved_main is not None:
+                    sys.modules["__main__"] = saved_main
         outcome = Outcome(ok=True)
     except SystemExit as exc:
         outcome = _exit_outcome(exc)
     except BaseException as exc:  # the rank reports every failure, KeyboardInterrupt included
         outcome = _failure(exc)
         release_frames(exc)  # a failed script's step must not keep its tensors (executor.py says why)
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-        if saved_main is not None:
-            sys.modules["__main__"] = saved_main
     _keep_globals(module.__dict__, namespace)
+    once = [gpu_idioms.summary_line(notes)] if min(ranks) == int(os.environ.get("RANK", "0")) else []
+    for line in (*once, sandbox.restore_names()):
+        if line:
+            print(line)
     return outcome
 
 
@@ -80,28 +94,6 @@ def restore_pool_state() -> Outcome:
         return Outcome(ok=True)
     except BaseException as exc:
         return _failure(exc)
-
-
-def _builtins(cpu_ranks: bool) -> Any:
-    """The script's builtins: on CPU ranks ``import torch`` binds Megatron's CPU view of torch."""
-    if not cpu_ranks:
-        return builtins
-    from mnb.megatron import cpu
-
-    view = cpu.script_torch()
-    real_import = builtins.__import__
-
-    def script_import(name, globals=None, locals=None, fromlist=(), level=0):
-        module = real_import(name, globals, locals, fromlist, level)
-        if level == 0 and name == "torch" or (level == 0 and name.startswith("torch.") and not fromlist):
-            return view  # `import torch`, `import torch.nn as nn` (attributes fall through to torch)
-        if level == 0 and name == "torch.cuda" and fromlist:
-            return view.cuda  # `from torch.cuda import set_device`
-        return module
-
-    table = dict(vars(builtins))
-    table["__import__"] = script_import
-    return table
 
 
 def _keep_globals(script_ns: dict[str, Any], namespace: dict[str, Any]) -> None:

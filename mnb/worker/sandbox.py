@@ -1,0 +1,175 @@
+"""A ``%mnb run`` starts as clean as a fresh process, and leaves the rank as it found it.
+
+A live rank has state a fresh ``torchrun`` process would not have; the sandbox
+(:class:`ScriptSandbox`, used by :mod:`mnb.worker.script`) removes or hides it for
+the script's run, cheaply:
+
+- **modules**: those from the script's folder are imported afresh (a cached
+  ``model.py`` of another folder, or the old code of a module you edited, is never
+  found), and after the run those plus every module imported from a path that was not on
+  the rank's original ``sys.path`` are forgotten.  Bytecode is not written meanwhile
+  (no ``__pycache__`` in your folders, no stale ``.pyc`` after an edit).
+- **directory**: the script runs in the notebook kernel's current directory (as
+  IPython's ``%run`` does; ``%cd`` is followed); the rank's directory is restored after.
+- **environment**: the notebook's ``os.environ`` changes since the pool started
+  (``%env``) are applied (:func:`apply_environ`; cells get them too); what the script
+  changes in ``os.environ`` is undone after it.
+- **library singletons**: accelerate's ``PartialState``/``AcceleratorState``/
+  ``GradientState`` start empty (Megatron's globals and RNG tracker: :mod:`mnb.megatron.adopt`);
+  torch's default dtype and grad mode are restored after.
+- **mnb's names** (``rank``, ``device``, ``dist``, ``ps``, ``mnb``, ``torch``, ...) are
+  mnb's again after the script; a script value that differed is named in one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+ORIGINAL_SYS_PATH = tuple(os.path.realpath(p or os.curdir) for p in sys.path)
+"""The rank's ``sys.path`` when the worker started (imported by mnb.worker.main at start-up)."""
+
+MNB_NAMES = ("rank", "world_size", "local_rank", "device", "torch", "dist", "ps", "mnb", "display")
+
+PROTECTED_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "MPLBACKEND",
+    "PYTHONUNBUFFERED",
+})
+"""Variables the launcher and torchrun set per rank: the notebook's values never replace them."""
+
+
+def _protected(key: str) -> bool:
+    return key in PROTECTED_ENV or key.startswith(("TORCHELASTIC_", "MNB_"))
+
+
+def apply_environ(changes: dict[str, Any] | None) -> None:
+    """Apply the notebook kernel's ``os.environ`` changes since the pool started:
+    ``{"set": {name: value}, "unset": [name, ...]}`` (torchrun's and mnb's own variables excepted)."""
+    if not changes:
+        return
+    for key, value in (changes.get("set") or {}).items():
+        if not _protected(key):
+            os.environ[key] = str(value)
+    for key in changes.get("unset") or ():
+        if not _protected(key):
+            os.environ.pop(key, None)
+
+
+def _module_folder(module: Any) -> str | None:
+    """The folder a module was loaded from, as its ``__file__`` (or package path) says."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        paths = getattr(module, "__path__", None)
+        try:
+            path = next(iter(paths), None) if paths else None
+        except TypeError:
+            return None
+        if not path:
+            return None
+        path = os.path.join(path, "__init__")
+    return os.path.dirname(path) if isinstance(path, str) else None
+
+
+def _under(folder: str, root: str) -> bool:
+    return folder == root or folder.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def forget_modules(script_dir: str, before: set[str] | None = None) -> list[str]:
+    """Forget modules from ``script_dir`` and (those not in ``before``) from paths outside the
+    rank's original ``sys.path``; return their names.
+
+    String comparisons for the thousands of modules a rank holds (a run must not spend a
+    fraction of a second per rank on ``realpath``: ranks that start the script at different
+    moments print lines that no longer fold); ``realpath`` only for the modules new in the run.
+    """
+    dirs = {os.path.abspath(script_dir), os.path.realpath(script_dir)}
+    gone = []
+    for name, module in list(sys.modules.items()):
+        if name == "__main__" or module is None:
+            continue
+        folder = _module_folder(module)
+        if folder is None:
+            continue
+        forget = any(_under(folder, d) for d in dirs)
+        if not forget and before is not None and name not in before:
+            real = os.path.realpath(folder)
+            forget = _under(real, os.path.realpath(script_dir)) or not any(
+                _under(real, root) for root in ORIGINAL_SYS_PATH)
+        if forget:
+            del sys.modules[name]
+            gone.append(name)
+    return gone
+
+
+def _reset_accelerate() -> None:
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    state.GradientState._reset_state()
+
+
+class ScriptSandbox:
+    """The fresh-process state of one ``%mnb run`` (module doc); a context manager."""
+
+    def __init__(self, path: str, namespace: dict[str, Any], kernel: dict[str, Any] | None) -> None:
+        self.script_dir = os.path.dirname(path)
+        self.namespace = namespace
+        self.kernel = kernel or {}
+
+    def __enter__(self) -> "ScriptSandbox":
+        import torch
+
+        forget_modules(self.script_dir)
+        importlib.invalidate_caches()  # files added to the folders since the last import are found
+        self._modules = set(sys.modules)
+        self._bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+        self._cwd = os.getcwd()
+        cwd = self.kernel.get("cwd")
+        if cwd and os.path.isdir(cwd):  # a rank on another host without that folder stays where it is
+            os.chdir(cwd)
+        self._environ = dict(os.environ)
+        apply_environ(self.kernel.get("environ"))
+        self._names = {k: self.namespace[k] for k in MNB_NAMES if k in self.namespace}
+        self._torch_state = (torch.get_default_dtype(), torch.is_grad_enabled())
+        _reset_accelerate()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        forget_modules(self.script_dir, self._modules)
+        sys.dont_write_bytecode = self._bytecode
+        os.chdir(self._cwd)
+        os.environ.clear()
+        os.environ.update(self._environ)
+        torch.set_default_dtype(self._torch_state[0])
+        torch.set_grad_enabled(self._torch_state[1])
+
+    def restore_names(self) -> str | None:
+        """mnb's names again after the script's globals joined the namespace; the line saying
+        which of the script's values differed (None when none did)."""
+        differed = []
+        for name, value in getattr(self, "_names", {}).items():  # {} if __enter__ failed early
+            theirs = self.namespace.get(name, value)
+            if theirs is not value and not _same(theirs, value):
+                differed.append(f"{name} (the script's: {_short(theirs)})")
+            self.namespace[name] = value
+        if not differed:
+            return None
+        return "mnb: mnb's names are mnb's again after the script: " + ", ".join(differed)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an object whose == is not a bool (a tensor): not the same
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
