@@ -36,7 +36,7 @@ def test_public_surface_is_deliberate():
     import mnb
 
     assert set(mnb.__all__) >= {"pool", "last_run", "estimate", "gpt", "train", "save", "load",
-                                "explorer", "sweep", "load_ipython_extension"}
+                                "explorer", "sweep", "load_ipython_extension", "generate", "evaluate"}
 
 
 def _cell(line: str):
