@@ -381,6 +381,12 @@ class TrainConfig:
     data: str = "mock"
     """'mock', a corpus preset such as 'stdlib', a folder/glob of text files, or a .bin/.idx prefix."""
     log_every: int = 1
+    eval_data: str | None = None
+    """Held-out data for ``mnb.evaluate`` during training (what ``data`` takes); None = no evaluation."""
+    eval_every: int = 0
+    """Evaluate after every this many steps of the call (0 = once, after the last step)."""
+    eval_batches: int = 1
+    """Batches (micro_batch_size sequences per dp rank each) per evaluation."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size"):
@@ -395,6 +401,19 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"eval_every must be an integer >= 0 (0 = after the last step), got {self.eval_every!r}")
+        if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
+            raise ValueError(f"eval_batches must be a positive integer, got {self.eval_batches!r}")
+        if self.eval_every and not self.eval_data:
+            raise ValueError(f"eval_every={self.eval_every} needs eval_data= (held-out data: 'stdlib', a text "
+                             "folder, a .bin/.idx prefix or 'mock')")
+
+    def eval_due(self, step: int) -> bool:
+        """Whether to evaluate after ``step`` (1-based within the call)."""
+        if not self.eval_data:
+            return False
+        return step % self.eval_every == 0 if self.eval_every else step == self.steps
 
     def num_microbatches(self, dp: int) -> int:
         """Microbatches per step per data-parallel rank, checked for divisibility."""
