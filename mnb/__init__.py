@@ -10,9 +10,10 @@ Notebook side::
 
 Everything here is imported lazily: ``import mnb`` in the notebook kernel
 pulls in neither torch nor Megatron.  ``mnb.gpt``, ``mnb.train``, ``mnb.record``,
-``mnb.save``, ``mnb.load``, ``mnb.generate`` and ``mnb.evaluate`` are rank-side functions (they need torch and run inside
+``mnb.save``, ``mnb.load``, ``mnb.from_hf``, ``mnb.logits``, ``mnb.save_hf``, ``mnb.generate`` and
+``mnb.evaluate`` are rank-side functions (they need torch and run inside
 ``%%megatron`` cells); ``mnb.pool``, ``mnb.last_run``, ``mnb.estimate``,
-``mnb.explorer``, ``mnb.sweep`` and ``mnb.export`` (Megatron-LM / torchrun / Slurm
+``mnb.explorer``, ``mnb.sweep``, ``mnb.hf_config`` and ``mnb.export`` (Megatron-LM / torchrun / Slurm
 launches of the notebook's layout) belong to the notebook side.
 """
 
@@ -40,6 +41,10 @@ __all__ = [
     "explorer",
     "sweep",
     "export",
+    "from_hf",
+    "logits",
+    "save_hf",
+    "hf_config",
     "ParallelConfig",
     "ModelConfig",
     "TrainConfig",
@@ -61,6 +66,10 @@ _LAZY = {
     "explorer": ("mnb.widgets", "explorer"),
     "sweep": ("mnb.widgets", "sweep"),
     "export": ("mnb.exports", "export"),
+    "from_hf": ("mnb.megatron.hf", "from_hf"),
+    "logits": ("mnb.megatron.logits", "logits"),
+    "save_hf": ("mnb.megatron.hf", "save_hf"),
+    "hf_config": ("mnb.hf_config", "hf_config"),
     "ParallelConfig": ("mnb.config", "ParallelConfig"),
     "ModelConfig": ("mnb.config", "ModelConfig"),
     "TrainConfig": ("mnb.config", "TrainConfig"),

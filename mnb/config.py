@@ -196,11 +196,18 @@ class ModelConfig:
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     gated_linear_unit: bool = False
     """True with activation 'silu' is SwiGLU (Llama)."""
-    activation: Literal["gelu", "silu"] = "gelu"
+    activation: Literal["gelu", "gelu_tanh", "silu"] = "gelu"
+    """'gelu_tanh' is the tanh-approximated GELU (GPT-2's ``gelu_new``, Megatron-LM's ``--openai-gelu``)."""
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     rotary_base: int = 10000
+    rope_scaling: bool = False
+    """Llama 3's RoPE frequency scaling (GPTModel's ``rope_scaling``; low/high frequency factors 1 and 4,
+    original context 8192, as Megatron-Core fixes them)."""
+    rope_scaling_factor: float = 8.0
     share_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    """Biases on the q/k/v projection only (Qwen2); ``add_bias_linear`` biases every linear layer."""
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
@@ -308,6 +315,8 @@ class ModelConfig:
         biases = 0
         if self.add_bias_linear:
             biases = (q + kv) + h + (self.ffn * (2 if self.gated_linear_unit else 1)) + h
+        elif self.add_qkv_bias:
+            biases = q + kv
         per_layer = attn + mlp + norms + biases
         embed = self.vocab_size * h
         pos = self.max_position_embeddings * h if self.position_embedding_type == "learned_absolute" else 0

@@ -36,7 +36,8 @@ def test_public_surface_is_deliberate():
     import mnb
 
     assert set(mnb.__all__) >= {"pool", "last_run", "estimate", "gpt", "train", "save", "load",
-                                "explorer", "sweep", "load_ipython_extension", "generate", "evaluate"}
+                                "explorer", "sweep", "load_ipython_extension",
+                                "from_hf", "logits", "save_hf", "hf_config", "generate", "evaluate"}
 
 
 def _cell(line: str):

@@ -98,6 +98,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 """torch 2.13 renamed the single-tensor collectives (the old names warn); 2.11 has only the old ones."""
 
 
+def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence ``[s, ...]`` from each cp rank's two chunks ``[s/cp, ...]`` (differentiable)."""
+    return local if group.size() == 1 else _GatherSequence.apply(local, group)
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather the local ``[2c, ...]`` chunks over the cp group into sequence order ``[2c*cp, ...]``.
 

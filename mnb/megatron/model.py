@@ -92,6 +92,10 @@ class MegatronModel:
     history: list[dict] = field(default_factory=list)
     released: str | None = None
     """Why this model's memory was freed (its layout was replaced), or None."""
+    tokenizer: Any = None
+    """The model's tokenizer: None = mnb's byte tokenizer; :func:`mnb.from_hf` sets the checkpoint's."""
+    hf: Any = None
+    """Where :func:`mnb.from_hf` read the model (:class:`mnb.megatron.hf.loader.Source`), or None."""
     user_model: bool = False
     """Built by the user's own code (``mnb.train(module, forward_step_func=...)``), not by :func:`gpt`:
     its TransformerConfig's recompute settings are left as they are unless ``recompute`` is given."""
@@ -134,7 +138,12 @@ class MegatronModel:
         )
 
 
-_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (GPT-2's ``gelu_new``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh, "silu": F.silu}
 _last_model: "weakref.ref[MegatronModel] | None" = None
 _built: "weakref.WeakSet[MegatronModel]" = weakref.WeakSet()
 
@@ -197,6 +206,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, *, fusions: b
         gated_linear_unit=cfg.gated_linear_unit,
         activation_func=_ACTIVATIONS[cfg.activation],
         add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
         init_method_std=cfg.init_method_std,
         layernorm_epsilon=cfg.layernorm_epsilon,
         tensor_model_parallel_size=parallel.tp,
@@ -261,14 +271,24 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
     if "sequence_parallel" in overrides:
         parallel = dataclasses.replace(parallel, sequence_parallel=bool(overrides.pop("sequence_parallel")))
     cfg = model_config(preset_or_config, **overrides)
+    if init not in ("layout_invariant", "megatron"):
+        raise ValueError(f"init must be 'layout_invariant' or 'megatron', got {init!r}")
+    return build_model(cfg, parallel, seed=seed, init=init, fusions=fusions)
+
+
+def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None = None,
+                init: str = "layout_invariant", fusions: bool | str = "auto") -> MegatronModel:
+    """This rank's chunks of ``cfg`` under ``parallel`` (:func:`gpt` after parsing its arguments).
+
+    ``init="none"`` builds uninitialised weights (Megatron's ``perform_initialization=False``),
+    for callers that fill every weight themselves (:func:`mnb.from_hf`).
+    """
     cfg.check_parallel(parallel)
     if cfg.is_moe and parallel.tp > 1 and not parallel.sequence_parallel:
         raise ValueError(
             f"Megatron-Core trains MoE models with tp({parallel.tp}) > 1 only under sequence "
             "parallelism: use %%megatron --sp, or mnb.gpt(..., sequence_parallel=True)"
         )
-    if init not in ("layout_invariant", "megatron"):
-        raise ValueError(f"init must be 'layout_invariant' or 'megatron', got {init!r}")
     seed = 1234 if seed is None else seed
     from megatron.core import parallel_state as ps
 
@@ -290,6 +310,8 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
     device = device_of()
     fused = _fusions.resolve(fusions, device)
     tconfig = transformer_config(cfg, parallel, fusions=fused)
+    if init == "none":
+        tconfig.perform_initialization = False
     model_class = _gpt_class(fused_loss=fused and not tconfig.cross_entropy_loss_fusion)
     vocab = padded_vocab_size(cfg.vocab_size, parallel.tp)
     interleaved = parallel.vpp > 1
@@ -312,6 +334,8 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
             share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
             position_embedding_type=cfg.position_embedding_type,
             rotary_base=cfg.rotary_base,
+            rope_scaling=cfg.rope_scaling,
+            rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp_stage,
         )
         chunks.append(chunk)
