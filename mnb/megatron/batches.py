@@ -42,11 +42,17 @@ class BatchPlan:
     def dataset(self, tc, model, *, steps: int):
         """The dataset covering this call's samples (built collectively on all ranks)."""
         return build_dataset(tc.data, model.config, model.config.seq_length,
-                             self.start_sample + steps * self.global_batch_size, tc.seed)
+                             self.start_sample + steps * self.global_batch_size, tc.seed,
+                             tokenizer=getattr(model, "tokenizer", None))
 
 
-def build_dataset(data: str, model_config, seq_length: int, num_samples: int, seed: int):
-    """``mnb.megatron.data.dataset_for`` (mock, corpus presets, text folders, .bin/.idx)."""
+def build_dataset(data: str, model_config, seq_length: int, num_samples: int, seed: int, *,
+                  tokenizer=None):
+    """``mnb.megatron.data.dataset_for`` (mock, corpus presets, text folders, .bin/.idx).
+
+    Text is tokenized with ``tokenizer`` (the model's own, e.g. a Hugging Face checkpoint's;
+    None: mnb's byte tokenizer).
+    """
     try:
         from mnb.megatron.data import dataset_for
     except ImportError as err:
@@ -56,7 +62,7 @@ def build_dataset(data: str, model_config, seq_length: int, num_samples: int, se
                 f"({err}); use data='mock' or repair the installation"
             ) from err
         return _mock_dataset(model_config.vocab_size, seq_length, num_samples, seed)
-    return dataset_for(data, model_config, seq_length, num_samples, seed)
+    return dataset_for(data, model_config, seq_length, num_samples, seed, tokenizer=tokenizer)
 
 
 def _mock_dataset(vocab_size: int, seq_length: int, num_samples: int, seed: int):

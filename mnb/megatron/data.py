@@ -10,15 +10,20 @@ The training loop calls one function::
 - ``"mock"``: Megatron's ``MockGPTDataset`` (ids ``1, 2, 3, ... eod``; nothing on disk);
 - a corpus preset, see :data:`CORPORA` (``"stdlib"``: Python's own standard library
   sources, a sorted, size-capped subset; present offline on every machine);
-- a text file, a folder (every non-hidden, non-binary file below it, sorted), a glob
-  (``"notes/**/*.md"``) or a list of those;
+- a text file, a folder (every non-hidden, non-binary file below it, sorted; see
+  :mod:`mnb.megatron.corpora`), a glob (``"notes/**/*.md"``) or a list of those;
 - an existing Megatron ``.bin/.idx`` prefix (``/data/my_text_document``).
 
-Text is tokenized with :class:`~mnb.megatron.tokenizer.ByteTokenizer` (one document
-per file, large files cut at blank lines; each document ends with the eod id 256)
-into ``$MNB_CACHE/corpora/<name>-<content hash>.{bin,idx}`` (default cache
-``~/.cache/mnb``). A second call with the same content finds the finished files and
-returns at once.
+Text is tokenized with the model's tokenizer: a Hugging Face checkpoint's own
+(:class:`~mnb.megatron.tokenizer.HFTokenizer`, ``model.tokenizer``; each document then starts
+with the BOS its post-processor adds, e.g. Llama 3's, and ends with its eos) or, when the model
+has none, :class:`~mnb.megatron.tokenizer.ByteTokenizer` (UTF-8 bytes; each document ends with
+the eod id 256). One document per file, large files cut at blank lines, into
+``$MNB_CACHE/corpora/<name>-<content hash>.{bin,idx}`` (default cache ``~/.cache/mnb``); the
+hash covers the files' bytes and the tokenizer's identity (for a checkpoint's tokenizer its
+``fingerprint``), so each tokenizer has its own copy. A second call with the same content and
+tokenizer finds the finished files and returns at once. A ``.bin/.idx`` prefix that mnb built
+with another tokenizer than the model's is refused.
 
 Several ranks at once. ``.bin/.idx`` files are built under an exclusive file lock
 (``fcntl.flock`` on ``<prefix>.lock``) and renamed into place when complete, so any
@@ -34,21 +39,26 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob as globlib
 import hashlib
 import json
 import logging
 import os
-import sysconfig
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, Union
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from mnb.config import ModelConfig
+from mnb.megatron.corpora import (  # noqa: F401 - re-exported: data.CORPORA, data.resolve_text_files
+    CORPORA,
+    Corpus,
+    DataSpec,
+    cache_dir,
+    resolve_text_files,
+    stdlib_files,
+)
 from mnb.megatron.tokenizer import ByteTokenizer, MockTokenizer
 
 logger = logging.getLogger(__name__)
@@ -58,99 +68,6 @@ FORMAT_VERSION = 1
 MAX_DOCUMENT_BYTES = 1 << 20
 """Files larger than this are cut into documents at blank lines."""
 LOCK_TIMEOUT_S = 1800.0
-
-DataSpec = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
-
-
-# -- cache and corpora ----------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """``$MNB_CACHE`` or ``~/.cache/mnb``."""
-    return Path(os.environ.get("MNB_CACHE") or Path.home() / ".cache" / "mnb").expanduser()
-
-
-def stdlib_files(max_bytes: int) -> list[Path]:
-    """The standard library's ``.py`` files, sorted by path, until ``max_bytes`` is reached.
-
-    Skips ``site-packages``, test suites (``test``/``tests``, which hold deliberately
-    broken files), generated tables (``encodings``, ``pydoc_data``), bundled tools
-    (``idlelib``, ``lib2to3``, ``ensurepip``) and ``__pycache__``. Deterministic for
-    a given Python build.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test",
-            "encodings", "pydoc_data", "idlelib", "lib2to3", "ensurepip", "turtledemo"}
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames
-                       if d not in skip and not d.startswith((".", "config-"))]
-        found.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
-    found.sort(key=lambda p: p.relative_to(root).as_posix())
-    chosen, total = [], 0
-    for path in found:
-        size = path.stat().st_size
-        if total + size > max_bytes:
-            break
-        chosen.append(path)
-        total += size
-    return chosen
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """A named corpus: a function listing its files, and what it is."""
-
-    name: str
-    description: str
-    files: Callable[[], list[Path]]
-
-
-CORPORA: dict[str, Corpus] = {
-    c.name: c
-    for c in (
-        Corpus("stdlib", "Python standard-library sources, first 4 MiB by sorted path",
-               lambda: stdlib_files(4 << 20)),
-        Corpus("stdlib-small", "Python standard-library sources, first 512 KiB by sorted path",
-               lambda: stdlib_files(512 << 10)),
-    )
-}
-"""Corpus presets accepted as ``data=`` by name."""
-
-
-def _is_text_file(path: Path) -> bool:
-    with open(path, "rb") as fh:
-        return b"\0" not in fh.read(8192)
-
-
-def resolve_text_files(spec: DataSpec) -> list[Path]:
-    """Files named by a corpus preset, a file, a folder, a glob, or a list of those."""
-    if isinstance(spec, (list, tuple)):
-        return [f for item in spec for f in resolve_text_files(item)]
-    text = os.fspath(spec)
-    if text in CORPORA:
-        return CORPORA[text].files()
-    path = Path(text).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = []
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-            files.extend(Path(dirpath, f) for f in filenames if not f.startswith("."))
-        files.sort(key=lambda p: p.relative_to(path).as_posix())
-        return [f for f in files if f.is_file() and _is_text_file(f)]
-    if globlib.has_magic(text):
-        matches = sorted(globlib.glob(os.path.expanduser(text), recursive=True))
-        files = [Path(m) for m in matches if Path(m).is_file()]
-        if files:
-            return files
-        raise FileNotFoundError(f"data glob {text!r} matches no files")
-    raise FileNotFoundError(
-        f"data {text!r} does not exist: expected 'mock', a corpus preset "
-        f"({', '.join(CORPORA)}), a text file, a folder, a glob, or a Megatron "
-        ".bin/.idx prefix"
-    )
 
 
 # -- building .bin/.idx ------------------------------------------------------------
@@ -206,10 +123,38 @@ def _split_document(data: bytes, max_bytes: int = MAX_DOCUMENT_BYTES) -> list[by
     return pieces
 
 
-def _encode(tokenizer, data: bytes) -> np.ndarray:
+ENCODE_BATCH_BYTES = 8 << 20
+"""Documents handed together to a tokenizer that encodes batches in parallel (``tokenize_documents``)."""
+
+
+def _pieces(files: Sequence[Path]) -> Iterator[bytes]:
+    for path in files:
+        yield from (piece for piece in _split_document(path.read_bytes()) if piece)
+
+
+def _encoded(tokenizer, files: Sequence[Path]) -> Iterator[np.ndarray]:
+    """The ids of each document of ``files``, in order."""
     if hasattr(tokenizer, "tokenize_bytes"):
-        return tokenizer.tokenize_bytes(data)
-    return np.asarray(tokenizer.tokenize(data.decode("utf-8", errors="replace")), dtype=np.int64)
+        for piece in _pieces(files):
+            yield tokenizer.tokenize_bytes(piece)
+        return
+    batch: list[str] = []
+    size = 0
+    for piece in _pieces(files):
+        batch.append(piece.decode("utf-8", errors="replace"))
+        size += len(piece)
+        if size >= ENCODE_BATCH_BYTES:
+            yield from _encode_texts(tokenizer, batch)
+            batch, size = [], 0
+    yield from _encode_texts(tokenizer, batch)
+
+
+def _encode_texts(tokenizer, texts: list[str]) -> Iterator[np.ndarray]:
+    if not texts:
+        return
+    many = getattr(tokenizer, "tokenize_documents", None)
+    for ids in (many(texts) if many else map(tokenizer.tokenize, texts)):
+        yield np.asarray(ids, dtype=np.int64)
 
 
 def _meta_path(prefix: str) -> Path:
@@ -229,7 +174,8 @@ def build_indexed_dataset(text_files: Sequence[str | os.PathLike], output_prefix
     """Tokenize ``text_files`` into Megatron's ``output_prefix.{bin,idx}``; return the prefix.
 
     One document per file (files over :data:`MAX_DOCUMENT_BYTES` are cut at blank
-    lines), each followed by ``tokenizer.eod``. Written through
+    lines), each encoded by ``tokenizer.tokenize`` (a checkpoint's tokenizer adds its BOS
+    there) and followed by ``tokenizer.eod``. Written through
     ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` into temporary
     files renamed into place, under a file lock; the sidecar ``output_prefix.mnb.json``
     (written last) records the content hash, so a second call with the same content
@@ -260,18 +206,14 @@ def build_indexed_dataset(text_files: Sequence[str | os.PathLike], output_prefix
         num_docs = num_tokens = max_id = 0
         try:
             builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
-            for path in files:
-                for piece in _split_document(path.read_bytes()):
-                    if not piece:
-                        continue
-                    ids = _encode(tokenizer, piece)
-                    doc = np.empty(len(ids) + 1, dtype=np.int64)
-                    doc[:-1] = ids
-                    doc[-1] = tokenizer.eod
-                    builder.add_document(doc, [len(doc)])
-                    num_docs += 1
-                    num_tokens += len(doc)
-                    max_id = max(max_id, int(doc.max()))
+            for ids in _encoded(tokenizer, files):
+                doc = np.empty(len(ids) + 1, dtype=np.int64)
+                doc[:-1] = ids
+                doc[-1] = tokenizer.eod
+                builder.add_document(doc, [len(doc)])
+                num_docs += 1
+                num_tokens += len(doc)
+                max_id = max(max_id, int(doc.max()))
             builder.finalize(tmp + ".idx")
             if num_docs == 0:
                 raise ValueError(
@@ -307,6 +249,7 @@ def prepare(data: DataSpec, tokenizer=None) -> str:
     if not isinstance(data, (list, tuple)):
         prefix = _is_prefix(os.fspath(data))
         if prefix is not None and os.fspath(data) not in CORPORA:
+            _check_prefix_tokenizer(prefix, tokenizer)
             return prefix
     files = resolve_text_files(data)
     if not files or sum(f.stat().st_size for f in files) == 0:
@@ -317,6 +260,17 @@ def prepare(data: DataSpec, tokenizer=None) -> str:
     digest = _content_hash(files, tokenizer)
     return build_indexed_dataset(files, str(cache_dir() / "corpora" / f"{label}-{digest[:16]}"),
                                  tokenizer)
+
+
+def _check_prefix_tokenizer(prefix: str, tokenizer) -> None:
+    """Refuse a prefix that mnb built (it has a sidecar) with another tokenizer than ``tokenizer``."""
+    built = (read_meta(prefix) or {}).get("tokenizer")
+    if built is not None and built != dict(tokenizer.unique_identifiers):
+        raise ValueError(
+            f"{prefix}.bin was tokenized by mnb with {built.get('class', '?').rsplit('.', 1)[-1]} "
+            f"(vocab_size {built.get('vocab_size')}), not with this model's tokenizer {tokenizer!r}; "
+            "pass the text files instead, and mnb tokenizes them again with the model's tokenizer"
+        )
 
 
 def max_token_id(prefix: str) -> int:
@@ -345,6 +299,7 @@ def dataset_for(data: str, model_config: ModelConfig, seq_length: int, num_sampl
     ``attention_mask`` when ``attention_mask=True`` (Megatron's causal attention
     builds its own mask, so it is off by default). Sampling order is fixed by ``seed``.
 
+    ``tokenizer`` encodes text data (the model's ``tokenizer``; None: the byte tokenizer).
     Collective when ``torch.distributed`` is initialised (Megatron's builder barriers
     on the world group): call it on every rank. Raises FileNotFoundError for a missing
     path, ValueError for an empty corpus or ids that do not fit ``model_config.vocab_size``.
@@ -379,10 +334,12 @@ def dataset_for(data: str, model_config: ModelConfig, seq_length: int, num_sampl
         prefix = prepare(data, tokenizer)
         top = max_token_id(prefix)
         if top >= vocab:
+            hint = (f"the byte tokenizer, used for a model without a tokenizer of its own, needs "
+                    f"{ByteTokenizer().vocab_size}; or give data= a .bin/.idx prefix of ids"
+                    if isinstance(tokenizer, ByteTokenizer) else f"its tokenizer: {tokenizer!r}")
             raise ValueError(
                 f"data {data!r} has token ids up to {top} but the model's vocab_size is "
-                f"{vocab}; build the model with vocab_size >= {top + 1} "
-                f"(the byte tokenizer needs {ByteTokenizer().vocab_size})"
+                f"{vocab}; build the model with vocab_size >= {top + 1} ({hint})"
             )
         config = GPTDatasetConfig(tokenizer=tokenizer, blend=([prefix], None), split="1,0,0",
                                   path_to_cache=str(cache_dir() / "indices"), **common)
