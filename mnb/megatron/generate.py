@@ -53,13 +53,25 @@ class Prompts:
 
 
 def tokenizer_of(model: MegatronModel):
-    """The model's tokenizer (a checkpoint's), else mnb's byte tokenizer."""
+    """The model's tokenizer: a checkpoint's, mnb's byte tokenizer for ``mnb.gpt`` models,
+    None for a Hugging Face checkpoint without ``tokenizer.json`` (token ids only)."""
     tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
+    if tokenizer is None and getattr(model, "hf", None) is None:
         from mnb.megatron.tokenizer import ByteTokenizer
 
         tokenizer = ByteTokenizer()
     return tokenizer
+
+
+def end_ids(model: MegatronModel, tokenizer) -> set[int]:
+    """Ids that end a continuation: a checkpoint's ``eos_token_id`` (what transformers'
+    ``generate`` stops at), else the tokenizer's end-of-document id."""
+    source = getattr(getattr(model, "hf", None), "config", None) or {}
+    eos = source.get("eos_token_id") if isinstance(source, dict) else None
+    if eos is None and tokenizer is not None:
+        eos = getattr(tokenizer, "eod", None)
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return {int(i) for i in ids if isinstance(i, int) and i >= 0}
 
 
 def as_prompts(prompts: Any, tokenizer) -> Prompts:
@@ -87,6 +99,9 @@ def _is_id(value: Any) -> bool:
 
 
 def _encode(text: str, tokenizer) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer (its Hugging Face folder has no tokenizer.json): "
+                         "pass token ids, e.g. mnb.generate(model, [[1, 2, 3]])")
     ids = list(tokenizer.tokenize(text))
     if not ids:
         raise ValueError(f"prompt {text!r} has no tokens; give at least one character")
@@ -137,7 +152,8 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
         seed: seed of the sampling draws (the same draws under every layout).
         stop: a string or strings; a continuation ends where one appears (the stop string
             itself is not returned; token-id answers end with the token that completed it).
-            The end-of-document token ends a continuation too (kept in token-id answers).
+            The end token ends a continuation too (kept in token-id answers, as transformers
+            keeps it): a checkpoint's ``eos_token_id``, else the tokenizer's end of document.
         stream: show each prompt's text growing in the notebook (plain text outside one).
 
     Must run on every rank of the pool (a ``%%megatron`` cell).  Kernel -> Interrupt stops
@@ -145,6 +161,9 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
     """
     stops = check_settings(model, max_new_tokens, temperature, top_k, top_p, stop)
     tokenizer = tokenizer_of(model)
+    if stops and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer, and this model has none (no tokenizer.json in its "
+                         "Hugging Face folder): leave stop out, or load a checkpoint with its tokenizer")
     batch = as_prompts(prompts, tokenizer)
     limit = model.config.max_position_embeddings
     longest = max(len(p) for p in batch.ids)
@@ -160,7 +179,8 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
     sampler = Sampler(temperature, top_k, top_p, seed, vocab)
     view = Stream(batch, tokenizer) if stream else None
     with interrupts.deferred() as flag:
-        outputs, stopped = decode(model, batch.ids, max_new_tokens, sampler, tokenizer, stops, flag, view)
+        outputs, stopped = decode(model, batch.ids, max_new_tokens, sampler, tokenizer, stops, flag, view,
+                                  ends=end_ids(model, tokenizer))
     if stopped:
         raise KeyboardInterrupt(
             f"mnb.generate stopped on every rank after {max(len(o) for o in outputs)} new tokens "
@@ -218,6 +238,8 @@ class Stream:
         self.prompts = [self._text(p) for p in batch.ids]
 
     def _text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
         try:
             return self.tokenizer.detokenize(ids)
         except Exception:  # noqa: BLE001 - a tokenizer that cannot show ids: show the ids
@@ -252,7 +274,8 @@ def inference_mode(model: MegatronModel):
 
 
 def decode(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
-           tokenizer, stops: list[str], flag: interrupts.InterruptFlag, view: Stream | None = None):
+           tokenizer, stops: list[str], flag: interrupts.InterruptFlag, view: Stream | None = None,
+           ends: set[int] = frozenset()):
     """The KV-cached decode loop: new token ids per prompt, and whether an interrupt stopped it."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -264,7 +287,6 @@ def decode(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, 
         tokens[i, : len(p)] = torch.tensor(p)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * batch
-    eod = getattr(tokenizer, "eod", None)
     pipe = Pipeline(model, device)
     context = StaticInferenceContext(batch, total)
     stopped = False
@@ -284,7 +306,7 @@ def decode(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, 
                     continue
                 token = int(chosen[i])
                 outputs[i].append(token)
-                ended = token == eod or len(outputs[i]) >= max_new_tokens
+                ended = token in ends or len(outputs[i]) >= max_new_tokens
                 if stops and not ended:
                     ended = cut_at_stop(tokenizer.detokenize(outputs[i]), stops)[1]
                 done[i] = ended
@@ -355,15 +377,3 @@ class Pipeline:
         torch.distributed.all_reduce(payload)
         payload = payload.cpu()
         return payload[:batch], bool(payload[batch] > 0)
-
-
-def full_logits(model: MegatronModel, tokens: torch.Tensor) -> torch.Tensor | None:
-    """fp32 logits ``[batch, tokens, vocab]`` of whole sequences, no cache (last stage; else None).
-
-    The no-cache reference the decode loop is tested against.
-    """
-    model.check_layout()
-    device = device_of()
-    with inference_mode(model):
-        output = Pipeline(model, device).forward(torch.as_tensor(tokens).to(device))
-    return None if output is None else output[..., : model.config.vocab_size].float()

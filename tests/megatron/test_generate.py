@@ -6,7 +6,9 @@ Greedy continuations of a batch of prompts of different lengths equal a no-cache
 (a whole-sequence forward per token) under dp2, tp2, tp2+sp, pp2 and pp2+vpp2, and after a
 live re-layout of a trained model (save under tp2, load under pp2); sampling repeats by seed;
 stop strings; an interrupt stops every rank at the same token; a cell that runs an asyncio
-loop; evaluation equals the loss the logits imply and is recorded by ``eval_every``.
+loop; evaluation equals the loss ``mnb.logits`` implies and is recorded by ``eval_every``;
+greedy continuations of tiny random Hugging Face checkpoints (Llama, Qwen2, GPT-2, Mixtral)
+equal transformers' ``generate(do_sample=False)`` under dp2, tp2, pp2 and (Mixtral) ep2.
 Both CI legs (megatron-core 0.16 and 0.19).
 """
 
@@ -24,22 +26,13 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [300, 12], [64, 65, 66, 67]]
 
 REFERENCE = """
-import torch
-from mnb.megatron.generate import full_logits
-
 def reference(model, prompts, new):
-    '''Greedy continuations, one whole-sequence forward per token (no KV cache).'''
-    last = torch.distributed.get_world_size() - 1 if model.parallel.pp > 1 else 0
+    '''Greedy continuations, one whole-sequence mnb.logits per token (no KV cache).'''
     out = []
     for prompt in prompts:
         ids = list(prompt)
         for _ in range(new):
-            logits = full_logits(model, torch.tensor([ids]))
-            token = torch.zeros(1, dtype=torch.long)
-            if torch.distributed.get_rank() == last:
-                token[0] = int(logits[0, -1].argmax())
-            torch.distributed.all_reduce(token)
-            ids.append(int(token[0]))
+            ids.append(int(mnb.logits(model, [ids])[0, -1].argmax()))
         out.append(ids[len(prompt):])
     return out
 """
@@ -146,12 +139,11 @@ def test_evaluate_equals_the_loss_the_logits_imply_and_train_records_it(cpu_pool
     implied = """
 import torch
 from mnb.megatron.batches import build_dataset
-from mnb.megatron.generate import full_logits
 data = build_dataset('stdlib', model.config, model.config.seq_length, 4, 1234)
 tokens = torch.stack([torch.as_tensor(data[i]['tokens']) for i in range(4)])
 labels = torch.stack([torch.as_tensor(data[i]['labels']) for i in range(4)])
 mask = torch.stack([torch.as_tensor(data[i]['loss_mask']) for i in range(4)]).float()
-logits = full_logits(model, tokens)
+logits = mnb.logits(model, tokens)
 nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(), reduction='none')
 (float((nll * mask.flatten()).sum() / mask.sum()), int(mask.sum()))
 """
@@ -206,3 +198,48 @@ def test_bad_arguments_are_refused_before_any_collective(cpu_pool):
     cpu_pool.run("model = mnb.gpt('tiny')", layout=ParallelConfig(cp=2), quiet=True)
     with pytest.raises(Exception, match=r"does not run under context parallelism \(cp=2\).*--tp 2"):
         cpu_pool.run("mnb.generate(model, 'x')", quiet=True)
+
+
+HF_PROMPTS = [[11, 250, 3, 77, 140, 9, 31, 200, 5, 66], [42, 7], [299, 1, 150, 12, 88]]
+HF_LAYOUTS = {
+    "dp2": (ParallelConfig(), ("llama", "qwen2", "gpt2", "mixtral")),
+    "tp2": (ParallelConfig(tp=2), ("llama", "qwen2", "gpt2")),
+    "pp2": (ParallelConfig(pp=2), ("llama", "qwen2", "gpt2", "mixtral")),
+    "ep2": (ParallelConfig(ep=2), ("mixtral",)),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tmp_path_factory):
+    """kind -> (folder, transformers' greedy continuations of HF_PROMPTS, one prompt at a time)."""
+    import torch
+    from test_hf import _build
+
+    root = tmp_path_factory.mktemp("hf-generate")
+    out = {}
+    for kind in ("llama", "qwen2", "gpt2", "mixtral"):
+        model = _build(root / kind, kind).eval()
+        continuations = []
+        for prompt in HF_PROMPTS:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                full = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                                      pad_token_id=model.config.eos_token_id)
+            continuations.append(full[0, len(prompt):].tolist())
+        assert max(len(c) for c in continuations) == 32, (kind, continuations)  # not ended at once by eos
+        out[kind] = (str(root / kind), continuations)
+    return out
+
+
+@pytest.mark.parametrize("layout_name", list(HF_LAYOUTS))
+def test_greedy_equals_transformers_generate(cpu_pool, hf_greedy, layout_name):
+    layout, kinds = HF_LAYOUTS[layout_name]
+    paths = {kind: hf_greedy[kind][0] for kind in kinds}
+    got = cpu_pool.run(f"_out = {{}}\n"
+                       f"for _kind, _path in {paths!r}.items():\n"
+                       f"    _m = mnb.from_hf(_path)\n"
+                       f"    _out[_kind] = mnb.generate(_m, {HF_PROMPTS!r}, max_new_tokens=32, stream=False)\n"
+                       f"del _m\n_out", layout=layout, quiet=True)
+    for kind in kinds:
+        want = hf_greedy[kind][1]
+        assert same_on_every_rank({r: v[kind] for r, v in got.items()}) == want, (layout_name, kind)
