@@ -414,9 +414,6 @@ class TrainConfig:
             raise ValueError(f"eval_every must be an integer >= 0 (0 = after the last step), got {self.eval_every!r}")
         if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
             raise ValueError(f"eval_batches must be a positive integer, got {self.eval_batches!r}")
-        if self.eval_every and not self.eval_data:
-            raise ValueError(f"eval_every={self.eval_every} needs eval_data= (held-out data: 'stdlib', a text "
-                             "folder, a .bin/.idx prefix or 'mock')")
 
     def eval_due(self, step: int) -> bool:
         """Whether to evaluate after ``step`` (1-based within the call)."""

@@ -21,6 +21,7 @@ tokens, not a mean of batch means), ``perplexity`` its exponential, ``tokens`` t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -85,7 +86,7 @@ def run_evaluation(model: MegatronModel, data: str, batches: int, micro_batch_si
             module.eval()
         with torch.no_grad():
             losses = get_forward_backward_func()(
-                forward_step_func=_forward_step,
+                forward_step_func=functools.partial(_forward_step, vocab=model.config.vocab_size),
                 data_iterator=microbatch_iterators(dataset, plan, 0, model.chunks, device),
                 model=model.modules,
                 num_microbatches=batches,
@@ -110,17 +111,37 @@ def run_evaluation(model: MegatronModel, data: str, batches: int, micro_batch_si
     return result, bool(totals[2] > 0)
 
 
-def _forward_step(data_iterator, model):
-    """Megatron forward_step_func: the per-token loss sum and token count of one microbatch."""
+def _forward_step(data_iterator, model, *, vocab: int):
+    """Megatron forward_step_func: the per-token loss sum and token count of one microbatch.
+
+    The loss is over the model's real vocabulary: Megatron's padding columns (up to a multiple
+    of 128 * tp) are masked out of the softmax, so it is the loss :func:`mnb.logits` implies.
+    """
     batch = next(data_iterator)
     if batch is None:  # middle pipeline stage
         return model(None, None, None), None
-    output = model(batch.get("tokens"), batch.get("position_ids"), None, labels=batch.get("labels"))
+    output = model(batch.get("tokens"), batch.get("position_ids"), None)  # last stage: [b, s, V_pad/tp]
+    labels = batch["labels"]
     mask = batch["loss_mask"].reshape(-1).float()
 
     def loss_func(output_tensor):
-        loss_sum = torch.sum(output_tensor.float().reshape(-1) * mask)
+        losses = vocab_loss(output_tensor, labels, vocab)
+        loss_sum = torch.sum(losses.reshape(-1) * mask)
         count = mask.sum()
         return loss_sum, count.to(torch.int), {"lm loss": torch.stack([loss_sum, count])}
 
     return output, loss_func
+
+
+def vocab_loss(local_logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per-token cross entropy ``[b, s]`` from this tp rank's logits ``[b, s, V_pad/tp]``, padding excluded."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    local = local_logits.float()
+    width = local.shape[-1]
+    columns = torch.arange(width, device=local.device) + ps.get_tensor_model_parallel_rank() * width
+    # A large finite value, not -inf: a tp shard made only of padding must not turn its max into -inf.
+    local = local.masked_fill(columns >= vocab, -1e30)
+    losses = vocab_parallel_cross_entropy(local.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous())
+    return losses.transpose(0, 1)

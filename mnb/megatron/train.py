@@ -291,6 +291,9 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **set
     from megatron.core import parallel_state as ps
 
     tc = train_config(**{k: v for k, v in settings.items() if v is not None})
+    if tc.eval_every and not tc.eval_data:
+        raise ValueError(f"eval_every={tc.eval_every} needs eval_data= (held-out data: 'stdlib', a text "
+                         "folder, a .bin/.idx prefix or 'mock')")
     model.check_layout()
     parallel = model.parallel
     num_microbatches = tc.num_microbatches(parallel.dp)
