@@ -46,16 +46,10 @@ def _build(folder, kind: str, *, dtype=None, shard: str | None = None):
     else:
         model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=LAYERS, vocab_size=300, n_positions=64,
                                            initializer_range=0.1, bos_token_id=0, eos_token_id=0))
-    if kind != "gpt2":  # random biases/norms, so a wrong mapping of them shows in the logits
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() == 1:
-                    p.add_(torch.randn_like(p) * 0.1)
-    else:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() == 1:
-                    p.add_(torch.randn_like(p) * 0.1)
+    with torch.no_grad():  # random biases and norms, so a wrong mapping of them shows in the logits
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
@@ -127,3 +121,96 @@ def test_logits_equal_transformers_under_each_layout(cpu_pool, checkpoints, labe
     models = {n: checkpoints["models"][n] for n in names}
     results = cpu_pool.run(_logits_cell(models, checkpoints["tokens"]), layout=layout, quiet=True)
     _check(results, models, label)
+
+
+def test_train_save_hf_and_back_under_another_layout(cpu_pool, checkpoints):
+    """from_hf -> 3 steps -> save_hf (pp2: each stage writes its shards; tied Qwen2 across stages) and mnb.save;
+    transformers loads the folder with mnb's logits; tp2 reads it back, and mnb.load restores the same model."""
+    models, tokens, root = checkpoints["models"], checkpoints["tokens"], checkpoints["root"]
+    names = ("llama", "qwen2")
+    paths = {n: models[n][0] for n in names}
+    out = {n: str(root / f"trained-{n}") for n in names}
+    trained = cpu_pool.run(
+        "_res = {}\n"
+        f"for _name, _path in {paths!r}.items():\n"
+        "    _m = mnb.from_hf(_path)\n"
+        "    mnb.train(_m, steps=3, micro_batch_size=2, global_batch_size=2, lr=1e-2, data='mock')\n"
+        f"    mnb.save_hf({out!r}[_name], _m, max_shard_bytes=100_000)\n"
+        f"    mnb.save({str(root / 'dist-llama')!r} if _name == 'llama' else {str(root / 'dist-qwen2')!r}, _m)\n"
+        f"    _res[_name] = mnb.logits(_m, {tokens!r}).numpy()\n"
+        "_res", layout=ParallelConfig(pp=2), quiet=True)
+    assert np.array_equal(trained[0]["llama"], trained[1]["llama"])
+    for name in names:
+        mine = trained[0][name]
+        assert float(np.abs(mine - models[name][1]).max()) > 1e-2, "training changed nothing"
+        folder = root / f"trained-{name}"
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 2 and all((folder / f).stat().st_size < 100_000 + 4096 for f in shards), shards
+        assert (name == "qwen2") == ("lm_head.weight" not in index["weight_map"])
+        err = float(np.abs(reference_logits(folder, tokens) - mine).max())
+        assert err < ATOL, f"{name}: transformers on mnb.save_hf's folder differs by {err:.2e}"
+    assert not list(root.glob("trained-*.tmp-*"))
+    back = cpu_pool.run(
+        "_res = {}\n"
+        f"for _name, _path in {out!r}.items():\n"
+        "    _res[_name] = mnb.logits(mnb.from_hf(_path), " + repr(tokens) + ").numpy()\n"
+        f"_m = mnb.from_hf({paths['llama']!r})\n"
+        f"mnb.load({str(root / 'dist-llama')!r}, _m)\n"
+        f"_res['dist'] = mnb.logits(_m, {tokens!r}).numpy()\n"
+        "_res", layout=ParallelConfig(tp=2), quiet=True)
+    for rank in back:
+        for name in names:
+            assert float(np.abs(back[rank][name] - trained[0][name]).max()) < ATOL, (rank, name)
+        assert float(np.abs(back[rank]["dist"] - trained[0]["llama"]).max()) < ATOL, rank
+
+
+def _config_only(root, name: str, **config) -> str:
+    folder = root / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_bad_input_is_refused_alike_on_every_rank(cpu_pool, checkpoints):
+    models, root = checkpoints["models"], checkpoints["root"] / "bad"
+    root.mkdir()
+    llama = json.loads((root.parent / "llama" / "config.json").read_text())
+    no_weights = _config_only(root, "no-weights", **llama)
+    bert = _config_only(root, "bert", architectures=["BertForMaskedLM"], model_type="bert")
+    wrong = root / "wrong-shape"
+    shutil.copytree(models["llama"][0], wrong)
+    (wrong / "config.json").write_text(json.dumps({**llama, "intermediate_size": 128}))
+    missing = root / "missing-shard"
+    shutil.copytree(models["llama-bf16-sharded"][0], missing)
+    lost = sorted(missing.glob("model-*.safetensors"))[1]
+    lost.unlink()
+    three_heads = _config_only(root, "three-heads", **{**llama, "num_attention_heads": 3, "num_key_value_heads": 3,
+                                                       "hidden_size": 48, "head_dim": 16})
+    one_group = _config_only(root, "one-group", **{**llama, "num_key_value_heads": 1})
+    mixtral = json.loads((root.parent / "mixtral" / "config.json").read_text())
+    three_experts = _config_only(root, "three-experts", **{**mixtral, "num_local_experts": 3})
+    cases = [  # (folder, layout, fragments of the one message)
+        (no_weights, ParallelConfig(), ["no-weights holds no weights: neither model.safetensors nor "
+                                        "model.safetensors.index.json"]),
+        (bert, ParallelConfig(), ["bert/config.json: architecture BertForMaskedLM is not supported; mnb.from_hf "
+                                  "reads LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, "
+                                  "GPT2LMHeadModel"]),
+        (str(wrong), ParallelConfig(), ["wrong-shape/model.safetensors: model.layers.0.mlp.gate_proj.weight has "
+                                        "shape [96, 64], but ", "wrong-shape/config.json implies [128, 64]"]),
+        (str(missing), ParallelConfig(), [f"model.safetensors.index.json names shard {lost.name}, which is missing"]),
+        (three_heads, ParallelConfig(tp=2), ["three-heads (LlamaForCausalLM) under tp2 pp1 dp1: "
+                                             "num_attention_heads(3) is not divisible by tp(2)"]),
+        (one_group, ParallelConfig(tp=2), ["num_query_groups(1) is not divisible by tp(2)"]),
+        (three_experts, ParallelConfig(ep=2), ["num_moe_experts(3) is not divisible by ep(2)"]),
+    ]
+    for folder, layout, fragments in cases:
+        with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
+            cpu_pool.run(f"mnb.from_hf({folder!r})", layout=layout, quiet=True)
+        text = str(info.value)
+        assert "[r0-1] ValueError" in text, text  # one error, the same on both ranks
+        assert all(f in text for f in fragments), text
+    # the pool is still usable: the sharded bf16 checkpoint loads after all that
+    assert cpu_pool.run(f"mnb.from_hf({models['llama-bf16-sharded'][0]!r}).config.num_layers", quiet=True,
+                        layout=ParallelConfig()) == \
+        {0: LAYERS, 1: LAYERS}
