@@ -33,8 +33,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from mnb.config import (TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig, model_config,
-                        package_data)
+from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig, package_data
+from mnb.model_source import resolve_model, tokenizer_folder, tokenizer_vocab_size
 
 KINDS = ("megatron-lm", "torchrun", "slurm")
 """What ``%mnb export`` writes: Megatron-LM's arguments, torchrun command lines, an sbatch script."""
@@ -75,6 +75,8 @@ class Exported:
     """Resolved for the target: ``dp = nodes * gpus_per_node / (tp * pp * cp)``."""
     nodes: int
     gpus_per_node: int
+    tokenizer: str | None = None
+    """The Hugging Face checkpoint folder whose tokenizer the arguments name, or None (NullTokenizer)."""
 
     @property
     def world_size(self) -> int:
@@ -112,7 +114,7 @@ def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | No
     if kind not in KINDS:
         raise ValueError(f"unknown export {kind!r}; choose from {', '.join(KINDS)}")
     remembered = _notebook_settings()
-    model_cfg, train_cfg = _model_and_train(model, train, settings, remembered)
+    model_cfg, train_cfg, tokenizer = _model_and_train(model, train, settings, remembered)
     if not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
     if gpus_per_node is None:
@@ -123,7 +125,7 @@ def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | No
         raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
     base = layout or (ParallelConfig(**remembered["layout"]) if remembered.get("layout") else ParallelConfig())
     resolved = check_target(model_cfg, train_cfg, base, nodes, gpus_per_node)
-    args, notes = megatron_lm_args(model_cfg, train_cfg, resolved)
+    args, notes = megatron_lm_args(model_cfg, train_cfg, resolved, tokenizer=tokenizer)
     header = _header(model_cfg, resolved, nodes, gpus_per_node)
     if kind == "megatron-lm":
         text = "\n".join([header, *(f"# {n}" for n in notes), format_args(args, continuation=True)]) + "\n"
@@ -139,7 +141,8 @@ def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | No
             "rdzv_port": RDZV_PORT,
         })
     exported = Exported(kind=kind, text=text, args=tuple(args), notes=tuple(notes), model=model_cfg,
-                        train=train_cfg, layout=resolved, nodes=nodes, gpus_per_node=gpus_per_node)
+                        train=train_cfg, layout=resolved, nodes=nodes, gpus_per_node=gpus_per_node,
+                        tokenizer=tokenizer)
     if output is not None:
         exported.save(output)
     return exported
@@ -159,17 +162,21 @@ def _notebook_settings() -> dict[str, Any]:
 
 
 def _model_and_train(model: Any, train: Any, settings: dict[str, Any],
-                     remembered: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
+                     remembered: dict[str, Any]) -> tuple[ModelConfig, TrainConfig, str | None]:
+    """The model, the training settings, and the checkpoint folder of the model's tokenizer (or None)."""
     unknown = sorted(set(settings) - _TRAIN_FIELDS - _MODEL_FIELDS)
     if unknown:
         raise TypeError(f"export() got unknown settings {unknown}; use TrainConfig fields "
                         f"({', '.join(sorted(_TRAIN_FIELDS))}) or ModelConfig fields (e.g. seq_length)")
     if model is None:
         if not remembered.get("model"):
-            raise ValueError("no model to export: name one (--model PRESET, model='llama-1b'), or run "
-                             "mnb.gpt(...) / mnb.train(...) in a %%megatron cell first")
+            raise ValueError("no model to export: name one (--model PRESET|PATH, model='llama-1b'), or run "
+                             "mnb.gpt(...) / mnb.from_hf(...) / mnb.train(...) in a %%megatron cell first")
         model = _model_from_dict(remembered["model"])
-    model_cfg = model_config(model)
+        tokenizer = remembered.get("tokenizer")
+    else:
+        tokenizer = tokenizer_folder(model)
+    model_cfg = resolve_model(model)
     model_overrides = {k: v for k, v in settings.items() if k in _MODEL_FIELDS}
     if model_overrides:
         model_cfg = model_cfg.with_overrides(**model_overrides)
@@ -177,7 +184,7 @@ def _model_and_train(model: Any, train: Any, settings: dict[str, Any],
         train = remembered.get("train") or {}
     train_fields = train.to_dict() if isinstance(train, TrainConfig) else dict(train)
     train_fields.update({k: v for k, v in settings.items() if k in _TRAIN_FIELDS})
-    return model_cfg, TrainConfig(**{k: v for k, v in train_fields.items() if k in _TRAIN_FIELDS})
+    return model_cfg, TrainConfig(**{k: v for k, v in train_fields.items() if k in _TRAIN_FIELDS}), tokenizer
 
 
 def _model_from_dict(data: dict[str, Any]) -> ModelConfig:
@@ -214,11 +221,14 @@ def check_target(model: ModelConfig, train: TrainConfig, layout: ParallelConfig,
 
 
 # ------------------------------------------------------------------ Megatron-LM
-def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelConfig) -> tuple[list[str], list[str]]:
+def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelConfig, *,
+                     tokenizer: str | None = None) -> tuple[list[str], list[str]]:
     """``pretrain_gpt.py`` arguments for a resolved layout, and notes on what they cannot say.
 
     Values mnb sets differently from Megatron-LM's defaults are written out (dropout 0,
     per-token loss, Adam betas, weight decay), so the cluster trains what the notebook did.
+    ``tokenizer``: a Hugging Face checkpoint folder, named as ``--tokenizer-type
+    HuggingFaceTokenizer --tokenizer-model FOLDER`` (else NullTokenizer with ``--vocab-size``).
     """
     a: list[tuple[str, Any]] = []
     notes: list[str] = []
@@ -241,15 +251,22 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     add("--position-embedding-type", model.position_embedding_type)
     if model.position_embedding_type == "rope":
         add("--rotary-base", model.rotary_base)
+        if model.rope_scaling:  # Llama 3.x
+            add("--use-rope-scaling")
+            add("--rope-scaling-factor", model.rope_scaling_factor)
     add("--normalization", model.normalization)
     add("--norm-epsilon", model.layernorm_epsilon)
     if model.gated_linear_unit and model.activation == "silu":
         add("--swiglu")
+    elif model.activation == "gelu_tanh" and not model.gated_linear_unit:
+        add("--openai-gelu")  # GPT-2's tanh-approximated GELU
     elif model.gated_linear_unit or model.activation != "gelu":
         raise ValueError(f"Megatron-LM's arguments have no {'gated ' if model.gated_linear_unit else ''}"
-                         f"{model.activation} MLP (only gelu and SwiGLU); change the model's activation")
+                         f"{model.activation} MLP (only gelu, the tanh GELU and SwiGLU); change the model's activation")
     if not model.add_bias_linear:
         add("--disable-bias-linear")
+        if model.add_qkv_bias:  # Qwen2
+            add("--add-qkv-bias")
     if not model.share_embeddings_and_output_weights:
         add("--untie-embeddings-and-output-weights")
     add("--init-method-std", model.init_method_std)
@@ -269,10 +286,15 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
         else:
             add(flag, value)
     # vocabulary and data
-    add("--tokenizer-type", "NullTokenizer")
-    add("--vocab-size", model.vocab_size)
+    if tokenizer is not None:
+        add("--tokenizer-type", "HuggingFaceTokenizer")
+        add("--tokenizer-model", tokenizer)
+        notes.append(_weights_note(model, tokenizer))
+    else:
+        add("--tokenizer-type", "NullTokenizer")
+        add("--vocab-size", model.vocab_size)
     add("--make-vocab-size-divisible-by", 128)
-    notes += _data_args(train.data, add)
+    notes += _data_args(train.data, add, tokenizer)
     # parallelism
     add("--tensor-model-parallel-size", layout.tp)
     add("--pipeline-model-parallel-size", layout.pp)
@@ -326,19 +348,32 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     return [str(x) for flag, value in a for x in ((flag,) if value is None else (flag, value))], notes
 
 
-def _data_args(data: str, add) -> list[str]:
+def _weights_note(model: ModelConfig, tokenizer: str) -> str:
+    """What the arguments say about a Hugging Face checkpoint: its shape and tokenizer, not its weights."""
+    size = tokenizer_vocab_size(tokenizer)
+    vocab = ""
+    if size is not None and size != model.vocab_size:
+        vocab = (f"; Megatron-LM sizes the embedding from the tokenizer ({size} ids, padded to a multiple of "
+                 f"128 * tp), the checkpoint has {model.vocab_size} rows")
+    return (f"model: the shape and tokenizer of the Hugging Face checkpoint {tokenizer}; pretrain_gpt.py "
+            f"starts from random weights (its weights are not converted here){vocab}")
+
+
+def _data_args(data: str, add, tokenizer: str | None = None) -> list[str]:
     """Megatron-LM's data arguments for mnb's ``data=`` and what they leave out."""
+    reader = "the checkpoint's tokenizer" if tokenizer else "NullTokenizer (token ids as stored)"
     if data.endswith((".bin", ".idx")) or Path(data + ".bin").is_file():
         prefix = data[:-4] if data.endswith((".bin", ".idx")) else data
         add("--data-path", prefix)
         add("--split", "100,0,0")
-        return [f"data: {prefix}.bin/.idx, read with NullTokenizer (token ids as stored)"]
+        return [f"data: {prefix}.bin/.idx, read with {reader}"]
     add("--mock-data")
     if data == "mock":
         return ["data: synthetic tokens (--mock-data); for real data use --data-path PREFIX (a Megatron "
                 ".bin/.idx) and its tokenizer"]
+    build = f"prepare({data!r}, model.tokenizer)" if tokenizer else f"prepare({data!r})"
     return [f"data: the notebook trained on {data!r}, which Megatron-LM cannot read: --mock-data stands in; "
-            f"build its .bin/.idx on a rank with mnb.megatron.data.prepare({data!r}) and pass --data-path PREFIX"]
+            f"build its .bin/.idx on a rank with mnb.megatron.data.{build} and pass --data-path PREFIX"]
 
 
 # ------------------------------------------------------------------ rendering

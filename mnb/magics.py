@@ -263,12 +263,14 @@ def plan_parser() -> MagicArgumentParser:
                 "mark what does not fit (pure Python: no pool needed).", [
         "%mnb plan --model llama-8b --gpus 8 --gpu h200",
         "%mnb plan --model llama-70b --gpus 64 --seq 8192 --gbs 512 --top 5",
+        "%mnb plan --model /models/Llama-3.2-1B --gpus 8     # a Hugging Face checkpoint folder (its config.json)",
     ])
-    p.add_argument("--model", required=True, metavar="PRESET", help="model preset, e.g. llama-8b")
+    p.add_argument("--model", required=True, metavar="PRESET|PATH",
+                   help="model preset, e.g. llama-8b, or a Hugging Face checkpoint folder (its config.json is read)")
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
     p.add_argument("--gpu", default="h200", help="GPU type from the hardware table")
     p.add_argument("--seq", type=int, default=None, metavar="S",
-                   help="sequence length (default: the preset's)")
+                   help="sequence length (default: the model's)")
     p.add_argument("--mbs", type=int, default=1, metavar="M", help="micro batch size")
     p.add_argument("--gbs", type=int, default=None, metavar="G",
                    help="global batch size (default: 4 * gpus * mbs)")
@@ -307,6 +309,7 @@ def export_parser() -> MagicArgumentParser:
         "%mnb export torchrun --nodes 2 --gpus-per-node 8",
         "%mnb export slurm --nodes 4 --gpus-per-node 8 --gbs 256 -o train.sbatch --sbatch-arg=--partition=gpu",
         "%mnb export megatron-lm --model llama-8b --tp 4 --pp 2 --nodes 2 --gpus-per-node 8",
+        "%mnb export --model /models/Qwen2.5-0.5B --gpus-per-node 8   # HuggingFaceTokenizer, --add-qkv-bias, ...",
     ])
     p.add_argument("kind", nargs="?", default="megatron-lm", choices=list(KINDS), help="what to write")
     p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes of the target")
@@ -316,7 +319,9 @@ def export_parser() -> MagicArgumentParser:
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="slurm: a further #SBATCH option, repeatable (default: none)")
     settings = p.add_argument_group("settings (default: the notebook's last mnb.gpt/mnb.train, else mnb's defaults)")
-    settings.add_argument("--model", default=None, metavar="PRESET", help="model preset, e.g. llama-8b (default: the last)")
+    settings.add_argument("--model", default=None, metavar="PRESET|PATH",
+                          help="model preset, e.g. llama-8b, or a Hugging Face checkpoint folder, whose tokenizer "
+                               "the arguments then name (default: the last)")
     for flag, field, kind, what in (("--seq", "seq_length", int, "sequence length"),
                                     ("--steps", "steps", int, "training iterations"),
                                     ("--mbs", "micro_batch_size", int, "micro batch size"),

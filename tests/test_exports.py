@@ -143,8 +143,13 @@ def test_export_magic_prints_writes_and_refuses(tmp_path, capsys, monkeypatch):
     assert callable(mnb.export) and "export" in mnb.__all__
 
 
-def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch):
-    """Megatron-LM's parse_args + validate_args on the exported list, as rank 0 of the target world."""
+def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
+    """Megatron-LM's parse_args + validate_args on the exported list, as rank 0 of the target world.
+
+    Presets, and Hugging Face checkpoint folders (tests/hf_folders.py): their tokenizer, q/k/v
+    biases, Llama 3's RoPE scaling, GPT-2's tanh GELU and learned positions, tied embeddings."""
+    from hf_folders import checkpoint
+
     arguments = pytest.importorskip("megatron.training.arguments",
                                     reason="megatron.training ships with megatron-core >= 0.17 (Python 3.12)")
     # validate_args asks the GPU's architecture for tp > 1; the target is a Hopper cluster, not this host.
@@ -155,6 +160,11 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch):
              recompute="full", layout=ParallelConfig(tp=2, ep=2, sequence_parallel=True)),
         dict(model="gpt2-124m", nodes=1, gpus_per_node=4, micro_batch_size=2, lr=6e-4, min_lr=6e-5,
              weight_decay=0.1, lr_decay_style="linear", warmup_steps=5, steps=20, layout=ParallelConfig(cp=2)),
+        dict(model=str(checkpoint(tmp_path, "Llama-3.2-1B", tokenizer_ids=128256)), nodes=1, gpus_per_node=8,
+             micro_batch_size=1, global_batch_size=16, bf16=True, layout=ParallelConfig(tp=2, pp=2)),
+        dict(model=str(checkpoint(tmp_path, "Qwen2.5-0.5B", tokenizer_ids=151665)), nodes=1, gpus_per_node=4,
+             micro_batch_size=2, layout=ParallelConfig(tp=2, sequence_parallel=True)),
+        dict(model=str(checkpoint(tmp_path, "gpt2")), nodes=1, gpus_per_node=2, micro_batch_size=4),
     ]
     for case in cases:
         e = export("megatron-lm", **case)
@@ -174,7 +184,9 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch):
             "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "data_parallel_size",
             "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_decay_style",
             "lr_warmup_iters", "lr_decay_iters", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "bf16",
-            "recompute_granularity", "use_distributed_optimizer", "seed", "calculate_per_token_loss")}
+            "recompute_granularity", "use_distributed_optimizer", "seed", "calculate_per_token_loss",
+            "tokenizer_type", "tokenizer_model", "add_qkv_bias", "use_rope_scaling", "rope_scaling_factor",
+            "rotary_base", "openai_gelu")}
         want = {
             "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn,
             "num_attention_heads": m.num_attention_heads,
@@ -184,7 +196,13 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch):
             "layernorm_epsilon": m.layernorm_epsilon, "swiglu": m.gated_linear_unit,
             "add_bias_linear": m.add_bias_linear,
             "untie_embeddings_and_output_weights": not m.share_embeddings_and_output_weights,
-            "init_method_std": m.init_method_std, "vocab_size": m.vocab_size, "hidden_dropout": 0.0,
+            "init_method_std": m.init_method_std, "hidden_dropout": 0.0,
+            # a checkpoint's own tokenizer sizes the vocabulary in Megatron-LM; NullTokenizer takes --vocab-size
+            "vocab_size": None if e.tokenizer else m.vocab_size,
+            "tokenizer_type": "HuggingFaceTokenizer" if e.tokenizer else "NullTokenizer",
+            "tokenizer_model": e.tokenizer, "add_qkv_bias": m.add_bias_linear or m.add_qkv_bias,
+            "use_rope_scaling": m.rope_scaling, "rope_scaling_factor": m.rope_scaling_factor,
+            "rotary_base": m.rotary_base, "openai_gelu": m.activation == "gelu_tanh",
             "attention_dropout": 0.0, "num_experts": m.num_moe_experts,
             "moe_router_topk": m.moe_router_topk, "tensor_model_parallel_size": lay.tp,
             "pipeline_model_parallel_size": lay.pp,

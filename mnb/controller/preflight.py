@@ -15,6 +15,7 @@ import ast
 from typing import Any
 
 from mnb.config import ParallelConfig, TrainConfig, model_config
+from mnb.model_source import tokenizer_folder
 
 _MODEL_FUNCS = {"gpt"}
 _TRAIN_FUNCS = {"train"}
@@ -76,17 +77,21 @@ def check_cell(code: str, parallel: ParallelConfig) -> list[str]:
 
 
 def cell_settings(code: str) -> dict[str, dict[str, Any]]:
-    """The settings of the cell's last ``mnb.gpt(...)`` and ``mnb.train(...)``, when all their arguments are literals.
+    """The settings of the cell's last ``mnb.gpt(...)``/``mnb.from_hf(...)`` and ``mnb.train(...)``, when all
+    their arguments are literals.
 
-    ``{"model": ModelConfig fields, "train": TrainConfig fields}``, either missing when the
-    cell has no such call or one with a non-literal argument (what the ranks computed is
-    then known only from the run records).  ``%mnb export`` starts from these.
+    ``{"model": ModelConfig fields, "tokenizer": folder or None, "train": TrainConfig fields}``,
+    model and train each missing when the cell has no such call or one with a non-literal
+    argument (what the ranks computed is then known only from the run records); ``tokenizer``
+    comes with ``model``: the checkpoint folder of ``mnb.from_hf(PATH)`` when it holds a
+    ``tokenizer.json``, else None.  ``%mnb export`` starts from these.
     """
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return {}
-    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and _call_name(n) in ("gpt", "train")),
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                    and _call_name(n) in ("gpt", "from_hf", "train")),
                    key=lambda n: (n.lineno, n.col_offset))
     found: dict[str, dict[str, Any]] = {}
     for node in calls:
@@ -97,6 +102,13 @@ def cell_settings(code: str) -> dict[str, dict[str, Any]]:
             if _call_name(node) == "gpt" and len(node.args) == 1:
                 model = {k: v for k, v in kwargs.items() if k not in _GPT_OWN_ARGS}
                 found["model"] = model_config(ast.literal_eval(node.args[0]), **model).to_dict()
+                found["tokenizer"] = None
+            elif _call_name(node) == "from_hf" and len(node.args) == 1:
+                from mnb.hf_config import hf_config
+
+                path = ast.literal_eval(node.args[0])
+                found["model"] = hf_config(path, **kwargs).to_dict()
+                found["tokenizer"] = tokenizer_folder(path)
             elif _call_name(node) == "train" and len(node.args) <= 1:
                 found["train"] = TrainConfig(**kwargs).to_dict()
         except (ValueError, TypeError):

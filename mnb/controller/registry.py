@@ -40,7 +40,8 @@ def set_last_run(records: list[dict[str, Any]]) -> None:
     _LAST_RUN.clear()
     _LAST_RUN.append(Run(records))
     if records:
-        remember_settings(model=records[0].get("model"), train=records[0].get("train"))
+        remember_settings(model=records[0].get("model"), train=records[0].get("train"),
+                          tokenizer=records[0].get("tokenizer"))
     peaks = [r["peak_flops"] for r in records if r.get("peak_flops") and str(r.get("device", "")).startswith("cpu")]
     if peaks:
         _CPU_PEAK["flops"] = min(peaks)
@@ -55,8 +56,12 @@ def last_run() -> Any:
     return _LAST_RUN[-1] if _LAST_RUN else None
 
 
-def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, Any] | None = None) -> None:
+def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, Any] | None = None,
+                      tokenizer: str | None = None) -> None:
     """Keep the last model (ModelConfig fields) and training (TrainConfig fields) the notebook used.
+
+    ``tokenizer`` belongs to ``model``: the Hugging Face folder of its tokenizer, or None (a model
+    without one); kept, or cleared, whenever a model is.
 
     Set by each training's run records and by ``%%megatron`` cells whose ``mnb.gpt(...)`` /
     ``mnb.train(...)`` arguments are literals; read by ``%mnb export``, so a layout found in
@@ -64,6 +69,7 @@ def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, A
     """
     if model:
         _SETTINGS["model"] = dict(model)
+        _SETTINGS["tokenizer"] = tokenizer
     if train:
         _SETTINGS["train"] = dict(train)
 

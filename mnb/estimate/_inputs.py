@@ -6,7 +6,8 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, model_config
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig
+from mnb.model_source import resolve_model
 
 DEFAULT_VOCAB_DIVISOR = 128
 """Megatron-LM's --make-vocab-size-divisible-by default (the vocabulary is padded to a
@@ -14,8 +15,9 @@ multiple of this times tp)."""
 
 
 def as_model(model: str | ModelConfig | dict) -> ModelConfig:
-    """A ModelConfig from a preset name, a field dict or a ModelConfig."""
-    return model_config(model)
+    """A ModelConfig from a preset name, a Hugging Face checkpoint folder (its config.json), a field
+    dict or a ModelConfig (:func:`mnb.model_source.resolve_model`)."""
+    return resolve_model(model)
 
 
 def as_train(train: TrainConfig | dict | None) -> TrainConfig:

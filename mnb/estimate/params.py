@@ -52,6 +52,8 @@ def layer_params(model: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int
     attention = (h * (q + 2 * kv) + q * h) // tp
     if bias:
         attention += (q + 2 * kv) // tp + h
+    elif model.add_qkv_bias:  # Qwen2: biases on q/k/v only
+        attention += (q + 2 * kv) // tp
     norms = 2 * h * _norm_size(model)
     if model.is_moe:
         experts_local = model.num_moe_experts // ep

@@ -7,6 +7,8 @@ Runs inside the torchrun ranks (never in the notebook kernel):
 - :mod:`mnb.megatron.spec`    layer specs: Transformer Engine when present, else a fast local spec
 - :mod:`mnb.megatron.model`   ``gpt()``: this rank's part of a GPT for the current layout
 - :mod:`mnb.megatron.train`   ``train()``: Megatron schedules, DDP, optimizer, run records
+- :mod:`mnb.megatron.hf`      ``from_hf()`` / ``save_hf()``: Hugging Face checkpoints into any layout and back
+- :mod:`mnb.megatron.logits`  ``logits()``: fp32 logits of any model, the same on every rank
 - :mod:`mnb.megatron.timing`  per-microbatch timeline recorder (``config.timers``)
 - :mod:`mnb.megatron.memory`  per-step memory readings
 - :mod:`mnb.megatron.events`  the channel through which records and progress leave the rank

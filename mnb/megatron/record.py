@@ -7,6 +7,7 @@ Schema (JSON-able; the controller, ``mnb.runs`` and ``mnb.plot`` read it)::
       "coords": {"tp", "pp", "dp", "cp", "ep"},          # this rank's index in each group
       "layout": ParallelConfig.as_dict() (dp filled),
       "model": ModelConfig.to_dict(), "train": TrainConfig.to_dict(),
+      "tokenizer": str | None,                          # folder of a Hugging Face model's tokenizer
       "device": "cpu" | "cuda:N", "device_name": str,
       "num_microbatches": int,                          # per step, per dp rank
       "global_batch_size": int, "seq_length": int,
@@ -88,6 +89,12 @@ def _peak(device: torch.device, train) -> dict:
     return {"peak_flops": cpu_gemm_flops(dtype), "peak_source": f"measured CPU GEMM peak ({name})"}
 
 
+def _tokenizer_folder(model) -> str | None:
+    """The Hugging Face folder of the model's own tokenizer (``%mnb export`` names it), or None."""
+    folder = getattr(getattr(model, "tokenizer", None), "folder", None)
+    return None if folder is None else str(folder)
+
+
 def build_record(*, model, train, device: torch.device, num_microbatches: int, steps: list[dict],
                  timeline: list[dict], meter, components, flops: float) -> dict:
     import megatron.core
@@ -100,6 +107,7 @@ def build_record(*, model, train, device: torch.device, num_microbatches: int, s
         "coords": layout.coordinates(),
         "layout": model.parallel.as_dict(),
         "model": model.config.to_dict(),
+        "tokenizer": _tokenizer_folder(model),
         "train": train.to_dict(),
         "device": "cpu" if device.type == "cpu" else f"cuda:{device.index}",
         "device_name": device_name(device),

@@ -54,7 +54,8 @@ class ExplorerView:
         self.controls: dict[str, widgets.Widget] = {}
         self._writers: dict[str, Any] = {}
         c = self.controls
-        c["model"] = widgets.Dropdown(options=preset_names(), value=ex.model)
+        models = preset_names()  # and the checkpoint folder the explorer was opened on
+        c["model"] = widgets.Dropdown(options=models + ([ex.model] if ex.model not in models else []), value=ex.model)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "seq_length", "gpus", "micro_batch_size", "global_batch_size", "run_steps"):
             c[name] = widgets.IntText(value=getattr(ex, name))

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import mnb.estimate as est
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors, load_preset, model_config, preset_names
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, divisors, preset_names
+from mnb.model_source import checkpoint_folder, resolve_model
 from mnb.estimate import hardware
 
 AXES = ("tp", "pp", "vpp", "cp", "ep")
@@ -56,8 +57,9 @@ _TRAIN = TrainConfig()
 class Settings:
     """What the explorer's predictions depend on, as plain values (its ``CONFIG_TRAITS``).
 
-    Defaults come from :class:`ParallelConfig` and :class:`TrainConfig`; a model
-    dimension left at None is the preset's.  ``num_query_groups`` 0 is one group
+    Defaults come from :class:`ParallelConfig` and :class:`TrainConfig`; ``model`` is a preset
+    name or a Hugging Face checkpoint folder (its config.json); a model dimension left at None
+    is the model's.  ``num_query_groups`` 0 is one group
     per head (MHA), ``ffn_hidden_size`` 0 is 4 * hidden_size, ``global_batch_size``
     0 is one microbatch per data-parallel rank.
     """
@@ -90,20 +92,20 @@ class Settings:
         """Model dimensions left at None filled from the preset (``0`` where the preset says None)."""
         if None not in self.dims():
             return self
-        preset = load_preset(self.model)
+        preset = resolve_model(self.model)
         return replace(self, **{name: (getattr(preset, name) or 0) for name in MODEL_DIMS
                                 if getattr(self, name) is None})
 
     def model_overrides(self) -> dict[str, Any]:
         """The dimensions that differ from the preset, as ``mnb.gpt(model, **overrides)`` takes them."""
-        base = load_preset(self.model)
+        base = resolve_model(self.model)
         values = {name: getattr(self.with_preset_dims(), name) for name in MODEL_DIMS}
         values["num_query_groups"] = values["num_query_groups"] or None
         values["ffn_hidden_size"] = values["ffn_hidden_size"] or None
         return {k: v for k, v in values.items() if getattr(base, k) != v}
 
     def model_config(self) -> ModelConfig:
-        return model_config(self.model, **self.model_overrides())
+        return resolve_model(self.model, **self.model_overrides())
 
     def layout_sizes(self) -> dict[str, Any]:
         """The ParallelConfig fields (dp left to the world size), unchecked."""
@@ -254,8 +256,16 @@ def refusal(settings: Settings, name: str, value: Any) -> str:
     moves the *other* settings where the new value makes them invalid.
     """
     if name == "model":
-        return "" if value in preset_names() else (
-            f"unknown model preset {value!r}; choose from {', '.join(preset_names())}")
+        if value in preset_names():
+            return ""
+        if checkpoint_folder(value) is None:
+            return (f"unknown model preset {value!r}; choose from {', '.join(preset_names())}, "
+                    "or give a Hugging Face checkpoint folder (with its config.json)")
+        try:
+            resolve_model(value)
+        except ValueError as err:  # an architecture or setting mnb cannot build
+            return str(err)
+        return ""
     if name == "gpu":
         try:
             hardware.device(value)

@@ -32,6 +32,7 @@ for the run (the button says "Running...") before sending other cells to the ran
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -55,7 +56,8 @@ class Explorer(widgets.VBox):
     """Parallel layouts of a model on N GPUs: predicted (and measured) memory, bubble, step time, MFU."""
 
     # ----- model ------------------------------------------------------------------
-    model = Unicode(_DEFAULT.model, help="Model preset the dimensions start from (templates/presets/).").tag(sync=True)
+    model = Unicode(_DEFAULT.model, help="Model preset (templates/presets/) or Hugging Face checkpoint folder "
+                    "(its config.json) the dimensions start from.").tag(sync=True)
     num_layers = Int(_MODEL.num_layers, help="Transformer layers.").tag(sync=True)
     hidden_size = Int(_MODEL.hidden_size, help="Hidden size h.").tag(sync=True)
     num_attention_heads = Int(_MODEL.num_attention_heads, help="Attention heads a.").tag(sync=True)
@@ -104,6 +106,7 @@ class Explorer(widgets.VBox):
         self._runner = PoolRunner(on_done=self._run_finished, on_progress=self._run_progress)
         super().__init__()
         self.add_class("mnb-explorer")
+        model = os.fspath(model)  # a pathlib.Path to a checkpoint folder
         unknown_model = refusal(_DEFAULT, "model", model)  # before its preset's dimensions are read
         if unknown_model:
             raise TraitError(unknown_model)
@@ -299,5 +302,6 @@ def explorer(model: str = "llama-8b", gpus: int = 8, gpu: str = "h200", **settin
 
         ex = mnb.explorer(model="llama-8b", gpus=8, gpu="h200", global_batch_size=128, bf16=True)
         ex          # last line of a cell: the controls and the live predictions
+        mnb.explorer(model="/models/Llama-3.2-1B", gpus=8)   # a Hugging Face checkpoint's config.json
     """
     return Explorer(model=model, gpus=gpus, gpu=gpu, **settings)

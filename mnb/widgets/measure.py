@@ -26,10 +26,17 @@ TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "recompute", "use_distrib
 
 
 def training_code(model: str, model_overrides: dict[str, Any], train: dict[str, Any], steps: int) -> str:
-    """The cell the ranks run: build the model, train ``steps`` steps, free the model."""
+    """The cell the ranks run: build the model, train ``steps`` steps, free the model.
+
+    A Hugging Face checkpoint folder is built by ``mnb.gpt`` from its config.json's shape with
+    random weights: step time and memory do not depend on the weights, and none are read.
+    """
+    from mnb.model_source import checkpoint_folder, resolve_model
+
     train_args = "".join(f", {k}={v!r}" for k, v in sorted(train.items()) if v is not None)
+    source = resolve_model(model).to_dict() if checkpoint_folder(model) is not None else model
     return (
-        f"_mnb_measure_model = mnb.gpt({model!r}, **{model_overrides!r})\n"
+        f"_mnb_measure_model = mnb.gpt({source!r}, **{model_overrides!r})\n"
         f"mnb.train(_mnb_measure_model, steps={int(steps)}{train_args})\n"
         "del _mnb_measure_model\n"
     )

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 LAYERS = 4  # pp2 * vpp2 needs 4
 TOKENS = 13  # odd: sequence and context parallelism pad it
 ATOL = 1e-4
+TEXT = "The notebook kernel drives a pool of ranks."
 
 
 def _build(folder, kind: str, *, dtype=None, shard: str | None = None):
@@ -76,6 +77,11 @@ def checkpoints(tmp_path_factory):
         folder = root / kind
         _build(folder, kind)
         out[kind] = (str(folder), reference_logits(folder, tokens))
+    from hf_tokenizers import llama_style  # a tokenizer trained here on local text: save_hf copies it
+
+    tokenizer = llama_style(root / "tokenizer", vocab_size=300)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, root / "llama" / name)
     sharded = root / "llama-bf16-sharded"
     import torch
 
@@ -158,11 +164,17 @@ def test_train_save_hf_and_back_under_another_layout(cpu_pool, checkpoints):
         f"_m = mnb.from_hf({paths['llama']!r})\n"
         f"mnb.load({str(root / 'dist-llama')!r}, _m)\n"
         f"_res['dist'] = mnb.logits(_m, {tokens!r}).numpy()\n"
+        f"_res['tokens'] = mnb.from_hf({out['llama']!r}).tokenizer.tokenize({TEXT!r})\n"
         "_res", layout=ParallelConfig(tp=2), quiet=True)
     for rank in back:
         for name in names:
             assert float(np.abs(back[rank][name] - trained[0][name]).max()) < ATOL, (rank, name)
         assert float(np.abs(back[rank]["dist"] - trained[0]["llama"]).max()) < ATOL, rank
+    from tokenizers import Tokenizer
+
+    assert (root / "trained-llama" / "tokenizer_config.json").is_file()
+    want = Tokenizer.from_file(str(root / "llama" / "tokenizer.json")).encode(TEXT).ids
+    assert back[0]["tokens"] == back[1]["tokens"] == want and len(want) > 3
 
 
 def _config_only(root, name: str, **config) -> str:
@@ -214,3 +226,62 @@ def test_bad_input_is_refused_alike_on_every_rank(cpu_pool, checkpoints):
     assert cpu_pool.run(f"mnb.from_hf({models['llama-bf16-sharded'][0]!r}).config.num_layers", quiet=True,
                         layout=ParallelConfig()) == \
         {0: LAYERS, 1: LAYERS}
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    """One 4-rank CPU pool for the tp2*pp2 cell."""
+    from mnb.controller import Pool
+    from tests.conftest import assert_no_orphans
+
+    pool = Pool.start(4, device="cpu", timeout=240)
+    yield pool
+    pids = pool.pids()
+    pool.stop()
+    assert_no_orphans(pids)
+
+
+SP = {"mixtral": {"sequence_parallel": True}}  # Megatron trains MoE under tp > 1 only with sp
+
+
+def test_tp2_pp2_logits_and_save_hf_of_every_architecture(pool4, checkpoints):
+    """4 ranks, tp2*pp2: logits of all four equal transformers'; save_hf of each (tp-gathered q/k/v, gated fc1,
+    Conv1D, experts, tied embeddings across stages) loads in transformers with the same logits."""
+    names = ("llama", "qwen2", "mixtral", "gpt2")
+    models = {n: checkpoints["models"][n] for n in names}
+    tokens, root = checkpoints["tokens"], checkpoints["root"]
+    out = {n: str(root / f"tp2pp2-{n}") for n in names}
+    cell = _logits_cell(models, tokens, SP).replace(
+        "    _out[_name] = mnb.logits(_m, ",
+        f"    mnb.save_hf({out!r}[_name], _m)\n    _out[_name] = mnb.logits(_m, ")
+    results = pool4.run(cell, layout=ParallelConfig(tp=2, pp=2), quiet=True)
+    _check(results, models, "tp2*pp2")
+    for name in names:
+        err = float(np.abs(reference_logits(out[name], tokens) - models[name][1]).max())
+        assert err < ATOL, f"{name}: transformers on save_hf's tp2*pp2 folder differs by {err:.2e}"
+
+
+def test_save_hf_under_ep2_and_from_an_mnb_gpt_model(cpu_pool, checkpoints):
+    """ep2: each expert rank writes its own experts; an mnb.gpt model of Llama shape saves as LlamaForCausalLM."""
+    tokens, root = checkpoints["tokens"], checkpoints["root"]
+    mixtral, gpt = str(root / "ep2-mixtral"), str(root / "gpt-tiny")
+    results = cpu_pool.run(
+        f"_m = mnb.from_hf({checkpoints['models']['mixtral'][0]!r})\n"
+        f"mnb.save_hf({mixtral!r}, _m, max_shard_bytes=200_000)", layout=ParallelConfig(ep=2), quiet=True)
+    results = cpu_pool.run(
+        f"_g = mnb.gpt('tiny', vocab_size=300)\n"
+        f"mnb.save_hf({gpt!r}, _g)\n"
+        f"mnb.logits(_g, {tokens!r}).numpy()", layout=ParallelConfig(pp=2), quiet=True)
+    index = json.loads((root / "ep2-mixtral" / "model.safetensors.index.json").read_text())
+    by_file: dict[str, set] = {}
+    for key, file in index["weight_map"].items():
+        if ".experts." in key:
+            by_file.setdefault(file, set()).add(int(key.split(".experts.")[1].split(".")[0]))
+    assert set().union(*by_file.values()) == {0, 1, 2, 3}
+    assert all(e <= {0, 1} or e <= {2, 3} for e in by_file.values()), by_file  # each rank its own experts
+    err = float(np.abs(reference_logits(mixtral, tokens) - checkpoints["models"]["mixtral"][1]).max())
+    assert err < ATOL, err
+    saved = json.loads((root / "gpt-tiny" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"] and saved["num_key_value_heads"] == 2
+    err = float(np.abs(reference_logits(gpt, tokens) - results[0]).max())
+    assert err < ATOL, err

@@ -141,8 +141,25 @@ def test_folder_and_glob_rules(tmp_path):
         data.resolve_text_files(str(tmp_path / "**" / "*.rst"))
 
 
+@pytest.fixture(scope="module")
+def llama_checkpoint(folders, tmp_path_factory):
+    """A tiny random LlamaForCausalLM saved by transformers beside the Llama-style tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = shutil.copytree(folders["llama"], tmp_path_factory.mktemp("ckpt") / "llama")
+    tok = load_hf_tokenizer(folder)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=tok.vocab_size, max_position_embeddings=64, bos_token_id=tok.bos, eos_token_id=tok.eod,
+    )).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
-def test_training_on_text_through_the_checkpoint_tokenizer(cpu_pool, folders, tmp_path):
+def test_training_on_text_through_the_checkpoint_tokenizer(cpu_pool, llama_checkpoint, tmp_path):
+    """mnb.from_hf sets the checkpoint's tokenizer; mnb.train(data=text) reads the text through it."""
     import mnb
 
     text = tmp_path / "story.txt"
@@ -150,18 +167,20 @@ def test_training_on_text_through_the_checkpoint_tokenizer(cpu_pool, folders, tm
     cpu_pool.run(
         "import os\n"
         f"os.environ['MNB_CACHE'] = {str(tmp_path / 'rank-cache')!r}\n"
-        "from mnb.megatron.tokenizer import load_hf_tokenizer\n"
         "from mnb.megatron.data import prepare, read_meta\n"
-        f"tok = load_hf_tokenizer({str(folders['llama'])!r})\n"
-        "model = mnb.gpt('tiny', vocab_size=tok.vocab_size)\n"
-        "model.tokenizer = tok\n"
+        f"model = mnb.from_hf({str(llama_checkpoint)!r}, seq_length=32)\n"
         f"mnb.train(model, steps=12, micro_batch_size=2, global_batch_size=4, lr=3e-3, data={str(text)!r})\n"
-        f"meta = read_meta(prepare({str(text)!r}, tok))",
+        f"meta = read_meta(prepare({str(text)!r}, model.tokenizer))",
         quiet=True,
     )
     losses = mnb.last_run.losses
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses
     metas = cpu_pool.run("meta")
-    fingerprint = load_hf_tokenizer(folders["llama"]).fingerprint
-    assert [m["tokenizer"]["fingerprint"] for m in metas.values()] == [fingerprint, fingerprint]
-    assert metas[0]["num_documents"] == 1 and metas[0]["max_token_id"] < 384
+    tok = load_hf_tokenizer(llama_checkpoint)
+    assert [m["tokenizer"]["fingerprint"] for m in metas.values()] == [tok.fingerprint, tok.fingerprint]
+    assert metas[0]["num_documents"] == 1 and metas[0]["max_token_id"] < tok.vocab_size
+    assert metas[0]["num_tokens"] == len(tok.tokenize(PARAGRAPH * 30)) + 1  # [BOS] text [EOS]
+    # the run records name the tokenizer, so %mnb export writes --tokenizer-model FOLDER
+    from mnb.controller.registry import last_settings
+
+    assert last_settings()["tokenizer"] == str(llama_checkpoint)

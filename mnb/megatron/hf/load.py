@@ -28,6 +28,7 @@ import torch
 from mnb.hf_config import architecture, config_path, hf_config, read_config
 from mnb.megatron.hf.reader import Checkpoint
 from mnb.megatron.hf.rules import Heads, Rule, read_local
+from mnb.megatron.tokenizer import load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +102,6 @@ def heads_of(cfg) -> Heads:
     return Heads(cfg.num_attention_heads, cfg.query_groups, cfg.head_dim)
 
 
-def _tokenizer(folder: Path):
-    """The checkpoint's own tokenizer (``mnb.megatron.tokenizer.load_hf_tokenizer``), or None without one."""
-    try:
-        from mnb.megatron.tokenizer import load_hf_tokenizer
-    except ImportError:  # the tokenizer half of issue 24 is not on this branch yet
-        return None
-    if not (folder / "tokenizer.json").is_file():
-        return None
-    return load_hf_tokenizer(str(folder))
-
-
 def from_hf(path: str | Path, *, fusions: bool | str = "auto", **overrides: Any):
     """This rank's part of the Hugging Face checkpoint in folder ``path``, for the current layout.
 
@@ -140,12 +130,13 @@ def from_hf(path: str | Path, *, fusions: bool | str = "auto", **overrides: Any)
     rules = family_tensors(arch, cfg)
     checkpoint = Checkpoint(folder)
     checkpoint.check(expected_tensors(rules), str(folder / "config.json"))
+    tokenizer = load_hf_tokenizer(folder)  # None without tokenizer.json; bad files refused before building
 
     t0 = time.perf_counter()
     model = build_model(cfg, parallel, init="none", fusions=fusions)
     built_s = time.perf_counter() - t0
     _fill(model, rules, checkpoint, cfg)
-    model.tokenizer = _tokenizer(folder)
+    model.tokenizer = tokenizer
     model.hf = Source(folder=str(folder), config=source, dtype=checkpoint.dtype())
     logger.info("from_hf %s: built in %.2f s, loaded in %.2f s", folder, built_s, time.perf_counter() - t0 - built_s)
     return model

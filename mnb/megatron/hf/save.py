@@ -233,7 +233,8 @@ def _finish(tmp: Path, path: Path, files: list[tuple[str, dict[str, int]]], conf
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     source = getattr(model, "hf", None)
     if source is not None:
-        for name in TOKENIZER_FILES:
+        names = set(TOKENIZER_FILES) | {Path(f).name for f in getattr(model.tokenizer, "files", None) or ()}
+        for name in sorted(names):
             if (Path(source.folder) / name).is_file():
                 shutil.copy2(Path(source.folder) / name, tmp / name)
     old = path.with_name(f"{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
