@@ -8,6 +8,7 @@ field names (``_bytes``, ``_flops``, ``_s``)::
     from mnb.config import ParallelConfig, TrainConfig
     train = TrainConfig(bf16=True, global_batch_size=128, use_distributed_optimizer=True)
     est.memory("llama-7b", ParallelConfig(), train, gpus=8, gpu="h200").summary()
+    est.memory("/models/Llama-3.2-1B", ParallelConfig(tp=2), train, gpus=8)  # a Hugging Face folder's config.json
     est.flops("llama-7b", train)                      # model FLOPs per step
     est.bubble(ParallelConfig(pp=4, vpp=2, dp=1), 8)  # idle share of the step: (p-1)/(v*m+p-1) = 0.158
     est.mfu("llama-7b", train, step_time_s=6.0, num_gpus=8, gpu="h200")

@@ -182,7 +182,7 @@ def memory(
 ) -> MemoryEstimate:
     """Predict memory per rank and pipeline stage, by component, in bytes.
 
-    ``model``: ModelConfig, preset name or field dict (its ``seq_length`` is
+    ``model``: ModelConfig, preset name, Hugging Face checkpoint folder or field dict (its ``seq_length`` is
     the training sequence length).  ``parallel``: ParallelConfig with dp set,
     or pass ``gpus`` (the world size) to resolve dp.  ``train``: TrainConfig
     (micro batch, global batch -> microbatches, bf16, recompute, distributed

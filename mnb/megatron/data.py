@@ -59,7 +59,7 @@ from mnb.megatron.corpora import (  # noqa: F401 - re-exported: data.CORPORA, da
     resolve_text_files,
     stdlib_files,
 )
-from mnb.megatron.tokenizer import ByteTokenizer, MockTokenizer
+from mnb.megatron.tokenizer import EOD_ID, ByteTokenizer, MockTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +330,14 @@ def dataset_for(data: str, model_config: ModelConfig, seq_length: int, num_sampl
         config.split_matrix = convert_split_vector_to_split_matrix([1.0, 0.0, 0.0])
         cls = MockGPTDataset
     else:
+        if tokenizer is None and vocab < ByteTokenizer().vocab_size and not (
+                isinstance(data, (str, os.PathLike)) and _is_prefix(os.fspath(data))):
+            raise ValueError(
+                f"data {data!r} is text, which mnb's byte tokenizer reads as token ids up to {EOD_ID} "
+                f"(the model has no tokenizer of its own), but the model's vocab_size is {vocab}: build "
+                f"the model with vocab_size >= {EOD_ID + 1}, give it its own tokenizer (a Hugging Face "
+                "checkpoint's tokenizer.json), or pass a .bin/.idx prefix of token ids"
+            )
         tokenizer = tokenizer or ByteTokenizer()
         prefix = prepare(data, tokenizer)
         top = max_token_id(prefix)

@@ -127,6 +127,9 @@ def test_text_data_through_the_checkpoint_tokenizer(folders, tmp_path):
         data.dataset_for(prefixes["llama"], cfg, 16, 8, 0, tokenizer=gpt2)
     with pytest.raises(ValueError, match="tokenized by mnb with HFTokenizer"):
         data.dataset_for(prefixes["gpt2"], model_config("tiny", vocab_size=512), 16, 8, 0)
+    # a model without a tokenizer of its own reads text with the byte tokenizer only if its vocabulary allows
+    with pytest.raises(ValueError, match=r"the model has no tokenizer of its own\), but the model's vocab_size is 200"):
+        data.dataset_for(str(corpus), model_config("tiny", vocab_size=200), 16, 8, 0)
     assert isinstance(llama, HFTokenizer) and not isinstance(ByteTokenizer(), HFTokenizer)
 
 
