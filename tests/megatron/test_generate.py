@@ -8,7 +8,7 @@ live re-layout of a trained model (save under tp2, load under pp2); sampling rep
 stop strings; an interrupt stops every rank at the same token; a cell that runs an asyncio
 loop; evaluation equals the loss ``mnb.logits`` implies and is recorded by ``eval_every``;
 greedy continuations of tiny random Hugging Face checkpoints (Llama, Qwen2, GPT-2, Mixtral)
-equal transformers' ``generate(do_sample=False)`` under dp2, tp2, pp2 and (Mixtral) ep2.
+equal transformers' ``generate(do_sample=False)`` under dp2, tp2, pp2 and (Mixtral) ep2 and tp2+sp.
 Both CI legs (megatron-core 0.16 and 0.19).
 """
 
@@ -207,6 +207,7 @@ HF_LAYOUTS = {
     "tp2": (ParallelConfig(tp=2), ("llama", "qwen2", "gpt2")),
     "pp2": (ParallelConfig(pp=2), ("llama", "qwen2", "gpt2", "mixtral")),
     "ep2": (ParallelConfig(ep=2), ("mixtral",)),
+    "tp2+sp": (ParallelConfig(tp=2, sequence_parallel=True), ("mixtral",)),  # MoE under tp needs sp
 }
 
 
