@@ -6,7 +6,7 @@
    transformers on the GPU and saved in Hugging Face format (bf16 safetensors, 2 GB shards with
    their index) inside the benchmark; then the raw read of the same files
    (``safetensors.torch.load_file`` of every shard, warm page cache as for the load that follows)
-   against ``mnb.from_hf`` on a one-rank pool, and the rank's peak host memory (``ru_maxrss``)
+   (every tensor copied into host memory) against ``mnb.from_hf`` on a one-rank pool, and the rank's peak host memory (``ru_maxrss``)
    before and after the load.
 2. **Fine-tune.** ``mnb.train`` on the loaded model (bf16, 6 steps, micro batch 8, 8 microbatches,
    seq 2048) beside ``mnb.gpt("llama-1b"/"llama-3b")`` with the same settings: MFU against the
@@ -70,11 +70,15 @@ def build_checkpoint(size: str, folder: Path) -> dict:
 
 
 def raw_read_s(folder: Path) -> float:
-    from safetensors.torch import load_file
+    """Every shard's tensors read into host memory (``safe_open(...).get_tensor`` copies each one
+    out of the file: ``load_file`` alone maps the file and reads nothing until a tensor is used)."""
+    from safetensors import safe_open
 
     start = time.perf_counter()
     for f in sorted(folder.glob("*.safetensors")):
-        load_file(f)
+        with safe_open(f, "pt") as shard:
+            for name in shard.keys():
+                shard.get_tensor(name).clone()
     return time.perf_counter() - start
 
 

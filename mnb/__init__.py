@@ -10,7 +10,8 @@ Notebook side::
 
 Everything here is imported lazily: ``import mnb`` in the notebook kernel
 pulls in neither torch nor Megatron.  ``mnb.gpt``, ``mnb.train``, ``mnb.record``,
-``mnb.save``, ``mnb.load``, ``mnb.from_hf``, ``mnb.logits`` and ``mnb.save_hf`` are rank-side functions (they need torch and run inside
+``mnb.save``, ``mnb.load``, ``mnb.from_hf``, ``mnb.logits``, ``mnb.save_hf``, ``mnb.generate`` and
+``mnb.evaluate`` are rank-side functions (they need torch and run inside
 ``%%megatron`` cells); ``mnb.pool``, ``mnb.last_run``, ``mnb.estimate``,
 ``mnb.explorer``, ``mnb.sweep``, ``mnb.hf_config`` and ``mnb.export`` (Megatron-LM / torchrun / Slurm
 launches of the notebook's layout) belong to the notebook side.
@@ -35,6 +36,8 @@ __all__ = [
     "record",
     "save",
     "load",
+    "generate",
+    "evaluate",
     "explorer",
     "sweep",
     "export",
@@ -58,6 +61,8 @@ _LAZY = {
     "record": ("mnb.megatron.autorecord", "record"),
     "save": ("mnb.megatron.checkpoint", "save"),
     "load": ("mnb.megatron.checkpoint", "load"),
+    "generate": ("mnb.megatron.generate", "generate"),
+    "evaluate": ("mnb.megatron.evaluate", "evaluate"),
     "explorer": ("mnb.widgets", "explorer"),
     "sweep": ("mnb.widgets", "sweep"),
     "export": ("mnb.exports", "export"),

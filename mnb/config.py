@@ -432,6 +432,12 @@ class TrainConfig:
     data: str = "mock"
     """'mock', a corpus preset such as 'stdlib', a folder/glob of text files, or a .bin/.idx prefix."""
     log_every: int = 1
+    eval_data: str | None = None
+    """Held-out data for ``mnb.evaluate`` during training (what ``data`` takes); None = no evaluation."""
+    eval_every: int = 0
+    """Evaluate after every this many steps of the call (0 = once, after the last step)."""
+    eval_batches: int = 1
+    """Batches (micro_batch_size sequences per dp rank each) per evaluation."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -446,6 +452,10 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"eval_every must be an integer >= 0 (0 = after the last step), got {self.eval_every!r}")
+        if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
+            raise ValueError(f"eval_batches must be a positive integer, got {self.eval_batches!r}")
         if self.schedule_steps is not None:
             self.check_schedule(self.schedule_steps)
 
@@ -464,6 +474,12 @@ class TrainConfig:
                 f"(schedule_steps, else steps) for lr_decay_style={self.lr_decay_style!r}; warm up for "
                 "fewer steps or make the schedule longer with schedule_steps=..."
             )
+
+    def eval_due(self, step: int) -> bool:
+        """Whether to evaluate after ``step`` (1-based within the call)."""
+        if not self.eval_data:
+            return False
+        return step % self.eval_every == 0 if self.eval_every else step == self.steps
 
     def num_microbatches(self, dp: int) -> int:
         """Microbatches per step per data-parallel rank, checked for divisibility (:func:`batch_problem`)."""

@@ -10,7 +10,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb stop            stop every rank; no process is left behind
     %mnb restart         stop and start the same pool (same size, device and GPUs)
     %mnb stacks          each rank's current Python stack (where is it stuck?)
-    %mnb plot memory|timeline|mfu      plots of mnb.last_run, predicted beside measured
+    %mnb plot memory|timeline|mfu|loss plots of mnb.last_run, predicted beside measured
     %mnb run [--ranks R] [--timeout S] [--grace S] [--isolated] SCRIPT [ARGS...]   a torchrun script, unmodified
     %mnb plan --model PRESET|PATH --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K] [--calibrate]
     %mnb start --slurm --nodes N [--gpus-per-node G] [--partition P] [--time T] [--account A] [--sbatch-arg ARG]
@@ -218,8 +218,9 @@ def plot_parser() -> MagicArgumentParser:
         "%mnb plot timeline      # measured 1F1B Gantt per stage, bubble vs (p-1)/(m+p-1)",
         "%mnb plot memory        # predicted beside measured, per component and rank",
         "%mnb plot mfu",
+        "%mnb plot loss          # training loss and evaluation loss (eval_every=) per step",
     ])
-    p.add_argument("kind", choices=["memory", "timeline", "mfu"], help="which plot of mnb.last_run")
+    p.add_argument("kind", choices=["memory", "timeline", "mfu", "loss"], help="which plot of mnb.last_run")
     return p
 
 

@@ -41,6 +41,8 @@ class Progress:
     tokens_per_s: float | None = None
     """This step's rate (a run's summary gives the mean of steps 2-N: the first includes warm-up)."""
     step_time_s: float | None = None
+    eval_loss: float | None = None
+    """The evaluation loss (``mnb.train(eval_data=..., eval_every=K)``) when this step ended with one."""
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> "Progress":
@@ -70,6 +72,8 @@ class Progress:
         parts = [f"{self.short()} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}]"]
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
+        if self.eval_loss is not None:
+            parts.append(f"eval loss {self.eval_loss:.4f}")
         if self.tokens_per_s:
             parts.append(f"{self.tokens_per_s:,.0f} tok/s (this step)")
         if self.step_time_s:

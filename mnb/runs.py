@@ -148,6 +148,11 @@ class Run:
         return [v[0] if v else None for v in self._per_step("lr").values()]
 
     @property
+    def eval_losses(self) -> list[float | None]:
+        """Evaluation loss per step (``mnb.train(eval_data=..., eval_every=K)``); None at steps without one."""
+        return [sum(v) / len(v) if v else None for v in self._per_step("eval_loss").values()]
+
+    @property
     def step_times_s(self) -> list[float | None]:
         """Step time per step: the slowest rank's."""
         return [max(v) if v else None for v in self._per_step("step_time_s").values()]
@@ -438,6 +443,10 @@ class Run:
         losses = [x for x in self.losses if x is not None]
         if losses:
             lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(self.steps)} steps")
+        evals = [(s, x) for s, x in zip(self.steps, self.eval_losses) if x is not None]
+        if evals:
+            lines.append(f"eval loss {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} "
+                         f"(step {evals[-1][0]}), {len(evals)} evaluations")
         tps = [x for x in self.tokens_per_s[1:] or self.tokens_per_s if x]
         mfus = [x for x in self.mfu[1:] or self.mfu if x is not None]
         steps = len(self.steps)
@@ -495,6 +504,11 @@ class Run:
         from mnb.plot import plot_timeline
 
         return plot_timeline(self, ax=ax, step=step)
+
+    def plot_loss(self, ax=None):
+        from mnb.plot import plot_loss
+
+        return plot_loss(self, ax=ax)
 
     def plot_mfu(self, ax=None):
         from mnb.plot import plot_mfu

@@ -32,7 +32,7 @@ FLAGS = {
                    "--nnodes", "--nodes", "--partition", "--rdzv-endpoint", "--sbatch-arg", "--slurm", "--threads",
                    "--time", "--timeout", "--timings", "--verbose", "-n"],
     "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [],
-    "%mnb plot": ["memory", "mfu", "timeline"],
+    "%mnb plot": ["loss", "memory", "mfu", "timeline"],
     "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
     "%mnb run": ["--grace", "--isolated", "--ranks", "--timeout"],
     "%mnb export": ["--cp", "--data", "--ep", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
@@ -43,8 +43,8 @@ FLAGS = {
 """Every magic's flags and positional choices (-h/--help aside): a contract, so any change is deliberate."""
 
 PUBLIC = ["CompositeRankError", "ModelConfig", "ParallelConfig", "RankError", "TrainConfig", "__version__",
-          "estimate", "explorer", "export", "from_hf", "gpt", "hf_config", "last_run", "load",
-          "load_ipython_extension", "logits", "pool", "record", "save", "save_hf", "sweep", "train",
+          "estimate", "evaluate", "explorer", "export", "from_hf", "generate", "gpt", "hf_config", "last_run",
+          "load", "load_ipython_extension", "logits", "pool", "record", "save", "save_hf", "sweep", "train",
           "unload_ipython_extension"]
 """``mnb.__all__``, sorted: adding a public name means adding it here (and to docs/api.md)."""
 

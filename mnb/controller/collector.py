@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mnb.controller.guards import NO_LATCH, InterruptLatch
-from mnb.controller.output import LineFolder, ProgressLine, show_bundle
+from mnb.controller.output import GeneratedText, LineFolder, ProgressLine, show_bundle
 from mnb.protocol import Message
 from mnb.timeouts import ASK_TIMEOUT_S, DEFERRED_STOP_S, INTERRUPT_ACK_S, INTERRUPT_RELEASE_MAX_S, RELEASE_S
 
@@ -111,6 +111,7 @@ class Collector:
         self.outcome = Outcome()
         self.folder = LineFolder(targets, labels) if stream else None
         self.progress: ProgressLine | None = None
+        self.generated: GeneratedText | None = None
         self._muted = False  # after an interrupt: count the cell's output, show none
         self._failed_at: float | None = None
         self._unshown: Message | None = None  # the first failure, until it is shown
@@ -316,6 +317,10 @@ class Collector:
                     self._failed_handlers.add(id(handler))
                     log.exception("the event handler %r raised on a %r event of rank %s; the request goes on "
                                   "(its later errors in this request are not logged)", handler, kind, rank)
+        if kind == "generate" and self.folder is not None:  # mnb.generate(..., stream=True)
+            self.folder.flush()
+            self.generated = self.generated or GeneratedText()
+            self.generated.update(payload)
         if kind == "progress" and not self.event_handlers and not quiet:
             self.progress = self.progress or ProgressLine()
             self.progress.update(payload)

@@ -144,3 +144,32 @@ class ProgressLine:
             # Terminals and nbclient: a plain line now and then, never a flood.
             print(text)
             self._last_print = time.monotonic()
+
+
+class GeneratedText:
+    """``mnb.generate``'s text as it grows: one output area per prompt, updated in place.
+
+    In a kernel each prompt gets a ``display_id`` and every ``generate`` event updates it
+    (Jupyter's ``update_display_data``); elsewhere (terminals, nbclient without a kernel
+    display) each prompt's final text is printed once.
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._printed = False
+
+    def update(self, payload: dict[str, Any]) -> None:
+        texts = [str(t) for t in payload.get("texts") or []]
+        if in_kernel():
+            from IPython.display import display
+
+            for i, text in enumerate(texts):
+                bundle = {"text/plain": text}
+                if i < len(self._handles):
+                    self._handles[i].update(bundle, raw=True)
+                else:
+                    self._handles.append(display(bundle, raw=True, display_id=True))
+        elif payload.get("final") and not self._printed:
+            self._printed = True
+            for text in texts:
+                print(text)

@@ -269,6 +269,9 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **set
 
     given = {k: v for k, v in settings.items() if v is not None}
     tc = schedule.call_config(model, given)  # what earlier calls named carries over (mnb.megatron.schedule)
+    if tc.eval_every and not tc.eval_data:
+        raise ValueError(f"eval_every={tc.eval_every} needs eval_data= (held-out data: 'stdlib', a text "
+                         "folder, a .bin/.idx prefix or 'mock')")
     model.check_layout()
     parallel = model.parallel
     num_microbatches = tc.num_microbatches(parallel.dp)
@@ -384,13 +387,25 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
             "tokens_per_s": tokens_per_step / step_time if step_time > 0 else None,
             **meter.end_step(),
         }
+        if tc.eval_due(i + 1):
+            stop = _evaluate_now(model, tc, flag, row) or stop
         step_rows.append(row)
         timeline.extend(recorder.end_step())
         model.steps_done += 1
         model.consumed_samples += plan.global_batch_size
         if reports:
             events.emit("progress", Progress(step=i + 1, steps=tc.steps, global_step=step, loss=loss,
-                                             tokens_per_s=row["tokens_per_s"], step_time_s=step_time).as_payload())
+                                             tokens_per_s=row["tokens_per_s"], step_time_s=step_time,
+                                             eval_loss=row.get("eval_loss")).as_payload())
         if stop:
             break
     return step_rows, timeline, stop
+
+
+def _evaluate_now(model, tc, flag, row: dict) -> bool:
+    """``mnb.evaluate`` on ``tc.eval_data`` at a step boundary: ``row["eval_loss"]``; whether to stop."""
+    from mnb.megatron.evaluate import run_evaluation
+
+    result, stop = run_evaluation(model, tc.eval_data, tc.eval_batches, tc.micro_batch_size, flag)
+    row["eval_loss"] = result["loss"]
+    return stop

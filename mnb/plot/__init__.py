@@ -1,4 +1,4 @@
-"""Matplotlib figures of predicted and measured memory, pipeline timelines, MFU and plans.
+"""Matplotlib figures of predicted and measured memory, pipeline timelines, MFU, loss and plans.
 
 Every function is ``plot_x(obj, ax=None) -> Axes``: it draws into ``ax`` or,
 without one, into a new figure (a pyplot figure inside a Jupyter kernel so it
@@ -10,13 +10,15 @@ Nothing calls ``plt.show()`` or changes global styles::
     plot_schedule(ParallelConfig(pp=4, vpp=2, dp=1), 8)
     plot_plan(mnb.estimate.plan("llama-7b", gpus=8, gbs=128))
     ax = plot_mfu(run); ax.figure.savefig("mfu.png")
+    plot_loss(run)                                      # training and evaluation loss
 """
 
 from __future__ import annotations
 
+from .loss import plot_loss
 from .memory import plot_memory
 from .mfu import plot_mfu
 from .plan import plot_plan
 from .timeline import plot_schedule, plot_timeline
 
-__all__ = ["plot_memory", "plot_mfu", "plot_plan", "plot_schedule", "plot_timeline"]
+__all__ = ["plot_loss", "plot_memory", "plot_mfu", "plot_plan", "plot_schedule", "plot_timeline"]

@@ -47,6 +47,8 @@ class LiveProgress(widgets.VBox):
         sync=True)
     losses = List(Float(allow_none=True), help="Loss per finished step.").tag(sync=True)
     tokens_per_s = List(Float(allow_none=True), help="Tokens per second per finished step.").tag(sync=True)
+    eval_losses = List(Float(allow_none=True),
+                       help="Evaluation loss per finished step (None where the step did not evaluate).").tag(sync=True)
     text = Unicode("", help="The progress line (also the plain-text representation).").tag(sync=True)
 
     def __init__(self, steps: int) -> None:
@@ -74,7 +76,11 @@ class LiveProgress(widgets.VBox):
             self.step_numbers = [*self.step_numbers, progress.step]
             self.losses = [*self.losses, progress.loss]
             self.tokens_per_s = [*self.tokens_per_s, progress.tokens_per_s]
+            self.eval_losses = [*self.eval_losses, progress.eval_loss]
             self.text = progress.line()
+            evaluated = [v for v in self.eval_losses if v is not None]
+            if progress.eval_loss is None and evaluated:  # keep the last evaluation in view
+                self.text += f"  (last eval loss {evaluated[-1]:.4f})"
             self._bar.value = min(self.done, self._bar.max)
             self._label.value = f"<code>step {self.done}/{self.steps}  {self.text.split('] ', 1)[-1]}</code>"
             if self.finished:
@@ -86,14 +92,19 @@ class LiveProgress(widgets.VBox):
         """Update the lines of the one figure and re-encode it."""
         if self._fig is None:
             self._fig, (a_loss, a_tps) = new_figure((6.4, 2.2), 1, 2)
-            self._lines = (a_loss.plot([], [], marker=".", color="#C44E52")[0],
+            self._lines = (a_loss.plot([], [], marker=".", color="#C44E52", label="train")[0],
                            a_tps.plot([], [], marker=".", color="#55A868")[0])
+            self._eval_line = a_loss.plot([], [], marker="o", color="#4C72B0", label="eval")[0]
             a_loss.set_xlabel("step")
             a_loss.set_ylabel("loss")
             a_tps.set_xlabel("step")
             a_tps.set_ylabel("tokens/s")
             self._axes = (a_loss, a_tps)
-        for line, ax, values in zip(self._lines, self._axes, (self.losses, self.tokens_per_s)):
+        rows = ((self._lines[0], self._axes[0], self.losses), (self._lines[1], self._axes[1], self.tokens_per_s),
+                (self._eval_line, self._axes[0], self.eval_losses))
+        if any(v is not None for v in self.eval_losses) and self._axes[0].get_legend() is None:
+            self._axes[0].legend(fontsize=7)
+        for line, ax, values in rows:
             pairs = [(s, v) for s, v in zip(self.step_numbers, values) if v is not None]
             line.set_data([p[0] for p in pairs], [p[1] for p in pairs])
             ax.relim()

@@ -47,6 +47,18 @@ def test_progress_widget_updates_one_figure_in_place():
     assert live.get_state()["losses"] == [5.5, 5.2, 5.0]
 
 
+def test_evaluation_loss_is_drawn_and_stays_in_the_line_between_evaluations():
+    live = LiveProgress(steps=3)
+    live.update(_event(1, 3, 5.5))
+    evaluated = Progress(step=2, steps=3, loss=5.2, eval_loss=6.25, tokens_per_s=1000.0).as_payload()
+    live.update(evaluated)
+    assert "eval loss 6.2500" in live.text
+    live.update(_event(3, 3, 5.0))
+    assert live.eval_losses == [None, 6.25, None] and live.get_state()["eval_losses"] == [None, 6.25, None]
+    assert "(last eval loss 6.2500)" in live.text
+    assert list(live._eval_line.get_xdata()) == [2] and list(live._eval_line.get_ydata()) == [6.25]
+
+
 def test_handler_starts_one_widget_per_training_run():
     handler = LiveHandler()
     handler(1, "progress", _event(1, 2))

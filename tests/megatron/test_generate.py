@@ -1,0 +1,247 @@
+"""mnb.generate and mnb.evaluate on a live 2-rank CPU pool (fp32, gloo, real Megatron-Core).
+
+    PYTHONPATH=$PWD python -m pytest -q tests/megatron/test_generate.py
+
+Greedy continuations of a batch of prompts of different lengths equal a no-cache reference
+(a whole-sequence forward per token) under dp2, tp2, tp2+sp, pp2 and pp2+vpp2, and after a
+live re-layout of a trained model (save under tp2, load under pp2); sampling repeats by seed;
+stop strings; an interrupt stops every rank at the same token; a cell that runs an asyncio
+loop; evaluation equals the loss ``mnb.logits`` implies and is recorded by ``eval_every``;
+greedy continuations of tiny random Hugging Face checkpoints (Llama, Qwen2, GPT-2, Mixtral)
+equal transformers' ``generate(do_sample=False)`` under dp2, tp2, pp2 and (Mixtral) ep2 and tp2+sp.
+Both CI legs (megatron-core 0.16 and 0.19).
+"""
+
+from __future__ import annotations
+
+import _thread
+
+import pytest
+
+import mnb
+from mnb.config import ParallelConfig
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [300, 12], [64, 65, 66, 67]]
+
+REFERENCE = """
+def reference(model, prompts, new):
+    '''Greedy continuations, one whole-sequence mnb.logits per token (no KV cache).'''
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(new):
+            ids.append(int(mnb.logits(model, [ids])[0, -1].argmax()))
+        out.append(ids[len(prompt):])
+    return out
+"""
+
+
+def same_on_every_rank(values: dict):
+    first = values[0]
+    assert all(v == first for v in values.values()), values
+    return first
+
+
+def test_greedy_equals_the_no_cache_reference_under_every_layout(cpu_pool):
+    cpu_pool.run(REFERENCE, quiet=True)
+    code = f"model = mnb.gpt('tiny')\nmnb.generate(model, {PROMPTS}, max_new_tokens=32, stream=False)"
+    cpu_pool.run("model = mnb.gpt('tiny')\nref = reference(model, " + repr(PROMPTS) + ", 32)", quiet=True)
+    reference = same_on_every_rank(cpu_pool.pull("ref"))
+    assert [len(r) for r in reference] == [32, 32, 32]
+    for layout in (ParallelConfig(), ParallelConfig(tp=2), ParallelConfig(tp=2, sequence_parallel=True),
+                   ParallelConfig(pp=2), ParallelConfig(pp=2, vpp=2)):
+        got = same_on_every_rank(cpu_pool.run(code, layout=layout, quiet=True))
+        assert got == reference, layout
+    # One prompt of ints answers with one list; a reference under pp2 agrees too.
+    one = cpu_pool.run(f"mnb.generate(model, {PROMPTS[1]}, max_new_tokens=32, stream=False)", quiet=True)
+    assert same_on_every_rank(one) == reference[1]
+    cpu_pool.run("ref_pp = reference(model, " + repr(PROMPTS[:1]) + ", 8)", quiet=True)
+    assert same_on_every_rank(cpu_pool.pull("ref_pp")) == [reference[0][:8]]
+
+
+def test_a_trained_model_generates_the_same_text_after_a_live_relayout(cpu_pool, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cpu_pool.run("model = mnb.gpt('tiny')\n"
+                 "mnb.train(model, steps=3, micro_batch_size=2, global_batch_size=4, data='stdlib', lr=3e-3)\n"
+                 f"mnb.save({str(ckpt)!r}, model)\n"
+                 "texts = mnb.generate(model, ['def ', 'import os'], max_new_tokens=24, stream=False)",
+                 layout=ParallelConfig(tp=2), quiet=True)
+    before = same_on_every_rank(cpu_pool.pull("texts"))
+    assert isinstance(before, list) and len(before) == 2 and all(isinstance(t, str) for t in before)
+    after = cpu_pool.run(f"model = mnb.gpt('tiny')\nmnb.load({str(ckpt)!r}, model)\n"
+                         "mnb.generate(model, ['def ', 'import os'], max_new_tokens=24, stream=False)",
+                         layout=ParallelConfig(pp=2), quiet=True)
+    assert same_on_every_rank(after) == before
+    text = cpu_pool.run("mnb.generate(model, 'def ', max_new_tokens=24, stream=False)", quiet=True)
+    assert same_on_every_rank(text) == before[0]  # one string in, one string out
+
+
+def test_sampling_repeats_by_seed_across_layouts_and_stop_strings_end_text(cpu_pool):
+    sample = ("mnb.generate(model, ['The ', 'x = '], max_new_tokens=40, temperature={t}, top_k={k}, "
+              "top_p={p}, seed={s}, stream=False)")
+    cpu_pool.run("model = mnb.gpt('tiny')", layout=ParallelConfig(tp=2), quiet=True)
+    first = same_on_every_rank(cpu_pool.run(sample.format(t=1.0, k=0, p=1.0, s=7), quiet=True))
+    again = same_on_every_rank(cpu_pool.run(sample.format(t=1.0, k=0, p=1.0, s=7), quiet=True))
+    other = same_on_every_rank(cpu_pool.run(sample.format(t=1.0, k=0, p=1.0, s=8), quiet=True))
+    assert first == again and first != other
+    greedy = same_on_every_rank(cpu_pool.run(sample.format(t=0.0, k=0, p=1.0, s=7), quiet=True))
+    assert greedy != first
+    nucleus = same_on_every_rank(cpu_pool.run(sample.format(t=0.8, k=20, p=0.9, s=7), quiet=True))
+    cpu_pool.run("model = mnb.gpt('tiny')", layout=ParallelConfig(pp=2), quiet=True)
+    assert same_on_every_rank(cpu_pool.run(sample.format(t=1.0, k=0, p=1.0, s=7), quiet=True)) == first
+    assert same_on_every_rank(cpu_pool.run(sample.format(t=0.8, k=20, p=0.9, s=7), quiet=True)) == nucleus
+    # top_k=1 is greedy whatever the temperature.
+    assert same_on_every_rank(cpu_pool.run(sample.format(t=2.0, k=1, p=1.0, s=3), quiet=True)) == greedy
+    # A stop string ends the continuation before it; the text before it is the greedy text's.
+    full = greedy[0]
+    stop = full[10:12]
+    cut = same_on_every_rank(cpu_pool.run(
+        f"mnb.generate(model, 'The ', max_new_tokens=40, stop=['\\u2603', {stop!r}], stream=False)", quiet=True))
+    assert cut == full[: full.find(stop)] and len(cut) <= 10
+    ids = same_on_every_rank(cpu_pool.run(
+        f"mnb.generate(model, list(b'The '), max_new_tokens=40, stop={stop!r}, stream=False)", quiet=True))
+    text = bytes(i for i in ids if i < 256).decode("utf-8", "replace")  # what the byte tokenizer shows
+    assert stop in text and text.startswith(cut) and len(ids) < 40
+
+
+def test_an_interrupt_stops_every_rank_at_the_same_token_and_the_pool_stays_usable(cpu_pool):
+    cpu_pool.run("model = mnb.gpt('tiny', max_position_embeddings=4096)", layout=ParallelConfig(pp=2), quiet=True)
+    seen = []
+
+    def interrupt_after_three_tokens(rank, kind, payload):
+        if kind == "generate":
+            seen.append(payload["texts"])
+            if len(seen) == 3:
+                _thread.interrupt_main()  # what Kernel -> Interrupt does to the kernel
+
+    cpu_pool.event_handlers.append(interrupt_after_three_tokens)
+    with pytest.raises(KeyboardInterrupt):
+        cpu_pool.run("try:\n    mnb.generate(model, ['a', 'bc'], max_new_tokens=4000)\n"
+                     "except KeyboardInterrupt as err:\n    message = str(err)\n    raise")
+    cpu_pool.event_handlers.clear()
+    message = same_on_every_rank(cpu_pool.pull("message"))
+    assert "stopped on every rank after" in message and int(message.split("after ")[1].split()[0]) < 4000
+    assert len(seen[0]) == 2 and seen[0][0].startswith("a") and seen[0][1].startswith("bc")
+    assert cpu_pool.restarts == 0
+    # Usable at once: the same greedy text as a fresh call, from a cell that runs an asyncio loop.
+    plain = same_on_every_rank(cpu_pool.run("mnb.generate(model, 'ab', max_new_tokens=6, stream=False)", quiet=True))
+    looped = cpu_pool.run("import asyncio\n"
+                          "async def ask():\n"
+                          "    await asyncio.sleep(0)\n"
+                          "    return mnb.generate(model, 'ab', max_new_tokens=6, stream=False)\n"
+                          "asyncio.run(ask())", quiet=True)
+    assert same_on_every_rank(looped) == plain
+
+
+def test_evaluate_equals_the_loss_the_logits_imply_and_train_records_it(cpu_pool):
+    implied = """
+import torch
+from mnb.megatron.batches import build_dataset
+data = build_dataset('stdlib', model.config, model.config.seq_length, 4, 1234)
+tokens = torch.stack([torch.as_tensor(data[i]['tokens']) for i in range(4)])
+labels = torch.stack([torch.as_tensor(data[i]['labels']) for i in range(4)])
+mask = torch.stack([torch.as_tensor(data[i]['loss_mask']) for i in range(4)]).float()
+logits = mnb.logits(model, tokens)
+nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(), reduction='none')
+(float((nll * mask.flatten()).sum() / mask.sum()), int(mask.sum()))
+"""
+    # 300 ids padded to 512 (tp2) or 384 (tp1) by Megatron: the padding is no part of the loss.
+    cpu_pool.run("model = mnb.gpt('tiny', vocab_size=300)", layout=ParallelConfig(tp=2), quiet=True)
+    loss, tokens = same_on_every_rank(cpu_pool.run(implied, quiet=True))
+    under_tp = same_on_every_rank(cpu_pool.run(
+        "mnb.evaluate(model, data='stdlib', batches=2, micro_batch_size=2)", quiet=True))
+    assert under_tp["tokens"] == tokens
+    assert under_tp["loss"] == pytest.approx(loss, rel=1e-5)
+    assert under_tp["perplexity"] == pytest.approx(2.718281828 ** loss, rel=1e-5)
+    cpu_pool.run("model = mnb.gpt('tiny', vocab_size=300)", layout=ParallelConfig(), quiet=True)  # dp2: samples split over ranks
+    under_dp = same_on_every_rank(cpu_pool.run(
+        "mnb.evaluate(model, data='stdlib', batches=1, micro_batch_size=2)", quiet=True))
+    assert under_dp["tokens"] == tokens and under_dp["loss"] == pytest.approx(loss, rel=1e-5)
+    with pytest.raises(Exception, match="batches must be a positive integer"):
+        cpu_pool.run("mnb.evaluate(model, data='stdlib', batches=0)", quiet=True)
+    # Every 2 steps during training, on held-out data; the last evaluation is the model's loss now.
+    cpu_pool.run("model = mnb.gpt('tiny', vocab_size=300)", layout=ParallelConfig(pp=2), quiet=True)
+    cpu_pool.run("mnb.train(model, steps=4, micro_batch_size=2, global_batch_size=4, data='stdlib', lr=3e-3,\n"
+                 "          eval_data='mock', eval_every=2, eval_batches=2)", quiet=True)
+    run = mnb.last_run
+    evals = run.eval_losses
+    assert [e is None for e in evals] == [True, False, True, False], evals
+    now = same_on_every_rank(cpu_pool.run("mnb.evaluate(model, data='mock', batches=2, micro_batch_size=2)",
+                                          quiet=True))
+    assert evals[3] == pytest.approx(now["loss"], rel=1e-6) and evals[1] != evals[3]
+    assert "eval loss" in run.summary() and "2 evaluations" in run.summary()
+    ax = run.plot_loss()
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["evaluation loss"].get_xdata()) == [run.steps[1], run.steps[3]]
+    assert list(lines["evaluation loss"].get_ydata()) == [evals[1], evals[3]]
+    assert len(lines["training loss"].get_xdata()) == 4
+    with pytest.raises(Exception, match="eval_every=2 needs eval_data"):
+        cpu_pool.run("mnb.train(model, steps=2, eval_every=2)", quiet=True)
+
+
+def test_bad_arguments_are_refused_before_any_collective(cpu_pool):
+    cpu_pool.run("model = mnb.gpt('tiny')", quiet=True)
+    for call, match in (
+        ("mnb.generate(model, [])", "prompts must be"),
+        ("mnb.generate(model, [[1, 2], 'x'])", "mixes them"),
+        ("mnb.generate(model, 'x', max_new_tokens=0)", "max_new_tokens must be a positive integer"),
+        ("mnb.generate(model, 'x', top_p=0)", r"top_p must lie in \(0, 1\]"),
+        ("mnb.generate(model, 'x', temperature=-1)", "temperature must be >= 0"),
+        ("mnb.generate(model, 'x', max_new_tokens=200)", "exceeds the model's max_position_embeddings"),
+        ("mnb.generate(model, [[1, 9999]])", r"outside the model's vocabulary \[0, 512\)"),
+    ):
+        with pytest.raises(Exception, match=match):
+            cpu_pool.run(call, quiet=True)
+    assert cpu_pool.run("mnb.generate(model, 'ok', max_new_tokens=2, stream=False) is not None", quiet=True) == {
+        0: True, 1: True}
+    cpu_pool.run("model = mnb.gpt('tiny')", layout=ParallelConfig(cp=2), quiet=True)
+    with pytest.raises(Exception, match=r"does not run under context parallelism \(cp=2\).*--tp 2"):
+        cpu_pool.run("mnb.generate(model, 'x')", quiet=True)
+
+
+HF_PROMPTS = [[11, 250, 3, 77, 140, 9, 31, 200, 5, 66], [42, 7], [299, 1, 150, 12, 88]]
+HF_LAYOUTS = {
+    "dp2": (ParallelConfig(), ("llama", "qwen2", "gpt2", "mixtral")),
+    "tp2": (ParallelConfig(tp=2), ("llama", "qwen2", "gpt2")),
+    "pp2": (ParallelConfig(pp=2), ("llama", "qwen2", "gpt2", "mixtral")),
+    "ep2": (ParallelConfig(ep=2), ("mixtral",)),
+    "tp2+sp": (ParallelConfig(tp=2, sequence_parallel=True), ("mixtral",)),  # MoE under tp needs sp
+}
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tmp_path_factory):
+    """kind -> (folder, transformers' greedy continuations of HF_PROMPTS, one prompt at a time)."""
+    import torch
+    from test_hf import _build
+
+    root = tmp_path_factory.mktemp("hf-generate")
+    out = {}
+    for kind in ("llama", "qwen2", "gpt2", "mixtral"):
+        model = _build(root / kind, kind).eval()
+        continuations = []
+        for prompt in HF_PROMPTS:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                full = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                                      pad_token_id=model.config.eos_token_id)
+            continuations.append(full[0, len(prompt):].tolist())
+        assert max(len(c) for c in continuations) == 32, (kind, continuations)  # not ended at once by eos
+        out[kind] = (str(root / kind), continuations)
+    return out
+
+
+@pytest.mark.parametrize("layout_name", list(HF_LAYOUTS))
+def test_greedy_equals_transformers_generate(cpu_pool, hf_greedy, layout_name):
+    layout, kinds = HF_LAYOUTS[layout_name]
+    paths = {kind: hf_greedy[kind][0] for kind in kinds}
+    got = cpu_pool.run(f"_out = {{}}\n"
+                       f"for _kind, _path in {paths!r}.items():\n"
+                       f"    _m = mnb.from_hf(_path)\n"
+                       f"    _out[_kind] = mnb.generate(_m, {HF_PROMPTS!r}, max_new_tokens=32, stream=False)\n"
+                       f"del _m\n_out", layout=layout, quiet=True)
+    for kind in kinds:
+        want = hf_greedy[kind][1]
+        assert same_on_every_rank({r: v[kind] for r, v in got.items()}) == want, (layout_name, kind)

@@ -1,0 +1,55 @@
+"""``mnb.generate(..., stream=True)`` in a real Jupyter kernel: one output area per prompt, updated in place.
+
+    PYTHONPATH=$PWD python -m pytest -q tests/megatron/test_generate_stream.py
+
+What JupyterLab receives: for each prompt one ``display_data`` with a ``display_id``, then
+``update_display_data`` messages for the same ids as tokens arrive, the last of which holds the
+prompt and the continuation the cell returned.  Notebook-facing, so leg 1 only (like tests/test_kernel.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernel_client import Kernel  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_each_prompt_grows_in_its_own_output_area():
+    kernel = Kernel()
+    try:
+        kernel.ok("%load_ext mnb\n%mnb start -n 2 --device cpu", timeout=300)
+        msg_id = kernel.client.execute(
+            "%%megatron\nmodel = mnb.gpt('tiny')\nanswer = mnb.generate(model, ['ab', 'xyz'], max_new_tokens=12)")
+        shown, updates = {}, {}
+        while True:
+            msg = kernel.client.get_iopub_msg(timeout=300)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "display_data" and content.get("transient", {}).get("display_id"):
+                shown[content["transient"]["display_id"]] = content["data"]["text/plain"]
+            elif kind == "update_display_data":
+                display_id = content["transient"]["display_id"]
+                assert display_id in shown  # updated in place, never a new area
+                updates.setdefault(display_id, []).append(content["data"]["text/plain"])
+            elif kind == "error":
+                pytest.fail("\n".join(content["traceback"]))
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        answer = json.loads(kernel.ok("import json\nprint(json.dumps(mnb.pool().pull('answer')[0]))").splitlines()[-1])
+        assert len(shown) == 2 and all(len(texts) >= 5 for texts in updates.values()), (shown, updates)
+        finals = [updates[display_id][-1] for display_id in shown]
+        assert finals == ["ab" + answer[0], "xyz" + answer[1]]
+        growing = updates[next(iter(shown))]
+        assert all(later.startswith(earlier.rstrip("\ufffd")) for earlier, later in zip(growing, growing[1:]))
+        kernel.ok("%mnb stop")
+    finally:
+        kernel.shutdown()
