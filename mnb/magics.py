@@ -21,7 +21,7 @@ Cell magic (``%%megatron?`` or ``%%megatron --help`` prints its flags)::
 
     %%megatron [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--sp/--no-sp]
                [--ranks 0,2-3] [--timeout SECONDS] [--grace SECONDS]
-               [--profile [STEPS]] [--profile-ranks 0,2-3] [-o DIR]
+               [--profile [STEPS]] [--profile-ranks 0,2-3] [--memory] [-o DIR]
     model = mnb.gpt("tiny")
     print(rank, ps.get_tensor_model_parallel_rank())
 
@@ -278,6 +278,9 @@ def profile_arguments(p: MagicArgumentParser) -> None:
                            "(default: its 2nd and 3rd steps, or the whole cell when it does not train)")
     prof.add_argument("--profile-ranks", default=None, metavar="0,2-3",
                       help="profile these ranks only; the others run unprofiled (default: every rank)")
+    prof.add_argument("--memory", action="store_true", default=False,
+                      help="with --profile: memory over the profiled steps by component (mnb.last_profile.plot_memory()); "
+                           "on CUDA ranks also torch's memory snapshot (memory/rank-N.pickle)")
     prof.add_argument("-o", "--output", default=None, metavar="DIR",
                       help="write the profile folder under DIR (default: the pool's folder, removed with the pool)")
 

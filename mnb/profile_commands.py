@@ -18,11 +18,11 @@ from mnb.profiles import Profile, delete_profile, last_profile, list_profiles, p
 
 
 def profile_request(args: argparse.Namespace, pool: Any, parse_ranks: Any) -> dict[str, Any] | None:
-    """The rank side's ``{"dir", "steps", "ranks"}`` of ``--profile``; None without it.
+    """The rank side's ``{"dir", "steps", "ranks", "memory"}`` of ``--profile``; None without it.
     ``parse_ranks``: %%megatron's reading of ``0,2-3`` (mnb.magics)."""
     if args.profile is None:
-        if args.profile_ranks or args.output:
-            raise UsageError("--profile-ranks and -o only apply with --profile")
+        if args.profile_ranks or args.output or args.memory:
+            raise UsageError("--profile-ranks, --memory and -o only apply with --profile")
         return None
     try:
         steps = args.profile if parse_steps(args.profile) else None
@@ -36,7 +36,7 @@ def profile_request(args: argparse.Namespace, pool: Any, parse_ranks: Any) -> di
     folder = root / time.strftime("profile-%Y%m%d-%H%M%S")
     while folder.exists():
         folder = folder.with_name(folder.name + "-1")
-    return {"dir": str(folder.resolve()), "steps": steps, "ranks": ranks}
+    return {"dir": str(folder.resolve()), "steps": steps, "ranks": ranks, "memory": bool(args.memory)}
 
 
 def take_profile(folder: str | None, pool: Any, since: float) -> Profile | None:

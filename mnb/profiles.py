@@ -278,6 +278,68 @@ class Profile:
     def __repr__(self) -> str:
         return self.summary()
 
+    def memory(self) -> dict[int, dict[str, Any]]:
+        """``--memory``: per rank, what it held over the profiled steps, by mnb's categories.
+
+        ``{rank: {"times_ms", "weights", "gradients", "optimizer", "activations" (a list, one per
+        time), "other" (CUDA: the allocator's bytes beyond the counted ones), "peak_bytes", "peak_ms",
+        "snapshot" (CUDA: torch's memory snapshot for https://pytorch.org/memory_viz), "source"}}``.
+        On CPU ranks the peak is the counted tensors' peak, as ``mnb.last_run.peak_memory_bytes``.
+        """
+        out = {}
+        for rank, meta in sorted(self.meta.items()):
+            mem = meta.get("memory")
+            if not mem or not mem.get("samples"):
+                continue
+            static = {k: int(mem["static"].get(k, 0)) for k in ("weights", "gradients", "optimizer")}
+            base = sum(static.values())
+            times = [round((t - self.origin_s) * 1e3, 3) for t, _, _ in mem["samples"]]
+            acts = [int(a) for _, a, _ in mem["samples"]]
+            other = [max(0, int(al) - base - a) if al is not None else 0 for (_, _, al), a in zip(mem["samples"], acts)]
+            totals = [base + a + o for a, o in zip(acts, other)]
+            i = max(range(len(totals)), key=totals.__getitem__)
+            out[rank] = {"times_ms": times, **static, "activations": acts, "other": other,
+                         "peak_bytes": totals[i], "peak_ms": times[i], "snapshot": mem.get("snapshot"),
+                         "source": mem.get("source")}
+        return out
+
+    def plot_memory(self, rank: int | None = None, predicted_peak_bytes: float | None = None):
+        """Memory over the profiled steps of ``rank`` (default the first with --memory), stacked by
+        category, the peak marked; ``predicted_peak_bytes`` (default ``mnb.last_run``'s prediction
+        from mnb.estimate.memory for that rank, when there is one) as a dashed line."""
+        import matplotlib.pyplot as plt
+
+        series = self.memory()
+        if not series:
+            raise ValueError("this profile has no memory over time: run the cell with --profile --memory")
+        rank = next(iter(series)) if rank is None else rank
+        if rank not in series:
+            raise ValueError(f"rank {rank} has no memory series; ranks with one: {sorted(series)}")
+        mem = series[rank]
+        gib = 2**30
+        names = ["weights", "gradients", "optimizer", "activations", "other"]
+        count = len(mem["times_ms"])
+        layers = [[v / gib for v in (mem[n] if isinstance(mem[n], list) else [mem[n]] * count)] for n in names]
+        fig, ax = plt.subplots(figsize=(9, 4))
+        ax.stackplot(mem["times_ms"], *layers, labels=names, step="post", alpha=0.8)
+        ax.plot([mem["peak_ms"]], [mem["peak_bytes"] / gib], "kv", label=f"peak {mem['peak_bytes'] / gib:.3f} GiB")
+        if predicted_peak_bytes is None:
+            try:
+                from mnb.controller import last_run
+
+                run = last_run()
+                predicted_peak_bytes = run.predicted_components(rank)["peak"] if run is not None else None
+            except Exception:  # noqa: BLE001 - a prediction is a bonus, the measurement is the figure
+                predicted_peak_bytes = None
+        if predicted_peak_bytes:
+            ax.axhline(predicted_peak_bytes / gib, color="k", linestyle="--", label="predicted peak (mnb.estimate)")
+        ax.set_xlabel("ms on the shared host clock")
+        ax.set_ylabel(f"GiB ({mem['source']})")
+        ax.set_title(f"rank {rank}: memory over the profiled steps")
+        ax.legend(loc="upper left", fontsize="small")
+        fig.tight_layout()
+        return fig
+
     def plot(self, range: tuple[float, float] | None = None):  # noqa: A002 - the issue's name
         """All ranks on one time axis (ms on the shared clock): one row per rank and thread, collectives
         in red.  ``range``: (start_ms, end_ms); default the first profiled step of the first rank."""

@@ -39,7 +39,7 @@ FLAGS = {
     "%mnb export": ["--cp", "--data", "--ep", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
                     "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
                     "megatron-lm", "slurm", "torchrun"],
-    "%%megatron": ["--cp", "--ep", "--grace", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
+    "%%megatron": ["--cp", "--ep", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
                    "--ranks", "--sp", "--timeout", "--tp", "--vpp", "-o"],
 }
 """Every magic's flags and positional choices (-h/--help aside): a contract, so any change is deliberate."""

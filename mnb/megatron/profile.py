@@ -58,7 +58,11 @@ class Session:
     step_costs: list[dict[str, float]] = field(default_factory=list)
     clock_marks: list[float] = field(default_factory=list)
     comms: list[dict[str, Any]] = field(default_factory=list)
+    memory: bool = False
+    memory_samples: list[list[Any]] = field(default_factory=list)
+    snapshot: str | None = None
     done: bool = False
+    _components: Any = None
     _saved: dict[str, Any] = field(default_factory=dict)
     _step_start: float = 0.0
     _step_range: Any = None
@@ -71,8 +75,35 @@ class Session:
         self.prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False,
                                            profile_memory=False)
         self.prof.__enter__()
+        if self.memory and self._cuda():
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         self.mark_clock()
         self._wrap_collectives()
+
+    @staticmethod
+    def _cuda() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    # ----- memory over time (--memory)
+    def watch(self, components) -> None:
+        """Follow mnb's counted tensors (:class:`~mnb.megatron.memory.ComponentMeter`) in the profiled steps."""
+        if not (self.memory and self.profiled):
+            return
+        self._components = components
+        components.always_count = True
+        components.observer = self._memory_sample
+
+    def _memory_sample(self, activations: int) -> None:
+        if self.prof is not None and self._step_range is not None:
+            allocated = int(torch.cuda.memory_allocated()) if self._cuda() else None
+            self.memory_samples.append([time.perf_counter(), activations, allocated])
+
+    def _memory_meta(self) -> dict[str, Any] | None:
+        if not self.memory:
+            return None
+        static = dict(self._components.static_bytes) if self._components is not None else {}
+        return {"samples": self.memory_samples, "static": static, "snapshot": self.snapshot,
+                "source": "cuda" if self._cuda() else "counted tensors"}
 
     def mark_clock(self) -> None:
         """A ``mnb.clock K`` span with its host time: how the merge moves this trace onto ``perf_counter``.
@@ -109,6 +140,7 @@ class Session:
             "whole_cell": self.whole_cell,
             "step_costs": self.step_costs,
             "clock_marks": self.clock_marks,
+            "memory": self._memory_meta(),
             "comms": self.comms,
             "device": "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu",
             "error": error,
@@ -256,7 +288,7 @@ def cell(request: dict[str, Any] | None, rank: int,
          default_dir: str | os.PathLike | None = None) -> Iterator[dict[str, Any]]:
     """Around one cell (the worker): profile the cell's training steps, or the whole cell.
 
-    ``request``: ``{"dir", "steps", "ranks"}`` from the notebook, or None (nothing is profiled
+    ``request``: ``{"dir", "steps", "ranks", "memory"}`` from the notebook, or None (nothing is profiled
     unless ``mnb.train(profile=...)`` asks, into ``default_dir``).  Always leaves no profiler
     running and no collective wrapped, also when the cell raised.
     """
@@ -271,7 +303,7 @@ def cell(request: dict[str, Any] | None, rank: int,
         return
     ranks = request.get("ranks")
     session = Session(out_dir=Path(request["dir"]), rank=rank, steps=parse_steps(request.get("steps")),
-                      profiled=ranks is None or rank in ranks)
+                      profiled=ranks is None or rank in ranks, memory=bool(request.get("memory")))
     _current = session
     if session.profiled:
         session.whole_cell = True  # until the cell trains

@@ -286,6 +286,8 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
     meter = MemoryMeter(device)
     components = ComponentMeter()
     components.count_static(model, _sub_optimizers(model.optimizer))
+    if session is not None:  # --profile --memory: the counted tensors over the profiled steps
+        session.watch(components)
     recorder = TimelineRecorder(
         stage=ps.get_pipeline_model_parallel_rank(),
         num_microbatches=num_microbatches,

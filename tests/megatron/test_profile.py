@@ -72,19 +72,25 @@ def test_tp2_training_profile_merged_on_one_clock(cpu_pool, shell, capsys):
     assert str(prof.folder) in capsys.readouterr().out
     shell.run_line_magic("mnb", "profile open")
     assert "ui.perfetto.dev" in capsys.readouterr().out
+    # no profiler left on and torch.distributed unwrapped
+    assert_no_profiler(cpu_pool)
     # Holistic Trace Analysis reads the per-rank folder and parses every rank
     hta = pytest.importorskip("hta.trace_analysis")
     analyzer = hta.TraceAnalysis(trace_dir=str(prof.trace_dir))
     assert sorted(analyzer.t.traces) == [0, 1]
-    # no profiler left on and torch.distributed unwrapped
-    assert_no_profiler(cpu_pool)
 
 
 def test_profile_rank_one_only_and_a_raising_cell(cpu_pool, shell, tmp_path):
-    shell.run_cell_magic("megatron", f"--tp 2 --profile 2 --profile-ranks 1 -o {tmp_path}", TRAIN)
+    shell.run_cell_magic("megatron", f"--tp 2 --profile 2 --profile-ranks 1 --memory -o {tmp_path}", TRAIN)
     prof = mnb.last_profile
     assert prof.folder.parent == tmp_path and prof.ranks == [1] and len(prof.steps(1)) == 1
     assert not (prof.trace_dir / "rank-0.trace.json").exists()
+    # memory over the profiled step: its peak is mnb.last_run's measured one (counted tensors on CPU)
+    memory = prof.memory()
+    assert list(memory) == [1] and memory[1]["peak_bytes"] == mnb.last_run.peak_memory_bytes[1]
+    assert max(memory[1]["activations"]) > 0 and memory[1]["activations"][-1] == 0  # freed by backward
+    fig = prof.plot_memory()
+    assert "peak" in " ".join(t.get_text() for t in fig.axes[0].get_legend().get_texts())
     with pytest.raises(UsageError, match="rank 2 does not exist"):
         shell.run_cell_magic("megatron", "--profile --profile-ranks 2", "pass")
     with pytest.raises(UsageError, match="only apply with --profile"):
