@@ -220,8 +220,9 @@ class Profile:
         windows = self.steps(rank)
         by_thread: dict[Any, list[dict[str, Any]]] = {}
         for e in self.rank_events(rank):
-            if e.get("cat") in ("cpu_op", "kernel", "comm", "user_annotation") and not \
-                    str(e.get("name", "")).startswith(STEP_PREFIX):
+            # torch's own events (gloo's collectives are user annotations); not mnb's spans and rows
+            if e.get("cat") in ("cpu_op", "kernel", "gpu_memcpy", "user_annotation") and \
+                    not str(e.get("name", "")).startswith("mnb.") and e.get("tid") != COMM_TID:
                 by_thread.setdefault(e.get("tid"), []).append(e)
         totals: dict[str, list[float]] = {}
         for evs in by_thread.values():

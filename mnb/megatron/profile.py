@@ -35,9 +35,11 @@ import torch
 from mnb.profiles import parse_steps
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-               "reduce", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+               "reduce", "all_to_all_single", "send", "recv", "batch_isend_irecv",
                "_all_gather_base", "_reduce_scatter_base", "barrier")
-"""``torch.distributed`` functions wrapped during profiled steps, so each call is a named span."""
+"""``torch.distributed`` functions wrapped during profiled steps, so each call is a named span.
+Not ``isend``/``irecv``: ``P2POp`` checks its op *is* one of them, so a wrapped one breaks
+``batch_isend_irecv`` (Megatron's pipeline p2p path, ``batch_p2p_comm``), which is wrapped instead."""
 
 COMM_PREFIX = "mnb.comm "
 STEP_PREFIX = "mnb.step "
@@ -125,10 +127,19 @@ class Session:
             self._step_range = None
         self._unwrap_collectives()
         prof.__exit__(None, None, None)
-        if keep:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "trace").mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(self.out_dir / "trace" / f"rank-{self.rank}.trace.json"))
+        if self.memory and self._cuda():
+            if keep:
+                (self.out_dir / "memory").mkdir(parents=True, exist_ok=True)
+                self.snapshot = str(self.out_dir / "memory" / f"rank-{self.rank}.pickle")
+                torch.cuda.memory._dump_snapshot(self.snapshot)  # for https://pytorch.org/memory_viz
+            torch.cuda.memory._record_memory_history(enabled=None)
+        if not keep:  # a warm-up dropped: what it noted goes with it
+            self.comms.clear()
+            self.clock_marks.clear()
+            self.memory_samples.clear()
+            return
+        (self.out_dir / "trace").mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.out_dir / "trace" / f"rank-{self.rank}.trace.json"))
 
     def write_meta(self, error: str | None = None) -> None:
         (self.out_dir / "meta").mkdir(parents=True, exist_ok=True)
@@ -210,7 +221,7 @@ def _wrapped(session: Session, op: str, original, names: dict[Any, str]):
         with torch.profiler.record_function(f"{COMM_PREFIX}{op} {entry['group']} {entry['bytes']}B"):
             result = original(*args, **kwargs)
         session.comms.append(entry)
-        if result is None or not (entry["async"] or op in ("isend", "irecv", "batch_isend_irecv")):
+        if result is None or not (entry["async"] or op == "batch_isend_irecv"):
             entry["end_s"] = time.perf_counter()
             return result
         entry["async"] = True  # ends when its work is waited for: the window compute may overlap

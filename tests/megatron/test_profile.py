@@ -1,4 +1,4 @@
-"""Profiles of real tp2 trainings on a 2-rank CPU pool, merged on the shared clock (mnb.profiles)."""
+"""Profiles of real tp2 and pp2 trainings on a 2-rank CPU pool, merged on the shared clock (mnb.profiles)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,14 @@ def test_profile_rank_one_only_and_a_raising_cell(cpu_pool, shell, tmp_path):
     assert [len(Profile(again).steps(r)) for r in (0, 1)] == [1, 1]
     with pytest.raises(CompositeRankError, match="steps count from 1"):
         cpu_pool.run("mnb.train(model, steps=1, profile='0-1')", quiet=True)
-    # mnb.train(profile=) in a plain cell: into the cell's folder under the pool's, shown after the cell
-    shell.run_cell_magic("megatron", "", "mnb.train(model, steps=2, profile=2)")
-    assert mnb.last_profile.folder.name.startswith("cell-") and mnb.last_profile.ranks == [0, 1]
+    # pp2, mnb.train(profile=) in a plain cell: into the cell's folder under the pool's, shown after the cell
+    shell.run_cell_magic("megatron", "--pp 2", TRAIN.replace("steps=3", "steps=2, profile=2")
+                         .replace("num_layers=1", "num_layers=2"))
+    prof = mnb.last_profile
+    assert prof.folder.name.startswith("cell-") and prof.ranks == [0, 1]
+    pp = {r: [c for c in prof.collectives(r) if c["group"] == "pp" and c["bytes"] > 0] for r in (0, 1)}
+    assert pp[0] and pp[1]
+    first, last = pp[0][0], pp[1][0]  # stage 0 sends its first activations while stage 1 receives them
+    assert first["bytes"] == last["bytes"]
+    assert first["start_us"] <= last["end_us"] and last["start_us"] <= first["end_us"], (first, last)
+    assert_no_profiler(cpu_pool)
