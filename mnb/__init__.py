@@ -30,6 +30,7 @@ __all__ = [
     "unload_ipython_extension",
     "pool",
     "last_run",
+    "last_profile",
     "estimate",
     "gpt",
     "train",
@@ -84,6 +85,11 @@ def __getattr__(name: str) -> Any:
         from mnb.controller import last_run
 
         return last_run()
+    if name == "last_profile":
+        # The notebook's last profiled cell (mnb.profiles.Profile); None until one ran.
+        from mnb.profiles import last_profile
+
+        return last_profile()
     if name in _LAZY:
         module_name, attr = _LAZY[name]
         module = importlib.import_module(module_name)

@@ -15,11 +15,13 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb plan --model PRESET|PATH --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K] [--calibrate]
     %mnb start --slurm --nodes N [--gpus-per-node G] [--partition P] [--time T] [--account A] [--sbatch-arg ARG]
     %mnb export [megatron-lm|torchrun|slurm] [--nodes N] [--gpus-per-node G] [-o FILE] [--model PRESET] ...
+    %mnb profile [list|open|delete] [FOLDER|all]       the profiles of %%megatron --profile
 
 Cell magic (``%%megatron?`` or ``%%megatron --help`` prints its flags)::
 
     %%megatron [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--sp/--no-sp]
                [--ranks 0,2-3] [--timeout SECONDS] [--grace SECONDS]
+               [--profile [STEPS]] [--profile-ranks 0,2-3] [--memory] [-o DIR]
     model = mnb.gpt("tiny")
     print(rank, ps.get_tensor_model_parallel_rank())
 
@@ -46,6 +48,7 @@ import re
 import shlex
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from IPython.core.error import UsageError
@@ -58,6 +61,7 @@ from mnb.controller.kernel_context import kernel_context
 from mnb.controller.preflight import cell_settings, check_cell
 from mnb.controller.registry import remember_settings
 from mnb.errors import RequestRefused, interrupted
+from mnb.profile_commands import profile_request, run_profile_command, take_profile
 from mnb.timeouts import DEFAULT_GRACE_S, START_TIMEOUT_S
 from mnb.units import format_bytes
 
@@ -114,7 +118,7 @@ def _non_negative_float(text: str) -> float:
 LAYOUT_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "sp")
 """The %%megatron flags that name a layout: a cell naming any of them runs under exactly that layout."""
 
-MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "plot", "plan", "run", "export")
+MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "plot", "plan", "run", "export", "profile")
 
 
 class _HelpFormatter(MagicHelpFormatter):
@@ -263,6 +267,34 @@ def megatron_parser() -> MagicArgumentParser:
     run.add_argument("--grace", type=_non_negative_float, default=None, metavar="SECONDS",
                      help="seconds the other ranks may take to finish after one rank failed "
                           f"(default: the pool's --grace, {DEFAULT_GRACE_S:g} s unless %%mnb start set it)")
+    profile_arguments(p)
+    return p
+
+
+def profile_arguments(p: MagicArgumentParser) -> None:
+    """``%%megatron``'s profiling flags (mnb.megatron.profile, mnb.profiles)."""
+    prof = p.add_argument_group("profiling (mnb.last_profile; docs/magics.md)")
+    prof.add_argument("--profile", nargs="?", const="", default=None, metavar="STEPS",
+                      help="torch.profiler on the ranks for steps STEPS of the cell's training, e.g. 3-4 "
+                           "(default: its 2nd and 3rd steps, or the whole cell when it does not train)")
+    prof.add_argument("--profile-ranks", default=None, metavar="0,2-3",
+                      help="profile these ranks only; the others run unprofiled (default: every rank)")
+    prof.add_argument("--memory", action="store_true", default=False,
+                      help="with --profile: memory over the profiled steps by component (mnb.last_profile.plot_memory()); "
+                           "on CUDA ranks also torch's memory snapshot (memory/rank-N.pickle)")
+    prof.add_argument("-o", "--output", default=None, metavar="DIR",
+                      help="write the profile folder under DIR (default: the pool's folder, removed with the pool)")
+
+
+def profile_parser() -> MagicArgumentParser:
+    p = _parser("%mnb profile", "List, open or delete the profiles of %%megatron --profile (mnb.last_profile).", [
+        "%mnb profile                  # the pool's profile folders, newest last",
+        "%mnb profile open             # the last profile's merged trace, for https://ui.perfetto.dev",
+        "%mnb profile delete all       # remove every profile folder of the pool",
+    ])
+    p.add_argument("action", nargs="?", default="list", choices=["list", "open", "delete"], help="what to do")
+    p.add_argument("target", nargs="?", default=None, metavar="FOLDER|all",
+                   help="a profile folder (default: mnb.last_profile's); delete also takes 'all' (the pool's)")
     return p
 
 
@@ -359,7 +391,7 @@ def export_parser() -> MagicArgumentParser:
 SUBCOMMAND_PARSERS: dict[str, Callable[[], MagicArgumentParser]] = {
     "start": start_parser, "status": status_parser, "stop": stop_parser, "restart": restart_parser,
     "stacks": stacks_parser, "plot": plot_parser, "plan": plan_parser, "run": run_parser,
-    "export": export_parser,
+    "export": export_parser, "profile": profile_parser,
 }
 
 
@@ -527,6 +559,9 @@ class MegatronMagics(Magics):
         for rank, text in sorted(current_pool().stacks().items()):
             print(f"--- rank {rank} ---\n{text}")
 
+    def _cmd_profile(self, args: argparse.Namespace) -> None:
+        run_profile_command(args, current_pool(required=False))
+
     def _cmd_plot(self, args: argparse.Namespace) -> None:
         run = last_run()
         if run is None:
@@ -651,12 +686,19 @@ class MegatronMagics(Magics):
         problems = check_cell(cell, layout)
         if problems:
             raise UsageError("refused before running on the ranks:\n  " + "\n  ".join(problems))
-        with pool_request("cell"):
-            pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace,
-                     kernel=_kernel(pool, cwd=False))
+        profile = profile_request(args, pool, parse_ranks)
+        since = time.time() - 1
+        try:
+            with pool_request("cell"):
+                pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace,
+                         kernel=_kernel(pool, cwd=False), profile=profile)
+        finally:
+            shown = take_profile(profile["dir"] if profile else None, pool, since)
         remember_settings(**cell_settings(cell))  # what %mnb export takes as "the last settings"
         if pool.last_cell_records:
             print(last_run().summary())
+        if shown is not None:
+            print(shown.summary())
 
 
 def slurm_request(args: argparse.Namespace) -> Any:

@@ -50,7 +50,7 @@ def assert_full_help(text: str, parser: argparse.ArgumentParser) -> None:
 
 def test_every_command_has_parser_and_help():
     assert set(SUBCOMMAND_PARSERS) == set(MNB_COMMANDS) == {"start", "status", "stop", "restart", "stacks", "plot",
-                                                          "plan", "run", "export"}
+                                                          "plan", "run", "export", "profile"}
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))

@@ -35,16 +35,18 @@ FLAGS = {
     "%mnb plot": ["loss", "memory", "mfu", "timeline"],
     "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
     "%mnb run": ["--grace", "--isolated", "--ranks", "--timeout"],
+    "%mnb profile": ["delete", "list", "open"],
     "%mnb export": ["--cp", "--data", "--ep", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
                     "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
                     "megatron-lm", "slurm", "torchrun"],
-    "%%megatron": ["--cp", "--ep", "--grace", "--no-sp", "--pp", "--ranks", "--sp", "--timeout", "--tp", "--vpp"],
+    "%%megatron": ["--cp", "--ep", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
+                   "--ranks", "--sp", "--timeout", "--tp", "--vpp", "-o"],
 }
 """Every magic's flags and positional choices (-h/--help aside): a contract, so any change is deliberate."""
 
 PUBLIC = ["CompositeRankError", "ModelConfig", "ParallelConfig", "RankError", "TrainConfig", "__version__",
-          "estimate", "evaluate", "explorer", "export", "from_hf", "generate", "gpt", "hf_config", "last_run",
-          "load", "load_ipython_extension", "logits", "pool", "record", "save", "save_hf", "sweep", "train",
+          "estimate", "evaluate", "explorer", "export", "from_hf", "generate", "gpt", "hf_config", "last_profile",
+          "last_run", "load", "load_ipython_extension", "logits", "pool", "record", "save", "save_hf", "sweep", "train",
           "unload_ipython_extension"]
 """``mnb.__all__``, sorted: adding a public name means adding it here (and to docs/api.md)."""
 
@@ -67,7 +69,7 @@ def test_public_surface_is_deliberate():
     import mnb
 
     assert sorted(mnb.__all__) == PUBLIC
-    assert sorted(mnb._LAZY) == sorted(set(PUBLIC) - {"__version__", "last_run", "load_ipython_extension",
+    assert sorted(mnb._LAZY) == sorted(set(PUBLIC) - {"__version__", "last_profile", "last_run", "load_ipython_extension",
                                                       "unload_ipython_extension"})
     api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     listed = api.split("The public names are `mnb.__all__`: ", 1)[1].split(".\n", 1)[0]

@@ -63,6 +63,7 @@ class Requests:
         quiet: bool = False,
         grace: float | None = None,
         kernel: dict[str, Any] | None = None,
+        profile: dict[str, Any] | None = None,
     ) -> dict[int, Any]:
         """Run ``code`` on ``ranks`` (all by default); return {rank: value of the last expression}.
 
@@ -74,6 +75,7 @@ class Requests:
         ``display()`` calls of ``display_ranks`` appear inline; with
         ``show_result`` (as ``%%megatron`` does) so does the last expression.  ``kernel``: the
         notebook's environment changes for the ranks (``mnb.controller.kernel_context``).
+        ``profile``: ``{"dir", "steps", "ranks"}`` to profile the cell (``mnb.megatron.profile``).
         """
         targets = self._targets(ranks)
         header: dict[str, Any] = {
@@ -81,6 +83,8 @@ class Requests:
         }
         if kernel:
             header["kernel"] = kernel
+        if profile:
+            header["profile"] = profile
         if layout is not None:
             try:
                 resolved = layout.resolve(self.world_size)

@@ -125,6 +125,10 @@ class ComponentMeter:
         self._held: dict[object, int] = {}
         self.activations_peak_bytes = 0
         self.microbatch_peak_bytes = 0
+        self.observer = None
+        """Called with the activation bytes held whenever they change (``--profile --memory``)."""
+        self.always_count = False
+        """Count saved tensors in every step, not the first ``COUNTED_STEPS`` (profiled steps)."""
 
     def count_static(self, model, optimizers: list) -> None:
         """Weights, gradient buffers and the optimizer's tensors of a prepared model (DDP + optimizer).
@@ -165,7 +169,7 @@ class ComponentMeter:
         self.steps_begun += 1
 
     def forward_started(self) -> None:
-        if self.steps_begun > self.COUNTED_STEPS:
+        if self.steps_begun > self.COUNTED_STEPS and not self.always_count:
             return
         self._saving = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -181,9 +185,13 @@ class ComponentMeter:
         self._held[key] = saved
         self.microbatch_peak_bytes = max(self.microbatch_peak_bytes, saved)
         self.activations_peak_bytes = max(self.activations_peak_bytes, sum(self._held.values()))
+        if self.observer is not None:
+            self.observer(sum(self._held.values()))
 
     def backward_stopped(self, key: object) -> None:
         self._held.pop(key, None)
+        if self.observer is not None:
+            self.observer(sum(self._held.values()))
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._saving is not None and tensor.numel():

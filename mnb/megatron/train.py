@@ -242,7 +242,8 @@ def _oom_error(err: BaseException, step: int, meter: MemoryMeter) -> torch.OutOf
 
 def train(model: Any, *, steps: int | None = None, micro_batch_size: int | None = None,
           global_batch_size: int | None = None, lr: float | None = None, data: str | None = None,
-          forward_step_func=None, data_iterator=None, seq_length: int | None = None, **fields: Any) -> dict:
+          forward_step_func=None, data_iterator=None, seq_length: int | None = None, profile: Any = None,
+          **fields: Any) -> dict:
     """Train ``model`` for ``steps`` steps; return this rank's run record (see module doc), a dict
     whose repr is one line (:class:`mnb.results.TrainResult`).
 
@@ -251,20 +252,24 @@ def train(model: Any, *, steps: int | None = None, micro_batch_size: int | None 
     schedule, else this call's ``steps``).  ``model`` is what ``mnb.gpt`` returned, or your own Megatron
     module with ``forward_step_func`` and ``data_iterator`` (``seq_length``: the
     schedule's, default the model's ``max_sequence_length``).  Must be called on
-    every rank of the pool.
+    every rank of the pool.  ``profile``: steps of this call to profile (``3`` or ``"3-4"``, from 1;
+    :mod:`mnb.megatron.profile`), read in the notebook as ``mnb.last_profile``.
     """
+    from mnb.megatron import profile as _profile
+
     own = None
     if forward_step_func is not None or not isinstance(model, MegatronModel):
         from mnb.megatron.own import OwnStep
 
         own = OwnStep.of(model, forward_step_func, data_iterator, seq_length)
         model = own.model
-    with interrupts.deferred() as flag:  # set-up runs collectives too: never cut it on one rank
-        return _train(model, flag, own=own, steps=steps, micro_batch_size=micro_batch_size,
+    with _profile.train_steps(profile) as session, interrupts.deferred() as flag:
+        # set-up runs collectives too: never cut it on one rank
+        return _train(model, flag, own=own, session=session, steps=steps, micro_batch_size=micro_batch_size,
                       global_batch_size=global_batch_size, lr=lr, data=data, **fields)
 
 
-def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **settings: Any) -> dict:
+def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, session=None, **settings: Any) -> dict:
     from megatron.core import parallel_state as ps
 
     given = {k: v for k, v in settings.items() if v is not None}
@@ -284,6 +289,8 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **set
     meter = MemoryMeter(device)
     components = ComponentMeter()
     components.count_static(model, _sub_optimizers(model.optimizer))
+    if session is not None:  # --profile --memory: the counted tensors over the profiled steps
+        session.watch(components)
     recorder = TimelineRecorder(
         stage=ps.get_pipeline_model_parallel_rank(),
         num_microbatches=num_microbatches,
@@ -311,7 +318,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, **set
     try:
         with time_token_dispatch(model.chunks, recorder):
             step_rows, timeline, stopped = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter,
-                                                      device, flag, own)
+                                                      device, flag, own, session)
     finally:
         config.timers = None
         components.end_run()
@@ -338,7 +345,7 @@ def _agree_to_stop(flag: interrupts.InterruptFlag, device) -> bool:
     return bool(raised.item() > 0)
 
 
-def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, flag, own=None):
+def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, flag, own=None, session=None):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -350,6 +357,8 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
     step_rows, timeline, stop = [], [], False
     for i in range(tc.steps):
         step = model.steps_done
+        if session is not None:
+            session.step_begin(i + 1, step)
         meter.begin_step()
         recorder.begin_step(step)
         t0 = time.perf_counter()
@@ -378,6 +387,8 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
                 torch.cuda.empty_cache()
             raise _oom_error(err, step, meter) from err
         step_time = time.perf_counter() - t0
+        if session is not None:
+            session.step_end(i + 1, step)
         row = {
             "step": step,
             "loss": loss,

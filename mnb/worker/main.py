@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 from mnb.worker.startup import StartClock  # first: its import time is when the rank's own code began
@@ -127,6 +128,8 @@ class Rank:
         self.display_here = False
         self.clock = StartClock()
         self.fd_capture = FdCapture(self.channel)
+        self.profiles_root = Path(info.path).parent / "profiles" if info.path else None
+        """Where ``mnb.train(profile=...)`` writes outside a ``--profile`` cell (the pool's folder)."""
 
     # -------------------------------------------------------------- start
     def start(self) -> None:
@@ -313,7 +316,14 @@ class Rank:
 
             outcome = restore_pool_state()
         if outcome is None:
-            outcome = run_cell(message["code"], self.namespace)
+            from mnb.megatron import profile
+
+            # %%megatron --profile (message["profile"]); mnb.train(profile=...) writes into the cell's folder
+            default_dir = self.profiles_root / f"cell-{message.id}" if self.profiles_root else None
+            with profile.cell(message.get("profile"), self.rank, default_dir) as report:
+                outcome = run_cell(message["code"], self.namespace)
+                if not outcome.ok:
+                    report["error"] = f"{outcome.ename}: {outcome.evalue}"
         self.fd_capture.drain()
         self.fd_capture.cell_id = None
         self.channel.busy.clear()

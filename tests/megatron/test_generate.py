@@ -177,8 +177,9 @@ nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.fl
     assert list(lines["evaluation loss"].get_xdata()) == [run.steps[1], run.steps[3]]
     assert list(lines["evaluation loss"].get_ydata()) == [evals[1], evals[3]]
     assert len(lines["training loss"].get_xdata()) == 4
+    # a later call carries the settings earlier calls named (eval_data too): a fresh model has none
     with pytest.raises(Exception, match="eval_every=2 needs eval_data"):
-        cpu_pool.run("mnb.train(model, steps=2, eval_every=2)", quiet=True)
+        cpu_pool.run("fresh = mnb.gpt('tiny', vocab_size=300)\nmnb.train(fresh, steps=2, eval_every=2)", quiet=True)
 
 
 def test_bad_arguments_are_refused_before_any_collective(cpu_pool):

@@ -1,0 +1,125 @@
+"""Profiles of real tp2 and pp2 trainings on a 2-rank CPU pool, merged on the shared clock (mnb.profiles)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import mnb
+from mnb.config import ParallelConfig
+from mnb.controller import set_current_pool
+from mnb.errors import CompositeRankError
+from mnb.profiles import Profile
+
+pytestmark = pytest.mark.slow
+
+TRAIN = ("model = mnb.gpt('tiny', num_layers=1, hidden_size=64, ffn_hidden_size=128, seq_length=32)\n"
+         "mnb.train(model, steps=3, micro_batch_size=2, global_batch_size=2, data='mock')")
+STILL_RUNNING = ("import torch, torch.distributed as dist\n"
+                 "(torch._C._autograd._profiler_enabled(), dist.all_reduce.__module__)")
+
+
+def assert_no_profiler(pool):
+    """No profiler on and torch.distributed's functions unwrapped, on every rank."""
+    for on, module in pool.run(STILL_RUNNING).values():
+        assert on is False and not module.startswith("mnb"), (on, module)
+
+
+@pytest.fixture(scope="module")
+def shell(module_pool):
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "mnb")
+    set_current_pool(module_pool)
+    yield ip
+    set_current_pool(None)
+
+
+def test_tp2_training_profile_merged_on_one_clock(cpu_pool, shell, capsys):
+    shell.run_cell_magic("megatron", "--tp 2 --profile 2-3", TRAIN)
+    out = capsys.readouterr().out
+    prof = mnb.last_profile
+    assert prof is not None and prof.folder.parent == cpu_pool.workdir() / "profiles"
+    assert str(prof.path) in out and "communication" in out  # shown after the cell, after mnb.last_run's
+    merged = json.loads(prof.path.read_text())  # valid JSON
+    pids = {e["pid"] for e in merged["traceEvents"] if e.get("ph") == "X"}
+    assert pids == {0, 1} and prof.ranks == [0, 1]
+    assert all(prof.rank_events(r) for r in (0, 1))
+    # steps 2 and 3 of the call (model steps 1 and 2), on both ranks
+    assert [len(prof.steps(r)) for r in (0, 1)] == [2, 2]
+    # each tp all-reduce appears on both ranks, in the same order, windows overlapping on the shared clock
+    tp = {r: [c for c in prof.collectives(r) if c["group"] == "tp" and c["op"] == "all_reduce"] for r in (0, 1)}
+    assert tp[0] and len(tp[0]) == len(tp[1])
+    for a, b in zip(tp[0], tp[1]):
+        assert a["bytes"] == b["bytes"] > 0
+        assert a["start_us"] <= b["end_us"] and b["start_us"] <= a["end_us"], (a, b)
+    for rank, shares in prof.shares().items():
+        parts = [shares["compute"], shares["communication"], shares["idle"]]
+        assert all(0.0 <= x <= 1.0 for x in parts + [shares["overlap"]]), shares
+        assert sum(parts) == pytest.approx(1.0)
+        assert shares["compute"] > 0 and shares["communication"] > 0
+    rows = prof.table()
+    assert {r["rank"] for r in rows} == {0, 1} and all(r["self_us"] >= 0 for r in rows)
+    text = prof.summary()
+    assert "profiled step" in text and "per-rank traces" in text
+    assert set(prof.step_cost_s()) == {0, 1}
+    fig = prof.plot()
+    assert fig.axes[0].get_xlim()[1] - fig.axes[0].get_xlim()[0] == pytest.approx(
+        (prof.steps(0)[0][1] - prof.steps(0)[0][0]) / 1e3)
+    shell.run_line_magic("mnb", "profile")
+    assert str(prof.folder) in capsys.readouterr().out
+    shell.run_line_magic("mnb", "profile open")
+    assert "ui.perfetto.dev" in capsys.readouterr().out
+    # no profiler left on and torch.distributed unwrapped
+    assert_no_profiler(cpu_pool)
+    # Holistic Trace Analysis reads the per-rank folder and parses every rank
+    hta = pytest.importorskip("hta.trace_analysis")
+    analyzer = hta.TraceAnalysis(trace_dir=str(prof.trace_dir))
+    assert sorted(analyzer.t.traces) == [0, 1]
+
+
+def test_profile_rank_one_only_and_a_raising_cell(cpu_pool, shell, tmp_path):
+    shell.run_cell_magic("megatron", f"--tp 2 --profile 2 --profile-ranks 1 --memory -o {tmp_path}", TRAIN)
+    prof = mnb.last_profile
+    assert prof.folder.parent == tmp_path and prof.ranks == [1] and len(prof.steps(1)) == 1
+    assert not (prof.trace_dir / "rank-0.trace.json").exists()
+    # memory over the profiled step: its peak is mnb.last_run's measured one (counted tensors on CPU)
+    memory = prof.memory()
+    assert list(memory) == [1] and memory[1]["peak_bytes"] == mnb.last_run.peak_memory_bytes[1]
+    assert max(memory[1]["activations"]) > 0 and memory[1]["activations"][-1] == 0  # freed by backward
+    fig = prof.plot_memory()
+    assert "peak" in " ".join(t.get_text() for t in fig.axes[0].get_legend().get_texts())
+    with pytest.raises(UsageError, match="rank 2 does not exist"):
+        shell.run_cell_magic("megatron", "--profile --profile-ranks 2", "pass")
+    with pytest.raises(UsageError, match="only apply with --profile"):
+        shell.run_cell_magic("megatron", "--profile-ranks 1", "pass")
+    shell.run_line_magic("mnb", f"profile delete {prof.folder}")
+    assert not prof.folder.exists() and mnb.last_profile is None
+    # a profiled cell that raises on one rank: the usual composite error, no profiler left running
+    bad = tmp_path / "p3"
+    with pytest.raises(CompositeRankError, match="boom"):
+        cpu_pool.run("if rank == 1:\n    raise ValueError('boom')\nx = 1", quiet=True,
+                     profile={"dir": str(bad), "steps": None, "ranks": None})
+    meta = json.loads((bad / "meta" / "rank-1.json").read_text())
+    assert "boom" in meta["error"]
+    assert_no_profiler(cpu_pool)
+    # a second profiled cell works; mnb.train(profile=) names the steps inside it
+    again = tmp_path / "p4"
+    cpu_pool.run("mnb.train(model, steps=2, profile=1)", quiet=True,
+                 profile={"dir": str(again), "steps": None, "ranks": None})
+    assert [len(Profile(again).steps(r)) for r in (0, 1)] == [1, 1]
+    with pytest.raises(CompositeRankError, match="steps count from 1"):
+        cpu_pool.run("mnb.train(model, steps=1, profile='0-1')", quiet=True)
+    # pp2, mnb.train(profile=) in a plain cell: into the cell's folder under the pool's, shown after the cell
+    shell.run_cell_magic("megatron", "--pp 2", TRAIN.replace("steps=3", "steps=2, profile=2")
+                         .replace("num_layers=1", "num_layers=2"))
+    prof = mnb.last_profile
+    assert prof.folder.name.startswith("cell-") and prof.ranks == [0, 1]
+    pp = {r: [c for c in prof.collectives(r) if c["group"] == "pp" and c["bytes"] > 0] for r in (0, 1)}
+    assert pp[0] and pp[1]
+    first, last = pp[0][0], pp[1][0]  # stage 0 sends its first activations while stage 1 receives them
+    assert first["bytes"] == last["bytes"]
+    assert first["start_us"] <= last["end_us"] and last["start_us"] <= first["end_us"], (first, last)
+    assert_no_profiler(cpu_pool)
