@@ -281,11 +281,14 @@ class Pool(Requests):
         """Per rank: pid, host, state, device, memory in use, layout, torch and megatron-core versions.
 
         Answered by each rank's I/O thread, also while a cell or a background run holds
-        the pool; during an automatic restart, by the restart's own progress (each rank
+        the pool; a rank that died while no request ran starts the automatic restart here;
+        during an automatic restart, by the restart's own progress (each rank
         ``restarting: launched``, ``ready`` once its hello arrived, then the layout's
         restoring).  Reads no queue a request or a restart waits on.
         """
         rows = self._repair.rows(self.layout)
+        if rows is None and not self._gate.holder and self._repair.replace_if_dead(self.layout):
+            rows = self._repair.rows(self.layout)  # a rank died between requests: the restart began just now
         if rows is not None:
             return rows
         ranks, transport, layout = self.ranks, self._transport, self.layout

@@ -120,6 +120,22 @@ class Repair:
         return (f"mnb is restarting all {self.spec.world_size} ranks ({why}); names defined in earlier cells are "
                 f"gone, the layout {layout.describe()} stays, and the next cell waits for the new ranks.")
 
+    def replace_if_dead(self, layout: ParallelConfig) -> str:
+        """Replace the ranks in the background if one died while no request watched them ("" if none did).
+
+        A request's collector sees a death while it waits; between requests nothing does, so
+        ``status`` and the next request ask here (torchrun's exit, a zombie rank, a silent remote
+        rank) and the replacement starts at once.
+        """
+        generation = self.generation
+        if generation is None or generation.closed or self.stopped or not generation.any_dead():
+            return ""
+        dead = generation.launcher.dead_ranks() or sorted(generation.ranks)
+        for rank in dead:
+            if rank in generation.ranks:
+                generation.ranks[rank].state = "dead"
+        return self.replace(f"rank(s) {dead} died while the pool was idle", layout)
+
     def wait(self, latch: InterruptLatch) -> None:
         """Wait for a restart under way (the next request's); raise what keeps requests from running."""
         thread = self._thread

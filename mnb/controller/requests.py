@@ -230,6 +230,10 @@ class Requests:
     # ------------------------------------------------------------ internals
     def _targets(self, ranks: Iterable[int] | None) -> list[int]:
         self._repair.wait(self._gate.latch())
+        line = self._repair.replace_if_dead(self.layout)
+        if line:  # a rank died while the pool was idle: this request runs on the new ranks
+            print(f"mnb: {line}", flush=True)
+            self._repair.wait(self._gate.latch())
         targets = sorted(self.ranks) if ranks is None else sorted(set(ranks))
         bad = [r for r in targets if r not in self.ranks]
         if bad or not targets:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import _thread
 import logging
+import os
+import signal
 import threading
+import time
 
 import psutil
 import pytest
@@ -54,6 +57,35 @@ def test_status_during_an_automatic_restart_answers_from_the_restarts_progress(c
     assert cpu_pool.run("rank", quiet=True) == {0: 0, 1: 1}  # the restart finished and nothing waits on it
     assert cpu_pool.restarts == restarts + 1
     assert [row["state"] for row in cpu_pool.status()] == ["idle", "idle"]
+
+
+def _kill_rank_and_wait_until_seen(pool, rank: int) -> int:
+    pid = pool.ranks[rank].pid
+    generation = pool._repair.generation
+    os.kill(pid, signal.SIGKILL)
+    deadline, seen = time.monotonic() + 60, threading.Event()
+    while not generation.any_dead():  # torchrun's agent sees it within its 0.1 s monitor interval
+        assert time.monotonic() < deadline, "the killed rank was never seen dead"
+        seen.wait(0.05)
+    return pid
+
+
+def test_a_rank_killed_while_the_pool_is_idle_is_replaced_when_status_or_the_next_cell_asks(cpu_pool, capsys):
+    """Between requests no collector watches the ranks: status and the next request do (the next
+    cell used to fail with RankDiedError, and status showed the dead rank as "idle (no answer)")."""
+    restarts = cpu_pool.restarts
+    killed = _kill_rank_and_wait_until_seen(cpu_pool, 1)
+    rows = cpu_pool.status()
+    assert [row["rank"] for row in rows] == [0, 1] and all(row["state"].startswith("restarting: ") for row in rows), rows
+    assert cpu_pool.run("rank", quiet=True) == {0: 0, 1: 1}  # waits for the new ranks, then runs
+    assert cpu_pool.restarts == restarts + 1 and killed not in cpu_pool.pids()
+
+    killed = _kill_rank_and_wait_until_seen(cpu_pool, 0)  # no status this time: the next cell repairs
+    capsys.readouterr()
+    assert cpu_pool.run("rank", quiet=True) == {0: 0, 1: 1}
+    out = capsys.readouterr().out
+    assert "died while the pool was idle" in out and "restarting all 2 ranks" in out, out
+    assert cpu_pool.restarts == restarts + 2 and killed not in cpu_pool.pids()
 
 
 def test_an_event_handler_that_raises_is_logged_once_and_the_request_completes(cpu_pool, caplog):
