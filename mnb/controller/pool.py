@@ -180,11 +180,9 @@ class Pool(Requests):
         )
         pool = cls(spec, bind_ip, timeout, cell_timeout, grace_s=grace, owns_workdir=owns, standby_on=standby_on)
         pool.standby_choice = standby_choice
-        parked = standbys.unpark()  # a standby kept by %mnb stop in this kernel
-        if parked is not None and standby_on:
-            pool._repair.standby = parked  # adopted when its settings match, else discarded
-        elif parked is not None:
-            parked.close()
+        # a standby kept by %mnb stop in this kernel: adopted when its settings match and standby
+        # is on, else discarded (start_note says why)
+        pool._repair.standby = standbys.unpark()
         try:
             pool._repair.launch()
         except BaseException:

@@ -92,6 +92,9 @@ class Repair:
             if changed:
                 standby.close()
                 note = f"launched cold: discarded the standby, its settings no longer match ({changed})"
+            elif not self.standby_on:
+                standby.close()
+                note = "launched cold: discarded the standby (standby off)"
             elif not standby.alive():
                 state = standby.status()["state"]
                 standby.close()

@@ -131,16 +131,18 @@ class Standby:
     def _prepare(self) -> None:
         try:
             key = new_key()
-            self.transport = Transport(key, ip=self.bind_ip)
-            self.transport.expect(self.spec.world_size)
+            transport = Transport(key, ip=self.bind_ip)
+            transport.expect(self.spec.world_size)
             ConnectionInfo(
-                address=reachable_address(self.transport.address), key=key, world_size=self.spec.world_size,
+                address=reachable_address(transport.address), key=key, world_size=self.spec.world_size,
                 controller_pid=os.getpid(), controller_host=socket.gethostname(),
                 controller_started=psutil.Process().create_time(),
             ).write(self.spec.connection_file)
-            with self._lock:
+            with self._lock:  # close() either sees the transport and torchrun, or they never start
                 if self._closed.is_set():
+                    transport.close()
                     return
+                self.transport = transport
                 self.launcher.start()
             deadline = time.monotonic() + self.timeout_s
             while len(self.pids) < self.spec.world_size:
@@ -226,6 +228,7 @@ class Standby:
             if self.state != "adopted":
                 self.state = "closed"
         _LIVE.discard(self)
+        self._thread.join(5)  # bounded: it watches the close between polls
         try:
             self.launcher.stop(grace_s=0)
         finally:
