@@ -86,7 +86,7 @@ class Repair:
                on_hello: Callable[[RankInfo], None] = lambda info: None) -> Generation:
         """The next generation: the standby when it matches and lives, else a cold launch."""
         standby, self.standby = self.standby, None
-        note = "launched cold (no standby ready)" if self.standby_on else "launched cold (standby off)"
+        note = "launched cold, no standby yet" if self.standby_on else "launched cold, standby off"
         if standby is not None:
             changed = difference(standby.settings, settings(self.spec, self.bind_ip))
             if changed:

@@ -68,7 +68,7 @@ def choose(mode: str, device: str, nproc: int, *, several_hosts: bool) -> tuple[
         if mode == "on":
             raise ValueError("--standby on needs a pool on this host alone; drop --standby, or use "
                              "--standby off with --nnodes/--slurm")
-        return False, f"{mode}: the pool spans several hosts" if mode == "auto" else "off"
+        return False, "auto chose off: the pool spans several hosts" if mode == "auto" else "off"
     if mode != "auto":
         return mode == "on", mode
     if device == "cuda":

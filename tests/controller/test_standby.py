@@ -13,6 +13,7 @@ import time
 import pytest
 
 from mnb.controller import Pool
+from mnb.controller import standby as standbys
 from mnb.errors import PoolError
 from tests.conftest import alive_pids
 from tests.controller.test_orphans import wait_gone
@@ -114,3 +115,16 @@ def test_stop_and_start_adopt_it_unless_settings_changed(pool):
         assert smaller.run("rank") == {0: 0}
     finally:
         smaller.stop()
+
+
+def test_what_auto_chooses():
+    cores = len(os.sched_getaffinity(0))
+    on, why = standbys.choose("auto", "cpu", cores, several_hosts=False)  # never spare cores for a full machine
+    assert not on and why.startswith("auto chose off") and f"{cores} cores" in why
+    assert standbys.choose("auto", "cuda", 8, several_hosts=False) == (True, "auto chose on: a CUDA pool "
+                                                                              "(a standby holds host memory only)")
+    assert standbys.choose("auto", "cuda", 8, several_hosts=True)[0] is False
+    with pytest.raises(ValueError, match="--standby on needs a pool on this host"):
+        standbys.choose("on", "cpu", 2, several_hosts=True)
+    with pytest.raises(ValueError, match="use one of off, on, auto"):
+        standbys.choose("maybe", "cpu", 2, several_hosts=False)
