@@ -5,7 +5,7 @@
 Per mode (``standby="off"``, then ``"on"``), per repeat:
 
 - start: ``Pool.start`` -> every rank ready (what ``%mnb start`` waits for), in a fresh pool;
-- restart: a cell kills rank 1; from the moment that cell returned (the automatic restart under
+- restart: a cell kills the last rank; from the moment that cell returned (the automatic restart under
   way) to the next cell done (with standby: once the standby waits for go, as after any pause);
 - stop/start: ``Pool.stop`` then ``Pool.start`` again in the same process (adopts the parked
   standby when on).
@@ -23,7 +23,7 @@ import time
 from mnb.controller import Pool
 from mnb.errors import PoolError
 
-KILL = "import os, signal\nif rank == 1: os.kill(os.getpid(), signal.SIGKILL)\nimport time; time.sleep(60)"
+KILL = "import os, signal\nif rank == world_size - 1: os.kill(os.getpid(), signal.SIGKILL)\nimport time; time.sleep(60)"
 
 
 def standby_ready(pool: Pool) -> None:
