@@ -531,8 +531,9 @@ class MegatronMagics(Magics):
         pool = current_pool(required=False)
         if pool is None:
             raise UsageError("no pool to restart; use %mnb start")
+        began = time.perf_counter()
         pool.restart()
-        print(f"restarted: {pool.world_size} ranks ready in {pool.startup_s:.1f} s ({pool.start_note}); "
+        print(f"restarted: {pool.world_size} ranks ready in {time.perf_counter() - began:.1f} s ({pool.start_note}); "
               f"layout {pool.layout.describe()}")
 
     def _cmd_stacks(self, args: argparse.Namespace) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 from mnb.config import ParallelConfig
@@ -252,6 +253,7 @@ class Repair:
 
     # ------------------------------------------------------------ the relaunch thread
     def _relaunch(self, old: Generation | None, layout: ParallelConfig) -> None:
+        began = time.perf_counter()
         try:
             if old is not None:
                 old.close(grace_s=0)  # stuck or dead ranks: nothing to wait for
@@ -266,7 +268,7 @@ class Repair:
             except BaseException:
                 generation.close(grace_s=0)
                 raise
-            self.restart_line = (f"the {self.spec.world_size} ranks restarted in {generation.startup_s:.1f} s "
+            self.restart_line = (f"the {self.spec.world_size} ranks restarted in {time.perf_counter() - began:.1f} s "
                                  f"({self.start_note})")
             self.prepare_standby()
         except BaseException as exc:  # reported to the next request, which cannot run without ranks
