@@ -133,9 +133,10 @@ def test_magics_end_to_end(shell, capsys):
 
     with pytest.raises(UsageError, match="--calibrate measures the live pool"):
         shell.run_line_magic("mnb", "plan --model tiny --gpus 2 --calibrate")
-    shell.run_line_magic("mnb", "start -n 2 --device cpu")
+    shell.run_line_magic("mnb", "start -n 2 --device cpu --standby off")
     out = capsys.readouterr().out
     assert "rank  pid" in out and "gloo" in out and "2 ranks ready" in out
+    assert "(launched cold, standby off)" in out and "; standby off" in out
 
     # %mnb plan --calibrate measures the CPU ranks (GEMM rates, copy and all-reduce bandwidth) and plans with it
     from mnb.estimate import hardware
@@ -194,6 +195,7 @@ def test_magics_end_to_end(shell, capsys):
     out = capsys.readouterr().out
     assert "idle" in out and "layout: tp2 pp1 dp1" in out and "torchrun.log" in out  # where warnings went
     assert "versions: torch " in out and ", megatron-core " in out  # the ranks' own, from their hello
+    assert "standby: none (off)" in out
 
     pool = __import__("mnb").pool()
     pids = pool.pids()

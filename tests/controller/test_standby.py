@@ -3,6 +3,7 @@ settings changed, replaced when dead, and never left behind by a killed kernel."
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -14,7 +15,9 @@ import pytest
 
 from mnb.controller import Pool
 from mnb.controller import standby as standbys
+from mnb.controller import registry
 from mnb.errors import PoolError
+from mnb.magics import MegatronMagics
 from tests.conftest import alive_pids
 from tests.controller.test_orphans import wait_gone
 
@@ -53,10 +56,17 @@ def pool():
     pool.stop()
 
 
-def test_restart_after_killed_rank_adopts_the_standby(pool):
+def test_restart_after_killed_rank_adopts_the_standby(pool, capsys):
     status = waiting(pool)
     assert len(status["pids"]) == 2 and alive_pids(status["pids"]) == status["pids"]
     assert status["rss_bytes"] > 100 * 2**20  # torch and Megatron-Core imported: host memory only
+    registry.set_current_pool(pool)
+    try:
+        MegatronMagics(shell=None)._cmd_status(argparse.Namespace())  # what %mnb status prints
+    finally:
+        registry.set_current_pool(None)
+    assert (f"standby: waiting for go; pids {status['pids'][0]} {status['pids'][1]} "
+            f"(torchrun {status['torchrun_pid']}); host memory ") in capsys.readouterr().out
     with pytest.raises(PoolError):
         pool.run("import os, signal\nif rank == 1: os.kill(os.getpid(), signal.SIGKILL)\nimport time; time.sleep(60)",
                  timeout=120)
