@@ -5,8 +5,8 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
 
     %mnb start [-n N] [--device auto|cpu|cuda] [--gpus 0,1,..] [--timeout SECONDS] [--cell-timeout SECONDS]
                [--grace SECONDS] [--nnodes K] [--rdzv-endpoint HOST:PORT] [--ip 127.0.0.1] [--threads T] [--verbose]
-               [--timings]
-    %mnb status          per rank: pid, state (idle/busy/restarting/dead), device, memory, layout
+               [--timings] [--standby off|on|auto]
+    %mnb status          per rank: pid, state (idle/busy/restarting/dead), device, memory, layout; the standby
     %mnb stop            stop every rank; no process is left behind
     %mnb restart         stop and start the same pool (same size, device and GPUs)
     %mnb stacks          each rank's current Python stack (where is it stuck?)
@@ -176,6 +176,9 @@ def start_parser() -> MagicArgumentParser:
     p.add_argument("--timings", action="store_true", default=False,
                    help="print where the start's seconds went, stage by stage, for the rank ready last "
                         "(torchrun, interpreter, torch, CUDA, process group, Megatron-Core, mnb; default: off)")
+    p.add_argument("--standby", default="auto", choices=["off", "on", "auto"],
+                   help="keep the next ranks launched ahead, imports done, so restarts adopt them; auto: on for "
+                        "CUDA pools, for CPU pools only with cores and memory to spare (default: auto)")
     _slurm_arguments(p)
     return p
 
@@ -506,6 +509,7 @@ class MegatronMagics(Magics):
                 timeout=args.timeout, cell_timeout=args.cell_timeout, grace=args.grace, nnodes=args.nnodes,
                 rdzv_endpoint=args.rdzv_endpoint, bind_ip=args.ip, threads_per_rank=args.threads,
                 extra_env={"MNB_VERBOSE": "1"} if args.verbose else {}, slurm=slurm_request(args),
+                standby=args.standby,
             )
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -515,7 +519,8 @@ class MegatronMagics(Magics):
             ["rank", "pid", "host", "device", "backend"],
             [[i.rank, i.pid, i.host, i.device, i.backend] for i in sorted(pool.ranks.values(), key=lambda i: i.rank)],
         ))
-        print(f"{pool.world_size} ranks ready in {pool.startup_s:.1f} s; layout {pool.layout.describe()}")
+        print(f"{pool.world_size} ranks ready in {pool.startup_s:.1f} s ({pool.start_note}); "
+              f"layout {pool.layout.describe()}; standby {pool.standby_choice}")
         if args.timings:
             print(pool.start_timings or "no start-up timings: the ranks did not send them")
 
@@ -534,6 +539,13 @@ class MegatronMagics(Magics):
         versions = sorted({(r["torch"], r["megatron"]) for r in rows if r.get("torch")})
         if versions:
             print("versions: " + "; ".join(f"torch {t}, megatron-core {m}" for t, m in versions))
+        standby = pool.standby_status()
+        if standby is not None:
+            memory = format_bytes(standby["rss_bytes"]) if standby["rss_bytes"] is not None else "?"
+            print(f"standby: {standby['state']}; pids {' '.join(map(str, standby['pids'])) or '-'} "
+                  f"(torchrun {standby['torchrun_pid']}); host memory {memory}")
+        else:
+            print(f"standby: none ({pool.standby_choice})")
         launch = pool.launch_description()
         if launch:
             print(launch)
@@ -552,8 +564,10 @@ class MegatronMagics(Magics):
         pool = current_pool(required=False)
         if pool is None:
             raise UsageError("no pool to restart; use %mnb start")
+        began = time.perf_counter()
         pool.restart()
-        print(f"restarted: {pool.world_size} ranks ready in {pool.startup_s:.1f} s; layout {pool.layout.describe()}")
+        print(f"restarted: {pool.world_size} ranks ready in {time.perf_counter() - began:.1f} s ({pool.start_note}); "
+              f"layout {pool.layout.describe()}")
 
     def _cmd_stacks(self, args: argparse.Namespace) -> None:
         for rank, text in sorted(current_pool().stacks().items()):

@@ -76,9 +76,11 @@ EXITS_DIR_ENV = "MNB_EXITS_DIR"
 records how failed ranks ended: the one other thing besides messages that crosses the sides."""
 
 CONTROLLER_TYPES = frozenset(
-    {"execute", "push", "pull", "status", "stacks", "interrupt", "heartbeat", "shutdown"}
+    {"execute", "push", "pull", "status", "stacks", "interrupt", "heartbeat", "shutdown", "go"}
 )
-RANK_TYPES = frozenset({"hello", "stream", "display", "event", "reply", "heartbeat"})
+"""``go`` releases a standby rank (imports done, waiting before CUDA and the process group) into its start."""
+RANK_TYPES = frozenset({"hello", "stream", "display", "event", "reply", "heartbeat", "standby"})
+"""``standby``: a standby rank's imports are done and it waits for ``go`` (its pid, versions)."""
 MESSAGE_TYPES = CONTROLLER_TYPES | RANK_TYPES
 
 

@@ -29,8 +29,8 @@ def shell():
 
 FLAGS = {
     "%mnb start": ["--account", "--cell-timeout", "--device", "--gpus", "--gpus-per-node", "--grace", "--ip",
-                   "--nnodes", "--nodes", "--partition", "--rdzv-endpoint", "--sbatch-arg", "--slurm", "--threads",
-                   "--time", "--timeout", "--timings", "--verbose", "-n"],
+                   "--nnodes", "--nodes", "--partition", "--rdzv-endpoint", "--sbatch-arg", "--slurm", "--standby",
+                   "--threads", "--time", "--timeout", "--timings", "--verbose", "-n"],
     "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [],
     "%mnb plot": ["loss", "memory", "mfu", "timeline"],
     "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
@@ -135,9 +135,10 @@ def test_magics_end_to_end(shell, capsys):
 
     with pytest.raises(UsageError, match="--calibrate measures the live pool"):
         shell.run_line_magic("mnb", "plan --model tiny --gpus 2 --calibrate")
-    shell.run_line_magic("mnb", "start -n 2 --device cpu")
+    shell.run_line_magic("mnb", "start -n 2 --device cpu --standby off")
     out = capsys.readouterr().out
     assert "rank  pid" in out and "gloo" in out and "2 ranks ready" in out
+    assert "(launched cold, standby off)" in out and "; standby off" in out
 
     # %mnb plan --calibrate measures the CPU ranks (GEMM rates, copy and all-reduce bandwidth) and plans with it
     from mnb.estimate import hardware
@@ -196,6 +197,7 @@ def test_magics_end_to_end(shell, capsys):
     out = capsys.readouterr().out
     assert "idle" in out and "layout: tp2 pp1 dp1" in out and "torchrun.log" in out  # where warnings went
     assert "versions: torch " in out and ", megatron-core " in out  # the ranks' own, from their hello
+    assert "standby: none (off)" in out
 
     pool = __import__("mnb").pool()
     pids = pool.pids()

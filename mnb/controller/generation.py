@@ -3,19 +3,21 @@
 A pool runs one generation at a time.  A start builds one; an automatic restart
 builds the next beside the old one's remains and the pool adopts it in one
 assignment (:meth:`mnb.controller.repair.Repair.adopt`), so no thread ever sees
-a rank table or a transport half replaced.  A generation is built only by
-:func:`launch` today; ranks launched another way (standby ranks started ahead)
-become a pool's by being wrapped in a :class:`Generation` and adopted the same way.
+a rank table or a transport half replaced.  A generation is built by
+:func:`launch`, or from standby ranks started ahead (:mod:`mnb.controller.standby`),
+which are wrapped in a :class:`Generation` and adopted the same way.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import shutil
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import psutil
@@ -59,6 +61,8 @@ class Generation:
     ranks: dict[int, RankInfo]
     startup_s: float
     start_timings: str | None = None
+    files: Path | None = None
+    """A folder of this launch's own (a standby's connection file and log), removed on close."""
     closed: bool = False
     _close_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -82,6 +86,8 @@ class Generation:
             self.launcher.stop(grace_s=grace_s)
         finally:
             self.transport.close()
+            if self.files is not None:
+                shutil.rmtree(self.files, ignore_errors=True)
 
 
 def launch(

@@ -15,7 +15,9 @@ Nothing here imports torch.  ``Pool`` is the request API; its two parts own the 
 - the request gate (``gate.py``): one request at a time, its interrupt latch,
   and the only way another thread ends a request (``stop``/``restart``);
 - the repair part (``repair.py``): the current generation of processes, the
-  relaunch thread, the broken state, and what follows each outcome.
+  relaunch thread, the broken state, and what follows each outcome;
+- standby ranks (``standby.py``, ``standby=``): the next generation, launched ahead and
+  adopted by a restart, an automatic restart, or a start after a stop in this kernel.
 
 Every wait is bounded and watches the ranks (:mod:`mnb.controller.collector`);
 the pool decides what an outcome means:
@@ -48,6 +50,7 @@ from mnb.config import ParallelConfig
 from mnb.controller.gate import RequestGate
 from mnb.controller.generation import RankInfo
 from mnb.controller.launcher import LaunchSpec, Launcher, resolve_device
+from mnb.controller import standby as standbys
 from mnb.controller.repair import Repair
 from mnb.controller.requests import Requests
 from mnb.controller.transport import Transport
@@ -83,7 +86,7 @@ class Pool(Requests):
     ``run_script``) come from :class:`~mnb.controller.requests.Requests`."""
 
     def __init__(self, spec: LaunchSpec, bind_ip: str, start_timeout_s: float, cell_timeout_s: float | None,
-                 grace_s: float = DEFAULT_GRACE_S, owns_workdir: bool = False):
+                 grace_s: float = DEFAULT_GRACE_S, owns_workdir: bool = False, standby_on: bool = False):
         self.spec = spec
         self.bind_ip = bind_ip
         self.start_timeout_s = start_timeout_s
@@ -94,7 +97,10 @@ class Pool(Requests):
         self.event_handlers: list[Callable[[int, str, dict], None]] = []
         self.last_cell_records: list[dict[str, Any]] = []
         self._gate = RequestGate()
-        self._repair = Repair(spec, bind_ip=bind_ip, start_timeout_s=start_timeout_s, make_launcher=make_launcher)
+        self._repair = Repair(spec, bind_ip=bind_ip, start_timeout_s=start_timeout_s, make_launcher=make_launcher,
+                              standby_on=standby_on)
+        self.standby_choice = "on" if standby_on else "off"
+        """``standby=`` as resolved, with what ``auto`` chose and why (the start line says it)."""
         self._owns_workdir = owns_workdir
         self._stray_lines = 0
         self.environ_at_start = dict(os.environ)
@@ -118,12 +124,17 @@ class Pool(Requests):
         threads_per_rank: int | None = None,
         extra_env: dict[str, str] | None = None,
         slurm: "SlurmRequest | None" = None,
+        standby: str = "auto",
     ) -> "Pool":
         """Validate the request, launch torchrun and wait until every rank said hello.
 
         With ``slurm`` (a :class:`~mnb.controller.slurm.SlurmRequest`) the ranks run as one Slurm
         job of ``slurm.nodes`` nodes instead (``nproc`` is then per node; ``nnodes`` and
         ``rdzv_endpoint`` come from the allocation).
+
+        ``standby`` (``off``/``on``/``auto``): keep the next generation launched ahead, imports
+        done, so restarts adopt it (:mod:`mnb.controller.standby`; auto: on for CUDA pools, for
+        CPU pools only with cores and memory to spare).
         """
         if slurm is not None:
             from mnb.controller.slurm import require_slurm, shared_pool_dir
@@ -148,6 +159,8 @@ class Pool(Requests):
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+        standby_on, standby_choice = standbys.choose(standby, device, nproc,
+                                                     several_hosts=nnodes > 1 or slurm is not None)
         if nnodes > 1 and not rdzv_endpoint and slurm is None:
             rdzv_endpoint = f"{socket.gethostname()}:29400"
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="mnb-pool-"))
@@ -165,7 +178,11 @@ class Pool(Requests):
             extra_env=dict(extra_env or {}),
             slurm=slurm,
         )
-        pool = cls(spec, bind_ip, timeout, cell_timeout, grace_s=grace, owns_workdir=owns)
+        pool = cls(spec, bind_ip, timeout, cell_timeout, grace_s=grace, owns_workdir=owns, standby_on=standby_on)
+        pool.standby_choice = standby_choice
+        # a standby kept by %mnb stop in this kernel: adopted when its settings match and standby
+        # is on, else discarded (start_note says why)
+        pool._repair.standby = standbys.unpark()
         try:
             pool._repair.launch()
         except BaseException:
@@ -193,6 +210,7 @@ class Pool(Requests):
                 while generation.launcher.returncode() is None and time.monotonic() < deadline:
                     time.sleep(0.05)
                 generation.close()
+        standbys.park(self._repair.take_standby())  # %mnb start in this kernel may adopt it
         self._remove_files()
 
     def restart(self) -> "Pool":
@@ -254,6 +272,16 @@ class Pool(Requests):
     @property
     def restarting(self) -> bool:
         return self._repair.restarting
+
+    @property
+    def start_note(self) -> str:
+        """What the last start or restart did about a standby: adopted it, or launched cold and why."""
+        return self._repair.start_note
+
+    def standby_status(self) -> dict[str, Any] | None:
+        """The standby (None when there is none): state, rank pids, torchrun pid, host memory (RSS bytes)."""
+        standby = self._repair.standby
+        return standby.status() if standby is not None else None
 
     @property
     def running(self) -> bool:
@@ -333,6 +361,9 @@ def _stop_all() -> None:
     for pool in list(_POOLS):
         try:
             pool._repair.stop()
+            standby = pool._repair.take_standby()
+            if standby is not None:
+                standby.close()
             if pool._repair.generation is not None:
                 pool._repair.generation.close(grace_s=EXIT_TEARDOWN_GRACE_S)
             pool._remove_files()

@@ -10,7 +10,10 @@ Every way the pool's processes change goes through :class:`Repair`:
   new generation before the pool adopts it);
 - ``stop``: from then on nothing relaunches; a relaunch under way is cancelled
   and joined (a late failure of a request that was running cannot start torchrun again);
-- ``adopt``: a built generation becomes the pool's in one assignment.
+- ``adopt``: a built generation becomes the pool's in one assignment;
+- standby ranks (``standby.py``): with ``standby_on``, a new standby is prepared after each
+  adoption, and ``launch`` and the relaunch thread adopt a matching live one instead of
+  launching cold (a mismatched one is discarded, a dead one replaced; ``start_note`` says which).
 
 The relaunch thread reads only the inbox of the generation it builds, never the
 pool's current one, so ``status`` during a restart cannot take its hellos; it
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 from mnb.config import ParallelConfig
@@ -29,6 +33,7 @@ from mnb.controller.generation import Generation, RankInfo, launch
 from mnb.controller.guards import InterruptLatch
 from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.controller.output import coords_label
+from mnb.controller.standby import Standby, difference, settings
 from mnb.errors import PoolError, interrupted
 from mnb.protocol import Message
 from mnb.timeouts import DEFAULT_GRACE_S
@@ -42,7 +47,7 @@ class Repair:
     """The pool's current generation and everything that replaces or ends it."""
 
     def __init__(self, spec: LaunchSpec, *, bind_ip: str, start_timeout_s: float,
-                 make_launcher: Callable[[LaunchSpec], Launcher]):
+                 make_launcher: Callable[[LaunchSpec], Launcher], standby_on: bool = False):
         self.spec = spec
         self.bind_ip = bind_ip
         self.start_timeout_s = start_timeout_s
@@ -60,6 +65,13 @@ class Repair:
         self._building: Launcher | None = None
         self._restore_latch = InterruptLatch()
         self._progress: dict[int, dict[str, Any]] | None = None  # replaced, never changed in place
+        self.standby_on = standby_on
+        self.standby: Standby | None = None
+        """The next generation, launched ahead and waiting for ``go`` (``standby_on``)."""
+        self.start_note = ""
+        """What the last start or restart did about a standby ("adopted the standby ...", "launched cold ...")."""
+        self.restart_line = ""
+        """The automatic restart's result, said once by the next request (``wait``)."""
 
     # ------------------------------------------------------------ in the caller's thread
     def launch(self) -> Generation:
@@ -67,9 +79,57 @@ class Repair:
         with self._lock:
             self.stopped, self.broken = False, None
             self._cancel.clear()
-        self.adopt(launch(self.spec, self.make_launcher, bind_ip=self.bind_ip, timeout_s=self.start_timeout_s,
-                          cancelled=self._cancel))
+        self.adopt(self._build())
+        self.prepare_standby()
         return self.generation
+
+    def _build(self, on_launched: Callable[[Launcher], None] = lambda launcher: None,
+               on_hello: Callable[[RankInfo], None] = lambda info: None) -> Generation:
+        """The next generation: the standby when it matches and lives, else a cold launch."""
+        standby, self.standby = self.standby, None
+        note = "launched cold, no standby yet" if self.standby_on else "launched cold, standby off"
+        if standby is not None:
+            changed = difference(standby.settings, settings(self.spec, self.bind_ip))
+            if changed:
+                standby.close()
+                note = f"launched cold: discarded the standby, its settings no longer match ({changed})"
+            elif not self.standby_on:
+                standby.close()
+                note = "launched cold: discarded the standby (standby off)"
+            elif not standby.alive():
+                state = standby.status()["state"]
+                standby.close()
+                note = f"launched cold: the standby had ended on its own ({state}), so it was replaced"
+            else:
+                on_launched(standby.launcher)
+                try:
+                    generation = standby.adopt(self.start_timeout_s, self._cancel, on_hello)
+                except PoolError as exc:
+                    if self._cancel.is_set():
+                        raise
+                    note = f"launched cold: {exc}"
+                else:
+                    self.start_note = "adopted the standby"
+                    return generation
+        self.start_note = note
+        return launch(self.spec, self.make_launcher, bind_ip=self.bind_ip, timeout_s=self.start_timeout_s,
+                      cancelled=self._cancel, on_launched=on_launched, on_hello=on_hello)
+
+    def prepare_standby(self) -> None:
+        """Launch the next generation in the background (``standby_on``; one at a time)."""
+        with self._lock:
+            if not self.standby_on or self.stopped or (self.standby is not None and self.standby.alive()):
+                return
+            old, self.standby = self.standby, Standby(self.spec, self.bind_ip, self.make_launcher,
+                                                      self.start_timeout_s)
+        if old is not None:
+            old.close()  # died on its own: replaced
+
+    def take_standby(self) -> Standby | None:
+        """The standby, now the caller's (``Pool.stop`` parks it for the next start in this kernel)."""
+        with self._lock:
+            standby, self.standby = self.standby, None
+        return standby
 
     def adopt(self, generation: Generation) -> None:
         """Make ``generation`` the pool's (a stopped pool closes it instead and raises)."""
@@ -151,6 +211,9 @@ class Repair:
             except KeyboardInterrupt:
                 raise interrupted("stopped waiting for the restarting ranks; they go on starting "
                                   "in the background") from None
+        if self.restart_line:
+            line, self.restart_line = self.restart_line, ""
+            print(f"mnb: {line}", flush=True)
         if self.generation is None and self.broken is None:
             raise PoolError("the pool is not running; start it with %mnb start (or %mnb restart)")
         if self.broken:
@@ -206,14 +269,13 @@ class Repair:
 
     # ------------------------------------------------------------ the relaunch thread
     def _relaunch(self, old: Generation | None, layout: ParallelConfig) -> None:
+        began = time.perf_counter()
         try:
             if old is not None:
                 old.close(grace_s=0)  # stuck or dead ranks: nothing to wait for
             if self._cancel.is_set():
                 return
-            generation = launch(self.spec, self.make_launcher, bind_ip=self.bind_ip,
-                                timeout_s=self.start_timeout_s, cancelled=self._cancel,
-                                on_launched=self._on_launched, on_hello=self._on_hello)
+            generation = self._build(on_launched=self._on_launched, on_hello=self._on_hello)
             try:
                 if layout != ParallelConfig().resolve(self.spec.world_size):
                     self._stage(f"restoring {layout.describe()}")
@@ -222,6 +284,9 @@ class Repair:
             except BaseException:
                 generation.close(grace_s=0)
                 raise
+            self.restart_line = (f"the {self.spec.world_size} ranks restarted in {time.perf_counter() - began:.1f} s "
+                                 f"({self.start_note})")
+            self.prepare_standby()
         except BaseException as exc:  # reported to the next request, which cannot run without ranks
             if self._cancel.is_set():  # Pool.stop()/restart() cancelled it: nothing failed
                 log.debug("automatic restart cancelled: %s: %s", type(exc).__name__, exc)

@@ -51,7 +51,7 @@ from mnb.units import MIB
 
 log = logging.getLogger(__name__)
 
-MAIN_THREAD_TYPES = frozenset({"execute", "push", "pull", "shutdown"})
+MAIN_THREAD_TYPES = frozenset({"execute", "push", "pull", "shutdown", "go"})
 LIVENESS_INTERVAL_S = 0.5
 STREAM_INTERVAL_S = 0.02
 """Stream text is sent at most this often (a first chunk after a quiet spell goes at once)."""

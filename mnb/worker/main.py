@@ -40,6 +40,9 @@ from mnb.worker.executor import describe_exception, portable, run_cell
 
 log = logging.getLogger("mnb.worker")
 
+STANDBY_ENV = "MNB_STANDBY"
+"""Set to 1 by the controller for a standby generation (``mnb/controller/standby.py``)."""
+
 # Known third-party notices that Megatron-Core and torch raise while importing,
 # building models or loading checkpoints, on every rank; they say nothing a
 # notebook user can act on (mnb already chose the torch fallbacks).  They go to
@@ -140,6 +143,8 @@ class Rank:
             import torch
             import torch.distributed as dist
 
+        if os.environ.get(STANDBY_ENV) == "1":
+            self._stand_by()
         megatron_import = None
         if self.device_kind == "cuda":
             if not torch.cuda.is_available():
@@ -216,6 +221,35 @@ class Rank:
         )
         if self.device.type == "cuda":
             _warm_fused_kernels_in_background(self.device)
+
+    def _stand_by(self) -> None:
+        """A standby rank: Megatron-Core imported, then wait for ``go`` before CUDA or any process group.
+
+        The controller launched this rank ahead of need (``mnb/controller/standby.py``); until
+        ``go`` it holds host memory only.  The channel's I/O thread watches the controller
+        as for any rank, so a standby whose kernel died exits on its own.
+        """
+        with self.clock.stage("standby: Megatron-Core import"):
+            if self.device_kind == "cuda":
+                _import_megatron()  # pure Python: no CUDA call
+            else:
+                from mnb.megatron import cpu
+
+                cpu.install()
+                _import_megatron()  # what the first model needs, ahead of the go
+        self.channel.send(Message("standby", header={"rank": self.rank, "pid": os.getpid(),
+                                                     "host": socket.gethostname()}))
+        with self.clock.stage("standby: waiting for go"):
+            while True:
+                try:
+                    message = self.channel.inbox.get()
+                except KeyboardInterrupt:
+                    continue
+                if message.type == "go":
+                    break
+                if message.type == "shutdown":
+                    self.channel.close()
+                    os._exit(0)
 
     def _device_name(self) -> str:
         import torch
