@@ -445,8 +445,8 @@ class Run:
             lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(self.steps)} steps")
         evals = [(s, x) for s, x in zip(self.steps, self.eval_losses) if x is not None]
         if evals:
-            lines.append(f"eval loss {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} "
-                         f"(step {evals[-1][0]}), {len(evals)} evaluations")
+            lines.append(f"eval loss {evals[0][1]:.4f} (step {self.step_ordinal(evals[0][0])}) -> {evals[-1][1]:.4f} "
+                         f"(step {self.step_ordinal(evals[-1][0])}), {len(evals)} evaluations")
         tps = [x for x in self.tokens_per_s[1:] or self.tokens_per_s if x]
         mfus = [x for x in self.mfu[1:] or self.mfu if x is not None]
         steps = len(self.steps)

@@ -17,8 +17,9 @@ def plot_loss(run: Any, ax=None):
     run = as_run(run, ("losses", "eval_losses"))
     if ax is None:
         _, ax = new_axes(figsize=(7.0, 3.6))
-    train = [(s, v) for s, v in zip(run.steps, run.losses) if v is not None]
-    evals = [(s, v) for s, v in zip(run.steps, run.eval_losses) if v is not None]
+    # steps counted from 1 within the run, as the progress line, the summary and the other plots count them
+    train = [(i, v) for i, v in enumerate(run.losses, 1) if v is not None]
+    evals = [(i, v) for i, v in enumerate(run.eval_losses, 1) if v is not None]
     ax.plot([s for s, _ in train], [v for _, v in train], marker=".", color="#C44E52", label="training loss")
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", color="#4C72B0",
@@ -26,5 +27,6 @@ def plot_loss(run: Any, ax=None):
     ax.set_xlabel("step")
     ax.set_ylabel("loss (per token)")
     ax.legend(fontsize=8)
-    ax.set_title(f"{run.model.name} | {run.layout.describe()}: loss", fontsize=10)
+    ax.set_title(f"{run.model.name} | {run.layout.describe()}: loss at each of steps 1-{len(run.losses)}"
+                 + (f", {len(evals)} evaluations" if evals else ""), fontsize=10)
     return ax

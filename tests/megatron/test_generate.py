@@ -174,7 +174,7 @@ nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.fl
     assert "eval loss" in run.summary() and "2 evaluations" in run.summary()
     ax = run.plot_loss()
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert list(lines["evaluation loss"].get_xdata()) == [run.steps[1], run.steps[3]]
+    assert list(lines["evaluation loss"].get_xdata()) == [2, 4]  # steps counted from 1, as everywhere
     assert list(lines["evaluation loss"].get_ydata()) == [evals[1], evals[3]]
     assert len(lines["training loss"].get_xdata()) == 4
     # a later call carries the settings earlier calls named (eval_data too): a fresh model has none
