@@ -32,3 +32,16 @@ def ok(result):
     if isinstance(result, dict) and "error" in result and len(result) == 1:
         pytest.fail("rank-side check raised:\n" + result["error"], pytrace=False)
     return result
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    """One 4-rank CPU pool per test module that asks for it (tp2*pp2 and cp2*tp2 layouts)."""
+    from mnb.controller import Pool
+    from tests.conftest import assert_no_orphans
+
+    pool = Pool.start(4, device="cpu", timeout=240)
+    yield pool
+    pids = pool.pids()
+    pool.stop()
+    assert_no_orphans(pids)

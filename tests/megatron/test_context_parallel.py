@@ -107,19 +107,6 @@ TRAIN_LAYOUTS = {
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    """One 4-rank CPU pool for the whole module."""
-    from mnb.controller import Pool
-    from tests.conftest import assert_no_orphans
-
-    pool = Pool.start(4, device="cpu", timeout=240)
-    yield pool
-    pids = pool.pids()
-    pool.stop()
-    assert_no_orphans(pids)
-
-
 def _on_pool(pool, function: str) -> list:
     """Call one of this file's rank-side functions on every rank of the pool; results in rank order."""
     code = ("import importlib.util\n"

@@ -228,19 +228,6 @@ def test_bad_input_is_refused_alike_on_every_rank(cpu_pool, checkpoints):
         {0: LAYERS, 1: LAYERS}
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    """One 4-rank CPU pool for the tp2*pp2 cell."""
-    from mnb.controller import Pool
-    from tests.conftest import assert_no_orphans
-
-    pool = Pool.start(4, device="cpu", timeout=240)
-    yield pool
-    pids = pool.pids()
-    pool.stop()
-    assert_no_orphans(pids)
-
-
 SP = {"mixtral": {"sequence_parallel": True}}  # Megatron trains MoE under tp > 1 only with sp
 
 
