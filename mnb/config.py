@@ -548,3 +548,22 @@ def model_config(preset_or_config: str | ModelConfig | dict, **overrides: Any) -
             f"expected a preset name, a dict or a ModelConfig, got {type(preset_or_config).__name__}"
         )
     return base.with_overrides(**overrides) if overrides else base
+
+
+def parse_steps(steps: Any) -> tuple[int, int] | None:
+    """``3`` -> (3, 3); ``"3-4"`` -> (3, 4); None or "" -> None (the default).  Steps count from 1 within the call."""
+    if steps is None or steps == "":
+        return None
+    if isinstance(steps, bool):
+        raise ValueError("profile= takes steps like 3 or '3-4' (counted from 1 within the call)")
+    if isinstance(steps, int):
+        first = last = steps
+    else:
+        first_text, _, rest = str(steps).strip().partition("-")
+        try:
+            first, last = int(first_text), int(rest or first_text)
+        except ValueError:
+            raise ValueError(f"profile={steps!r}: give steps like 3 or '3-4' (counted from 1 within the call)") from None
+    if first < 1 or last < first:
+        raise ValueError(f"profile={steps!r}: steps count from 1 and the last comes after the first, e.g. '2-3'")
+    return first, last

@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mnb.config import parse_steps  # noqa: F401 - re-exported: the rank side reads it from mnb.config
+
 MAX_TRACE_BYTES = 300 * 2**20
 """Per-rank traces larger than this in all are not merged (nor read into the kernel)."""
 
@@ -73,25 +75,6 @@ def _clip(intervals, window):
 def is_comm(event: dict[str, Any]) -> bool:
     name = str(event.get("name", ""))
     return event.get("cat") == "comm" or name.startswith(COMM_PREFIX) or name.startswith(_COMM_NAMES)
-
-
-def parse_steps(steps: Any) -> tuple[int, int] | None:
-    """``3`` -> (3, 3); ``"3-4"`` -> (3, 4); None or "" -> None (the default).  Steps count from 1 within the call."""
-    if steps is None or steps == "":
-        return None
-    if isinstance(steps, bool):
-        raise ValueError("profile= takes steps like 3 or '3-4' (counted from 1 within the call)")
-    if isinstance(steps, int):
-        first = last = steps
-    else:
-        first_text, _, rest = str(steps).strip().partition("-")
-        try:
-            first, last = int(first_text), int(rest or first_text)
-        except ValueError:
-            raise ValueError(f"profile={steps!r}: give steps like 3 or '3-4' (counted from 1 within the call)") from None
-    if first < 1 or last < first:
-        raise ValueError(f"profile={steps!r}: steps count from 1 and the last comes after the first, e.g. '2-3'")
-    return first, last
 
 
 class Profile:

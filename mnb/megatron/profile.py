@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from mnb.profiles import parse_steps
+from mnb.config import parse_steps
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "reduce", "all_to_all_single", "send", "recv", "batch_isend_irecv",
