@@ -19,6 +19,20 @@ def module_pool():
     assert_no_orphans(sorted(pool.seen_pids))
 
 
+@pytest.fixture(scope="module")
+def shell(module_pool):
+    """An IPython shell with mnb's magics loaded, driving the module's pool (``%%megatron``, ``%mnb``)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from mnb.controller.registry import set_current_pool
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "mnb")
+    set_current_pool(module_pool)
+    yield ip
+    set_current_pool(None)
+
+
 @pytest.fixture
 def cpu_pool(module_pool):
     """The module's pool, reset before each test so one test's failure cannot cascade into the next."""

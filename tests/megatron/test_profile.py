@@ -6,11 +6,8 @@ import json
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 import mnb
-from mnb.config import ParallelConfig
-from mnb.controller import set_current_pool
 from mnb.errors import CompositeRankError
 from mnb.profiles import Profile
 
@@ -26,15 +23,6 @@ def assert_no_profiler(pool):
     """No profiler on and torch.distributed's functions unwrapped, on every rank."""
     for on, module in pool.run(STILL_RUNNING).values():
         assert on is False and not module.startswith("mnb"), (on, module)
-
-
-@pytest.fixture(scope="module")
-def shell(module_pool):
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "mnb")
-    set_current_pool(module_pool)
-    yield ip
-    set_current_pool(None)
 
 
 def test_tp2_training_profile_merged_on_one_clock(cpu_pool, shell, capsys):

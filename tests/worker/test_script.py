@@ -12,25 +12,14 @@ from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 import mnb
 from mnb.config import ParallelConfig
-from mnb.controller import set_current_pool
 from mnb.errors import CompositeRankError
 
 pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-@pytest.fixture(scope="module")
-def shell(module_pool):
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "mnb")
-    set_current_pool(module_pool)
-    yield ip
-    set_current_pool(None)
 
 
 def _ddp(pool, out: Path) -> list[dict]:
