@@ -248,21 +248,26 @@ class _MegatronImportHook(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        original_exec = loader.exec_module
+        return after_exec(spec, _patch_module)
 
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
 
-            def exec_module(self, module):
-                original_exec(module)
-                _patch_module(module)
-
-        spec.loader = _Loader()
+def after_exec(spec, then):
+    """``spec`` with its loader wrapped so that ``then(module)`` runs once the module has executed
+    (a spec without an ``exec_module`` loader comes back as it is)."""
+    loader = spec.loader if spec is not None else None
+    if loader is None or not hasattr(loader, "exec_module"):
         return spec
+
+    class _Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return loader.create_module(spec)
+
+        def exec_module(self, module):
+            loader.exec_module(module)
+            then(module)
+
+    spec.loader = _Loader()
+    return spec
 
 
 def _caller_is_megatron(depth: int = 2) -> bool:

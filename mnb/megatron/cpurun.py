@@ -14,7 +14,6 @@ way to try a GPU script on a laptop without a pool.
 from __future__ import annotations
 
 import builtins
-import importlib.abc
 import os
 import sys
 import tokenize
@@ -87,27 +86,20 @@ class _CpuModeOnMegatronImport:
         sys.meta_path.remove(self)
         import importlib.util
 
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
+        from mnb.megatron import cpu
 
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
+        return cpu.after_exec(importlib.util.find_spec(fullname), _install_cpu_mode)
 
-            def exec_module(self, module):
-                loader.exec_module(module)
-                import torch
 
-                from mnb.megatron import cpu
+def _install_cpu_mode(module: Any) -> None:
+    """Megatron's CPU mode, keeping the script's own ``.cuda()`` redirection (gpu_idioms)."""
+    import torch
 
-                script_cuda = torch.Tensor.cuda, torch.nn.Module.cuda  # the script's (gpu_idioms) stay
-                cpu.install()
-                torch.Tensor.cuda, torch.nn.Module.cuda = script_cuda
+    from mnb.megatron import cpu
 
-        spec.loader = _Loader()
-        return spec
+    script_cuda = torch.Tensor.cuda, torch.nn.Module.cuda
+    cpu.install()
+    torch.Tensor.cuda, torch.nn.Module.cuda = script_cuda
 
 
 def main(argv: list[str] | None = None) -> None:
