@@ -59,3 +59,15 @@ def plain_torchrun(out: Path, *, nproc: int, layout: str, steps: int, mbs: int, 
     return json.loads(result.read_text())
 
 
+class Rows:
+    """Rows of a benchmark by section, printed as they come and rewritten to ``out/name`` each time
+    (a call cut short by the device's time limit still leaves every row measured so far)."""
+
+    def __init__(self, out: Path, name: str):
+        self.out, self.name, self.rows = out, name, {}
+
+    def add(self, section: str, row: dict) -> None:
+        print(f"[{section}] {json.dumps(row, default=str)}", flush=True)
+        self.rows.setdefault(section, []).append(row)
+        (self.out / self.name).write_text(json.dumps(self.rows, indent=1, default=str))
+

@@ -33,21 +33,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from gpu_measure import plain_torchrun, run_row  # noqa: E402
+from gpu_measure import Rows, plain_torchrun, run_row  # noqa: E402
 
 FIRST_CELL = ("model = mnb.gpt('llama-1b', num_layers=8, seq_length=2048)\n"
               "mnb.train(model, steps=1, micro_batch_size=4, global_batch_size=4, bf16=True)")
 STEPS = 6
 
 
-class Bench:
+class Bench(Rows):
     def __init__(self, out: Path):
-        self.out, self.rows = out, {}
-
-    def add(self, section: str, row: dict) -> None:
-        print(f"[{section}] {json.dumps(row, default=str)}", flush=True)
-        self.rows.setdefault(section, []).append(row)
-        (self.out / "h200_limits.json").write_text(json.dumps(self.rows, indent=1, default=str))
+        super().__init__(out, "h200_limits.json")
 
     def fresh_pool(self, label: str, think_s: float = 0.0):
         """Start a pool and run the first cell ``think_s`` after it is ready (a user typing it)."""

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from gpu_measure import run_row  # noqa: E402
+from gpu_measure import Rows, run_row  # noqa: E402
 
 SHAPES = {  # the Llama-3.2 configs' shapes (tied embeddings, llama3 RoPE scaling), random weights
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -104,16 +104,6 @@ print("ROWS " + json.dumps(rows))
 """
 
 
-class Bench:
-    def __init__(self, out: Path):
-        self.out, self.rows = out, {}
-
-    def add(self, section: str, row: dict) -> None:
-        print(f"[{section}] {json.dumps(row, default=str)}", flush=True)
-        self.rows.setdefault(section, []).append(row)
-        (self.out / "hf_gpu.json").write_text(json.dumps(self.rows, indent=1, default=str))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("hf-gpu-out"))
@@ -123,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sections = set(args.sections.split(","))
-    bench = Bench(args.out)
+    bench = Rows(args.out, "hf_gpu.json")
     root = Path(tempfile.mkdtemp(prefix="mnb-hf-bench-"))
 
     from mnb.controller import Pool
