@@ -22,8 +22,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
-
 __all__ = [
     "__version__",
     "load_ipython_extension",
@@ -80,6 +78,11 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        # In mnb.version, so that modules below this one can name it too.
+        from mnb.version import __version__
+
+        return __version__
     if name == "last_run":
         # Kept by the controller; None until a training cell has finished.
         from mnb.controller import last_run

@@ -370,7 +370,7 @@ def format_args(args: list[str] | tuple[str, ...], *, continuation: bool = False
 
 
 def _header(model: ModelConfig, layout: ParallelConfig, nodes: int, gpus_per_node: int) -> str:
-    from mnb import __version__
+    from mnb.version import __version__
 
     return (f"# Megatron-LM pretrain_gpt.py, exported by mnb {__version__}: {model.name} "
             f"({_count(model.num_parameters())} parameters), {layout.describe()} on "
