@@ -316,6 +316,8 @@ class Profile:
         layers = [[v / scale for v in (mem[n] if isinstance(mem[n], list) else [mem[n]] * count)] for n in names]
         fig, ax = plt.subplots(figsize=(9, 4))
         ax.stackplot(mem["times_ms"], *layers, labels=names, step="post", alpha=0.8)
+        # the total as a line too: a spike narrower than a pixel still reaches its height
+        ax.plot(mem["times_ms"], [sum(v) for v in zip(*layers)], color="k", linewidth=0.5, drawstyle="steps-post")
         ax.plot([mem["peak_ms"]], [mem["peak_bytes"] / scale], "kv",
                 label=f"peak {mem['peak_bytes'] / scale:.3f} {unit} at {mem['peak_ms']:.1f} ms")
         if predicted_peak_bytes is None:
