@@ -164,8 +164,9 @@ class Profile:
 
     def steps(self, rank: int) -> list[tuple[float, float]]:
         """(start_us, end_us) of each profiled step of ``rank``; the whole trace for a whole-cell profile."""
+        # the host's spans: on CUDA ranks Kineto copies each onto the GPU stream (gpu_user_annotation) too
         spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in self.rank_events(rank)
-                 if str(e.get("name", "")).startswith(STEP_PREFIX)]
+                 if str(e.get("name", "")).startswith(STEP_PREFIX) and e.get("cat") != "gpu_user_annotation"]
         if spans:
             return sorted(spans)
         events = self.rank_events(rank)
@@ -268,19 +269,28 @@ class Profile:
         ``{rank: {"times_ms", "weights", "gradients", "optimizer", "activations" (a list, one per
         time), "other" (CUDA: the allocator's bytes beyond the counted ones), "peak_bytes", "peak_ms",
         "snapshot" (CUDA: torch's memory snapshot for https://pytorch.org/memory_viz), "source"}}``.
-        On CPU ranks the peak is the counted tensors' peak, as ``mnb.last_run.peak_memory_bytes``.
+        The peak has ``mnb.last_run.peak_memory_bytes``'s source and units: on CUDA ranks the allocator's
+        bytes (replayed from the snapshot: ``max_memory_allocated`` of the profiled steps), on CPU ranks
+        the counted tensors.
         """
         out = {}
         for rank, meta in sorted(self.meta.items()):
             mem = meta.get("memory")
-            if not mem or not mem.get("samples"):
+            if not mem or not (mem.get("samples") or mem.get("allocated")):
                 continue
             static = {k: int(mem["static"].get(k, 0)) for k in ("weights", "gradients", "optimizer")}
             base = sum(static.values())
-            times = [round((t - self.origin_s) * 1e3, 3) for t, _, _ in mem["samples"]]
-            acts = [int(a) for _, a, _ in mem["samples"]]
-            other = [max(0, int(al) - base - a) if al is not None else 0 for (_, _, al), a in zip(mem["samples"], acts)]
+            counted = [(t, int(a)) for t, a, _ in mem.get("samples") or []]
+            if mem.get("allocated"):  # CUDA: the allocator's bytes, replayed from torch's memory snapshot
+                times_s, totals = [t for t, _ in mem["allocated"]], [int(b) for _, b in mem["allocated"]]
+                held = [_held_at(counted, t) for t in times_s]
+                acts = [min(a, max(0, total - base)) for a, total in zip(held, totals)]
+            else:  # CPU: mnb's counted tensors, as mnb.last_run's measured peak
+                times_s, acts = [t for t, _ in counted], [a for _, a in counted]
+                totals = [base + a for a in acts]
+            other = [max(0, total - base - a) for a, total in zip(acts, totals)]
             totals = [base + a + o for a, o in zip(acts, other)]
+            times = [round((t - self.origin_s) * 1e3, 3) for t in times_s]
             i = max(range(len(totals)), key=totals.__getitem__)
             out[rank] = {"times_ms": times, **static, "activations": acts, "other": other,
                          "peak_bytes": totals[i], "peak_ms": times[i], "snapshot": mem.get("snapshot"),
@@ -300,13 +310,16 @@ class Profile:
         if rank not in series:
             raise ValueError(f"rank {rank} has no memory series; ranks with one: {sorted(series)}")
         mem = series[rank]
-        gib = 2**30
+        unit, scale = ("GiB", 2**30) if mem["peak_bytes"] >= 2**30 else ("MiB", 2**20)
         names = ["weights", "gradients", "optimizer", "activations", "other"]
         count = len(mem["times_ms"])
-        layers = [[v / gib for v in (mem[n] if isinstance(mem[n], list) else [mem[n]] * count)] for n in names]
+        layers = [[v / scale for v in (mem[n] if isinstance(mem[n], list) else [mem[n]] * count)] for n in names]
         fig, ax = plt.subplots(figsize=(9, 4))
         ax.stackplot(mem["times_ms"], *layers, labels=names, step="post", alpha=0.8)
-        ax.plot([mem["peak_ms"]], [mem["peak_bytes"] / gib], "kv", label=f"peak {mem['peak_bytes'] / gib:.3f} GiB")
+        # the total as a line too: a spike narrower than a pixel still reaches its height
+        ax.plot(mem["times_ms"], [sum(v) for v in zip(*layers)], color="k", linewidth=0.5, drawstyle="steps-post")
+        ax.plot([mem["peak_ms"]], [mem["peak_bytes"] / scale], "kv",
+                label=f"peak {mem['peak_bytes'] / scale:.3f} {unit} at {mem['peak_ms']:.1f} ms")
         if predicted_peak_bytes is None:
             try:
                 from mnb.controller import last_run
@@ -316,11 +329,11 @@ class Profile:
             except Exception:  # noqa: BLE001 - a prediction is a bonus, the measurement is the figure
                 predicted_peak_bytes = None
         if predicted_peak_bytes:
-            ax.axhline(predicted_peak_bytes / gib, color="k", linestyle="--", label="predicted peak (mnb.estimate)")
+            ax.axhline(predicted_peak_bytes / scale, color="k", linestyle="--", label="predicted peak (mnb.estimate)")
         ax.set_xlabel("ms on the shared host clock")
-        ax.set_ylabel(f"GiB ({mem['source']})")
+        ax.set_ylabel(f"{unit} ({mem['source']})")
         ax.set_title(f"rank {rank}: memory over the profiled steps")
-        ax.legend(loc="upper left", fontsize="small")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
         fig.tight_layout()
         return fig
 
@@ -337,6 +350,8 @@ class Profile:
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "kernel", "comm", "gpu_memcpy"):
                 rows.setdefault((e["pid"], e.get("tid")), []).append(e)
         keys = sorted(rows, key=lambda k: (k[0], str(k[1])))
+        names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in self.events
+                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
         fig, ax = plt.subplots(figsize=(12, 0.5 + 0.4 * len(keys)))
         for y, key in enumerate(keys):
             bars = {"compute": [], "comm": []}
@@ -348,13 +363,19 @@ class Profile:
             ax.broken_barh(bars["compute"], (y - 0.4, 0.8), color="tab:blue", alpha=0.5)
             ax.broken_barh(bars["comm"], (y - 0.4, 0.8), color="tab:red")
         ax.set_yticks([i for i, _ in enumerate(keys)])
-        ax.set_yticklabels([f"rank {r} / {t}" for r, t in keys])
+        ax.set_yticklabels([f"rank {r} · {(names.get((r, t)) or f'thread {t}')[:32]}" for r, t in keys])
         if range:
             ax.set_xlim(*range)
         ax.set_xlabel("ms on the shared host clock (blue: compute, red: collectives)")
         ax.invert_yaxis()
         fig.tight_layout()
         return fig
+
+
+def _held_at(samples: list[tuple[float, int]], t: float) -> int:
+    """The counted activation bytes of the last sample at or before ``t`` (0 before the first)."""
+    i = bisect.bisect_right([s for s, _ in samples], t)
+    return samples[i - 1][1] if i else 0
 
 
 def _close(entry: list[Any], totals: dict[str, list[float]]) -> None:

@@ -57,7 +57,7 @@ fi
 
 EXTRAS=""; WANT="import mnb, megatron.core, safetensors, tokenizers, nbconvert"
 if [ "$MODE" = tests ]; then
-  EXTRAS="[test]"; WANT="$WANT, nbclient, pytest_timeout, transformers"
+  EXTRAS="[test]"; WANT="$WANT, nbclient, pytest_timeout, transformers, hta"  # hta: HolisticTraceAnalysis
 fi
 # Reinstall when anything is missing, or when `mnb` resolves to another checkout.
 if ! "$PY" -I -c "$WANT, os, sys; \

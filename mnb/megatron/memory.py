@@ -11,7 +11,15 @@ carry ``source`` ("cuda" or "rss") so plots can label them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+MEMORY_POINTS = 4000
+"""At most this many points of the CUDA allocator's bytes over time go into the meta file (each kept
+point the largest of its stretch, so the peak is kept exactly)."""
+BLOCK_BYTES = 512
+"""The CUDA caching allocator's block rounding (``kMinBlockSize``): what ``allocated_bytes`` counts."""
 
 
 class MemoryMeter:
@@ -227,3 +235,34 @@ class ComponentMeter:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def allocated_over_time(snapshot: dict[str, Any], device: int, perf_minus_wall_s: float,
+                        points: int = MEMORY_POINTS) -> list[list[float]]:
+    """``[perf_counter_s, bytes allocated]`` after each allocation and free of torch's memory snapshot.
+
+    Replayed backwards from the snapshot's blocks (``active_allocated``: what is allocated when it
+    was taken): an ``alloc`` added its size, a ``free_requested`` took it away, the moments the
+    allocator's ``allocated_bytes`` moves, so the largest value is ``max_memory_allocated`` over the
+    recorded span (checked on an H200: equal to the byte).  The trace notes requested sizes; the
+    allocator counts blocks, rounded up to 512 bytes (its default, no ``roundup_power2_divisions``).
+    ``time_us`` is the system clock's; ``perf_minus_wall_s`` moves it onto the shared clock.  Long
+    series keep the largest point of each stretch, so the peak survives.
+    """
+    now = sum(block["size"] for segment in snapshot.get("segments", []) if segment.get("device", device) == device
+              for block in segment.get("blocks", []) if block.get("state") == "active_allocated")
+    traces = snapshot.get("device_traces") or []
+    events = [e for e in (traces[device] if device < len(traces) else [])
+              if e.get("action") in ("alloc", "free_requested")]
+    series = []
+    for event in reversed(events):
+        series.append([event.get("time_us", 0) / 1e6 + perf_minus_wall_s, now])
+        size = max(BLOCK_BYTES, -(-event["size"] // BLOCK_BYTES) * BLOCK_BYTES)
+        now += -size if event["action"] == "alloc" else size
+    if events:
+        series.append([events[0].get("time_us", 0) / 1e6 + perf_minus_wall_s - 1e-6, now])
+    series.reverse()
+    if len(series) > points:
+        stretch = -(-len(series) // points)
+        series = [max(series[i:i + stretch], key=lambda p: p[1]) for i in range(0, len(series), stretch)]
+    return series

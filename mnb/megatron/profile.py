@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from mnb.config import parse_steps
+from mnb.megatron.memory import allocated_over_time
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "reduce", "all_to_all_single", "send", "recv", "batch_isend_irecv",
@@ -44,6 +46,11 @@ Not ``isend``/``irecv``: ``P2POp`` checks its op *is* one of them, so a wrapped 
 COMM_PREFIX = "mnb.comm "
 STEP_PREFIX = "mnb.step "
 CLOCK_PREFIX = "mnb.clock "
+KINETO_LOG_LEVEL = "6"
+"""Kineto's log level on a rank that profiles (a user's own ``KINETO_LOG_LEVEL`` wins).  torch 2.13's Kineto
+prints ``USDT: ... profiler_start``/``profiler_stop`` at every level up to 5 (and ``STAGE:`` lines at 3 and
+below) into the cell's output; 6 silences it, Kineto's own error lines with it (checked on torch 2.13).
+Kineto reads the variable once, at the process's first profiler, so it is set just before that."""
 
 
 @dataclass
@@ -63,6 +70,9 @@ class Session:
     memory: bool = False
     memory_samples: list[list[Any]] = field(default_factory=list)
     snapshot: str | None = None
+    allocated: list[list[float]] | None = None
+    """CUDA, ``--memory``: ``[perf_counter_s, bytes]`` the allocator held over the profiled steps (replayed
+    from torch's memory snapshot; its largest value is ``max_memory_allocated`` of those steps)."""
     done: bool = False
     _components: Any = None
     _saved: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +81,7 @@ class Session:
 
     # ----- the profiler
     def start(self) -> None:
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_LOG_LEVEL)  # no Kineto lines in the cell's output
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -105,7 +116,7 @@ class Session:
             return None
         static = dict(self._components.static_bytes) if self._components is not None else {}
         return {"samples": self.memory_samples, "static": static, "snapshot": self.snapshot,
-                "source": "cuda" if self._cuda() else "counted tensors"}
+                "allocated": self.allocated, "source": "cuda" if self._cuda() else "counted tensors"}
 
     def mark_clock(self) -> None:
         """A ``mnb.clock K`` span with its host time: how the merge moves this trace onto ``perf_counter``.
@@ -131,7 +142,11 @@ class Session:
             if keep:
                 (self.out_dir / "memory").mkdir(parents=True, exist_ok=True)
                 self.snapshot = str(self.out_dir / "memory" / f"rank-{self.rank}.pickle")
-                torch.cuda.memory._dump_snapshot(self.snapshot)  # for https://pytorch.org/memory_viz
+                snapshot = torch.cuda.memory._snapshot()
+                with open(self.snapshot, "wb") as file:  # for https://pytorch.org/memory_viz
+                    pickle.dump(snapshot, file)
+                self.allocated = allocated_over_time(snapshot, torch.cuda.current_device(),
+                                                     time.perf_counter() - time.time())
             torch.cuda.memory._record_memory_history(enabled=None)
         if not keep:  # a warm-up dropped: what it noted goes with it
             self.comms.clear()
