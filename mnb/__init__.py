@@ -110,17 +110,29 @@ def load_ipython_extension(ipython: Any) -> None:
     ``mnb`` is bound (hidden from ``%who``, like ``get_ipython``) unless the
     notebook already has that name, so ``mnb.last_run`` works without
     ``import mnb``.  Loading again registers the same magics again: silent.
+    On a machine with GPUs it also begins standby ranks for the first ``%mnb start``
+    (``mnb/controller/load_standby.py``; ``MNB_STANDBY_AT_LOAD=0`` turns that off).
     """
     import sys
 
+    from mnb.controller import current_pool
+    from mnb.controller import load_standby
     from mnb.magics import register
 
     register(ipython)
     if "mnb" not in ipython.user_ns:
         ipython.push({"mnb": sys.modules[__name__]}, interactive=False)
+    existing = current_pool(required=False)
+    if load_standby.begin(pool_running=existing is not None and existing.running):
+        print(f"mnb: launching standby ranks for the first %mnb start ({load_standby.AT_LOAD_ENV}=0 "
+              "turns this off)", flush=True)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
+    from mnb.controller import standby
     from mnb.magics import unregister
 
     unregister(ipython)
+    parked = standby.unpark()  # the load-time or a stopped pool's standby: nothing would adopt it now
+    if parked is not None:
+        parked.close()

@@ -57,6 +57,7 @@ from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
 from mnb.config import ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
+from mnb.controller import standby as standbys
 from mnb.controller.kernel_context import kernel_context
 from mnb.controller.preflight import cell_settings, check_cell
 from mnb.controller.registry import remember_settings
@@ -527,7 +528,9 @@ class MegatronMagics(Magics):
     def _cmd_status(self, args: argparse.Namespace) -> None:
         pool = current_pool(required=False)
         if pool is None:
-            print("no pool; start one with %mnb start")
+            parked = standbys.parked_status()
+            print("no pool; start one with %mnb start" + ("" if parked is None else
+                  f" (it adopts the standby: {parked['state']}, host memory {format_bytes(parked['rss_bytes'])})"))
             return
         rows = pool.status()
         print(format_table(

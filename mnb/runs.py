@@ -290,6 +290,13 @@ class Run:
         return bool(self._first.get("fusions", False))
 
     @property
+    def unfused_steps(self) -> list[int]:
+        """Steps (from 1, as the progress line counts) that ran the fused ops unfused while their kernels
+        compiled in the background (mnb.megatron.background_compile); [] when none did."""
+        compiling = self._per_step("compiling")
+        return [self.step_ordinal(step) for step, flags in compiling.items() if any(flags)]
+
+    @property
     def memory_source(self) -> str:
         """Where the measured peak comes from: 'cuda' (allocator), 'counted' (tensors), or 'rss' (old records)."""
         source = self._first.get("memory_source") or ("rss" if self.on_cpu else "cuda")
@@ -457,6 +464,11 @@ class Run:
         perf.append(f"MFU {sum(mfus) / len(mfus):.1%} vs {self.peak_source}" if mfus
                     else "MFU n/a (no peak for this device)")
         lines.append(", ".join(perf))
+        unfused = self.unfused_steps
+        if unfused:
+            first, last = unfused[0], unfused[-1]
+            lines.append((f"step {first}" if first == last else f"steps {first}\u2013{last}")
+                         + " unfused while compiling" + ("" if last < steps else " (the fused kernels were not ready yet)"))
         if self.measured_bubble is not None and self.layout.pp > 1:  # no pipeline, no bubble to speak of
             text = (f"bubble measured {self.measured_bubble:.1%} ({self.measured_bubble_statistic}) "
                     f"vs theoretical {self.theoretical_bubble:.1%}")

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 _POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
 
-__all__ = ["Pool", "RankInfo", "make_launcher"]
+__all__ = ["Pool", "RankInfo", "launch_spec", "make_launcher"]
 
 
 def make_launcher(spec: LaunchSpec) -> Launcher:
@@ -79,6 +79,29 @@ def make_launcher(spec: LaunchSpec) -> Launcher:
 
         return SlurmLauncher(spec)
     return Launcher(spec)
+
+
+def launch_spec(nproc: int, device: str, work: Path, *, gpus: list[int] | None = None, nnodes: int = 1,
+                rdzv_endpoint: str | None = None, threads_per_rank: int | None = None, bind_ip: str = "127.0.0.1",
+                extra_env: dict[str, str] | None = None, slurm: "SlurmRequest | None" = None) -> LaunchSpec:
+    """The torchrun pool ``Pool.start`` launches for these (resolved) settings, its files in ``work``.
+
+    One place, so the standby begun at ``%load_ext mnb`` (``load_standby.py``) is the pool the
+    first ``%mnb start`` with the defaults builds, setting for setting.
+    """
+    return LaunchSpec(
+        nproc_per_node=nproc,
+        device=device,
+        connection_file=work / "pool.json",
+        log_file=work / ("job.log" if slurm is not None else "torchrun.log"),
+        gpus=gpus,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+        threads_per_rank=threads_per_rank,
+        loopback=bind_ip.startswith("127."),
+        extra_env=dict(extra_env or {}),
+        slurm=slurm,
+    )
 
 
 class Pool(Requests):
@@ -165,19 +188,8 @@ class Pool(Requests):
             rdzv_endpoint = f"{socket.gethostname()}:29400"
         work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="mnb-pool-"))
         work.mkdir(parents=True, exist_ok=True)
-        spec = LaunchSpec(
-            nproc_per_node=nproc,
-            device=device,
-            connection_file=work / "pool.json",
-            log_file=work / ("job.log" if slurm is not None else "torchrun.log"),
-            gpus=gpus,
-            nnodes=nnodes,
-            rdzv_endpoint=rdzv_endpoint,
-            threads_per_rank=threads_per_rank,
-            loopback=bind_ip.startswith("127."),
-            extra_env=dict(extra_env or {}),
-            slurm=slurm,
-        )
+        spec = launch_spec(nproc, device, work, gpus=gpus, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                           threads_per_rank=threads_per_rank, bind_ip=bind_ip, extra_env=extra_env, slurm=slurm)
         pool = cls(spec, bind_ip, timeout, cell_timeout, grace_s=grace, owns_workdir=owns, standby_on=standby_on)
         pool.standby_choice = standby_choice
         # a standby kept by %mnb stop in this kernel: adopted when its settings match and standby

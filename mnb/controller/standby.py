@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import queue
 import shutil
@@ -39,6 +40,8 @@ from mnb.controller.transport import Transport
 from mnb.errors import PoolError
 from mnb.protocol import ConnectionInfo, Message, new_key
 from mnb.units import GIB
+
+log = logging.getLogger(__name__)
 
 STANDBY_ENV = "MNB_STANDBY"
 """Set to 1 in a standby generation's environment (``mnb.worker.main.STANDBY_ENV``)."""
@@ -245,15 +248,55 @@ def park(standby: "Standby | None") -> None:
         previous.close()
 
 
+PARK_WAIT_S = 15.0
+"""How long ``unpark`` waits for a standby still being set up by ``park_when_made`` (nvidia-smi's 10 s + margin)."""
+_pending: "threading.Thread | None" = None
+
+
+def park_when_made(make: Callable[[], "Standby | None"]) -> None:
+    """Run ``make`` in a background thread and park the standby it returns (``%load_ext mnb``).
+
+    ``make`` may take a moment (it asks nvidia-smi what the machine has); ``unpark`` and the
+    exit hook wait for it, so its standby is either handed over or closed, never lost.
+    """
+    global _pending
+
+    def run() -> None:
+        try:
+            standby = make()
+        except Exception as exc:  # the first %mnb start launches cold instead; say why in the log
+            log.warning("no standby at load: %s: %s", type(exc).__name__, exc)
+            return
+        if standby is not None:
+            park(standby)
+
+    _pending = threading.Thread(target=run, name="mnb-standby-at-load", daemon=True)
+    _pending.start()
+
+
+def _wait_pending() -> None:
+    pending = _pending
+    if pending is not None and pending is not threading.current_thread():
+        pending.join(PARK_WAIT_S)
+
+
 def unpark() -> "Standby | None":
     """The parked standby, now the caller's (None when there is none)."""
     global _parked
+    _wait_pending()
     standby, _parked = _parked, None
     return standby
 
 
+def parked_status() -> "dict[str, Any] | None":
+    """The parked standby's :meth:`Standby.status` (``%mnb status`` without a pool), None when none."""
+    standby = _parked
+    return standby.status() if standby is not None else None
+
+
 @atexit.register
 def _close_all() -> None:
+    _wait_pending()
     for standby in list(_LIVE):
         try:
             standby.close()

@@ -19,8 +19,10 @@ shape the costly ones are memory-bound passes over large tensors:
 ``fusions="auto"`` (the default of ``mnb.gpt``) turns these on for CUDA ranks
 with Triton, and off on CPU ranks (where ``torch.compile`` would need a C++
 toolchain and minutes of compiling, and the parity tests want Megatron's own
-unfused arithmetic).  The first fused ``mnb.gpt`` in a rank process compiles the
-kernels (:func:`warm_up`, seconds); later models and layouts reuse them.
+unfused arithmetic).  The first fused ``mnb.gpt`` in a rank process starts compiling the
+kernels in a background thread (:func:`warm_up`, seconds) and its first training steps run
+the same arithmetic eagerly until they are ready (:mod:`mnb.megatron.background_compile`);
+later models and layouts reuse them.
 """
 
 from __future__ import annotations
@@ -43,8 +45,16 @@ _warm_lock = threading.Lock()
 """One warm-up at a time: the pool's background compile and a model's own (mnb.worker.main)."""
 
 
+run_eager: "Callable[[], bool] | None" = None
+"""Set by :mod:`mnb.megatron.background_compile` while a model's kernels compile in a background
+thread: whether the fused ops run their eager (unfused, same arithmetic) version right now."""
+calls = {"compiled": 0, "eager": 0}
+"""How many fused-op calls ran compiled and how many eagerly (tests and diagnostics)."""
+
+
 def _compile_by_default(t: torch.Tensor) -> bool:
-    return t.is_cuda or COMPILE_ON_CPU
+    eager = run_eager
+    return (t.is_cuda or COMPILE_ON_CPU) and not (eager is not None and eager())
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,6 +64,7 @@ def _compiled(fn, dynamic: bool | None):
 
 def _kernel(fn, compiled: bool, *, dynamic: bool | None = True):
     """``fn`` itself, or its compiled version (one per function and process)."""
+    calls["compiled" if compiled else "eager"] += 1
     return _compiled(fn, dynamic) if compiled else fn
 
 
@@ -107,11 +118,21 @@ _warm: set = set()
 """What this process compiled: ("swiglu", width, dtype), ("loss", width, dtype), ("rope", layout, dtype)."""
 
 
-def _warm_up(device: torch.device, dtype: torch.dtype, swiglu_widths, vocab_widths, rope_layouts,
-             announce: bool) -> None:
-    todo = ([("swiglu", w, dtype) for w in dict.fromkeys(swiglu_widths)]
+def warm_keys(dtype: torch.dtype = torch.bfloat16, *, swiglu_widths=(), vocab_widths=(), rope_layouts=()) -> list:
+    """What :func:`warm_up` with these arguments compiles, as keys of :func:`is_warm`."""
+    return ([("swiglu", w, dtype) for w in dict.fromkeys(swiglu_widths)]
             + [("loss", v, dtype) for v in dict.fromkeys(vocab_widths)]
             + [("rope", tuple(layout), dtype) for layout in dict.fromkeys(map(tuple, rope_layouts))])
+
+
+def is_warm(keys) -> bool:
+    """Whether every kernel ``keys`` names was compiled in this process (by any thread)."""
+    return all(key in _warm for key in keys)
+
+
+def _warm_up(device: torch.device, dtype: torch.dtype, swiglu_widths, vocab_widths, rope_layouts,
+             announce: bool) -> None:
+    todo = warm_keys(dtype, swiglu_widths=swiglu_widths, vocab_widths=vocab_widths, rope_layouts=rope_layouts)
     todo = [key for key in todo if key not in _warm]
     if not todo:
         return
@@ -130,10 +151,10 @@ def _warm_up(device: torch.device, dtype: torch.dtype, swiglu_widths, vocab_widt
     for seq, batch, groups in ((11, 2, 3), (13, 1, 3), (17, 1, 1)):
         for kind, size, _ in todo:
             if kind == "swiglu":
-                swiglu(randn(seq, batch, size)).float().sum().backward()
+                swiglu(randn(seq, batch, size), compiled=True).float().sum().backward()
             elif kind == "loss":
                 labels = torch.randint(0, size, (batch, seq), device=device, generator=rng)
-                language_model_loss(labels, randn(seq, batch, size), None).sum().backward()
+                language_model_loss(labels, randn(seq, batch, size), None, compiled=True).sum().backward()
             else:  # SelfAttention: fc output [s, b, ng * (np/ng + 2) * hn] -> view -> split; query reshaped.
                 head, per_group = size
                 mixed = randn(seq, batch, groups * (per_group + 2) * head)
@@ -141,7 +162,7 @@ def _warm_up(device: torch.device, dtype: torch.dtype, swiglu_widths, vocab_widt
                     [per_group * head, head, head], dim=3)
                 query = query.reshape(seq, batch, -1, head)
                 freqs = torch.randn(seq, 1, 1, head, device=device, generator=rng)
-                rotated = fused_rope(query, freqs), fused_rope(key, freqs)
+                rotated = fused_rope(query, freqs, compiled=True), fused_rope(key, freqs, compiled=True)
                 sum(r.float().sum() for r in rotated).backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -297,13 +318,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     return loss.view(target.shape)
 
 
-def language_model_loss(labels: torch.Tensor, logits: torch.Tensor, tp_group) -> torch.Tensor:
+def language_model_loss(labels: torch.Tensor, logits: torch.Tensor, tp_group, *,
+                        compiled: bool | None = None) -> torch.Tensor:
     """``GPTModel.compute_language_model_loss`` with :func:`vocab_parallel_cross_entropy`.
 
     labels ``[b, s]``, logits ``[s, b, vocab/tp]``; returns ``[b, s]``, as Megatron's.
     """
     labels = labels.transpose(0, 1).contiguous()
-    loss = vocab_parallel_cross_entropy(logits, labels, tp_group)
+    loss = vocab_parallel_cross_entropy(logits, labels, tp_group, compiled=compiled)
     return loss.transpose(0, 1).contiguous()
 
 

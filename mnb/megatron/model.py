@@ -354,10 +354,16 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
     if init == "layout_invariant":
         init_layout_invariant(chunks, tconfig, seed)
     if fused:
-        # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own)
+        # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own), compiled in
+        # the background: the first steps run the same arithmetic unfused meanwhile (background_compile)
+        from mnb.megatron import background_compile
         from mnb.megatron.spec import uses_fused_swiglu
 
-        _fusions.warm_up(device, **fused_shapes(cfg, _fusions.tp_ceiling(), swiglu=uses_fused_swiglu(chunks)))
+        shapes = fused_shapes(cfg, _fusions.tp_ceiling(), swiglu=uses_fused_swiglu(chunks))
+        if background_compile.start(device, shapes) is not None and torch.distributed.get_rank() == 0:
+            print("mnb: compiling the fused loss, RoPE and SwiGLU kernels in the background; the first "
+                  "training steps run unfused until they are ready (mnb.gpt(..., fusions=False) skips them)",
+                  flush=True)
     global _last_model
     model = MegatronModel(
         chunks=chunks,

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from mnb.config import TrainConfig
-from mnb.megatron import events, interrupts, schedule
+from mnb.megatron import background_compile, events, interrupts, schedule
 from mnb.megatron import layout as _layout
 from mnb.megatron.batches import BatchPlan, microbatch_iterators
 from mnb.megatron.memory import ComponentMeter, MemoryMeter
@@ -204,14 +204,17 @@ def _holds_loss() -> bool:
     return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
 
 
-def _global_loss(losses_reduced: list[dict], device, interrupted: bool = False, own=None) -> tuple[float, bool]:
+def _global_loss(losses_reduced: list[dict], device, interrupted: bool = False, own=None,
+                 switch: background_compile.Steps | None = None) -> tuple[float, bool]:
     """Average per-token loss over the global batch, and whether any rank was interrupted.
 
     Both are identical on every rank: the interrupt flag rides along in the
-    loss's all-reduce, so every rank stops after the same step.  With your own
-    loss function (``own``), the average of what it reported (record.loss_sum_and_count).
+    loss's all-reduce, so every rank stops after the same step; so does each rank's
+    readiness of the fused kernels (``switch``: the next step runs them once every rank
+    has them).  With your own loss function (``own``), the average of what it reported
+    (record.loss_sum_and_count).
     """
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
     if _holds_loss() and own is not None:
         from mnb.megatron.record import loss_sum_and_count
 
@@ -220,7 +223,10 @@ def _global_loss(losses_reduced: list[dict], device, interrupted: bool = False, 
         for item in losses_reduced:
             totals[:2] += item["lm loss"].to(device=device, dtype=torch.float64)
     totals[2] = float(interrupted)
+    totals[3] = switch.readiness() if switch is not None else 0.0
     torch.distributed.all_reduce(totals)
+    if switch is not None:
+        switch.decide(float(totals[3]))
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
     return loss, bool(totals[2] > 0)
 
@@ -311,17 +317,19 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
     # 10 steps and two of 5 read the same samples.
     dataset = (plan.dataset(tc, model, steps=max(tc.steps, tc.schedule_steps - model.steps_done))
                if own is None else None)
-    if _agree_to_stop(flag, device):
-        raise KeyboardInterrupt(f"mnb.train stopped before its first step on every rank "
-                                f"(steps_done={model.steps_done}); nothing was trained")
-    config.timers = recorder
-    try:
-        with time_token_dispatch(model.chunks, recorder):
-            step_rows, timeline, stopped = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter,
-                                                      device, flag, own, session)
-    finally:
-        config.timers = None
-        components.end_run()
+    switch = background_compile.Steps(fused=model.fusions)
+    with switch:
+        if _agree_to_stop(flag, device, switch):
+            raise KeyboardInterrupt(f"mnb.train stopped before its first step on every rank "
+                                    f"(steps_done={model.steps_done}); nothing was trained")
+        config.timers = recorder
+        try:
+            with time_token_dispatch(model.chunks, recorder):
+                step_rows, timeline, stopped = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter,
+                                                          device, flag, own, session, switch)
+        finally:
+            config.timers = None
+            components.end_run()
     components.count_static(model, _sub_optimizers(model.optimizer))  # Adam's moments exist now
     record = build_record(
         model=model, train=tc, device=device, num_microbatches=num_microbatches,
@@ -338,14 +346,19 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
     return TrainResult(record)  # the same dict, shown as one line (mnb.results)
 
 
-def _agree_to_stop(flag: interrupts.InterruptFlag, device) -> bool:
-    """Whether any rank was interrupted during set-up: one all-reduce, so all ranks answer alike."""
-    raised = torch.tensor([float(flag.requested)], dtype=torch.float64, device=device)
+def _agree_to_stop(flag: interrupts.InterruptFlag, device, switch: background_compile.Steps) -> bool:
+    """Whether any rank was interrupted during set-up: one all-reduce, so all ranks answer alike.
+
+    It also decides whether the first step runs the compiled fused kernels (every rank has them).
+    """
+    raised = torch.tensor([float(flag.requested), switch.readiness()], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(raised)
-    return bool(raised.item() > 0)
+    switch.decide(float(raised[1]))
+    return bool(raised[0].item() > 0)
 
 
-def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, flag, own=None, session=None):
+def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, flag, own=None, session=None,
+               switch=None):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -362,6 +375,7 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
         meter.begin_step()
         recorder.begin_step(step)
         t0 = time.perf_counter()
+        compiled = switch is None or switch.compiled  # decided at the last boundary, the same on every rank
         try:
             for wrapped in model.wrapped:
                 wrapped.zero_grad_buffer()
@@ -381,7 +395,7 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
             with recorder.span("optimizer"):
                 _, grad_norm, _ = model.optimizer.step()
             scheduler.step(increment=1)
-            loss, stop = _global_loss(losses, device, flag.requested, own)
+            loss, stop = _global_loss(losses, device, flag.requested, own, switch)
         except torch.OutOfMemoryError as err:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -398,6 +412,8 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
             "tokens_per_s": tokens_per_step / step_time if step_time > 0 else None,
             **meter.end_step(),
         }
+        if model.fusions:
+            row["compiling"] = not compiled  # ran the fused ops unfused while their kernels compiled
         if tc.eval_due(i + 1):
             stop = _evaluate_now(model, tc, flag, row) or stop
         step_rows.append(row)

@@ -138,3 +138,40 @@ def test_what_auto_chooses():
         standbys.choose("on", "cpu", 2, several_hosts=True)
     with pytest.raises(ValueError, match="use one of off, on, auto"):
         standbys.choose("maybe", "cpu", 2, several_hosts=False)
+
+
+def test_load_ext_begins_a_standby_that_the_first_start_adopts(monkeypatch, capsys):
+    """``%load_ext mnb`` (GPU machines; ``MNB_STANDBY_AT_LOAD=1`` forces it here) launches the standby
+    that a bare first ``%mnb start`` adopts; ``0`` starts none; a typo is refused."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from mnb.controller import load_standby
+
+    ip = InteractiveShell.instance()
+    monkeypatch.setenv("MNB_STANDBY_AT_LOAD", "0")
+    ip.run_line_magic("reload_ext", "mnb")  # load_ipython_extension again, whatever loaded it before
+    assert standbys.unpark() is None and "standby" not in capsys.readouterr().out
+    monkeypatch.setenv("MNB_STANDBY_AT_LOAD", "sometimes")
+    with pytest.raises(ValueError, match="MNB_STANDBY_AT_LOAD='sometimes': use auto"):
+        load_standby.wanted()
+    monkeypatch.setenv("MNB_STANDBY_AT_LOAD", "1")
+    ip.run_line_magic("reload_ext", "mnb")
+    assert "mnb: launching standby ranks for the first %mnb start (MNB_STANDBY_AT_LOAD=0" in capsys.readouterr().out
+    deadline = time.monotonic() + 180
+    while (status := standbys.parked_status()) is None or status["state"] == "launching":
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+    assert status["state"] == "waiting for go" and len(status["pids"]) == 2
+    ip.run_line_magic("mnb", "status")
+    assert "no pool; start one with %mnb start (it adopts the standby: waiting for go" in capsys.readouterr().out
+    ip.run_line_magic("mnb", "start --standby on")  # the defaults on this CPU machine: 2 CPU ranks
+    pool = registry.current_pool()
+    try:
+        assert "2 ranks ready in" in capsys.readouterr().out and pool.start_note == "adopted the standby"
+        assert rank_pids(pool) == status["pids"] and pool.run("rank * 2") == {0: 0, 1: 2}
+    finally:
+        ip.run_line_magic("mnb", "stop")
+        parked = standbys.unpark()  # the pool's own next standby, kept by the stop
+        if parked is not None:
+            parked.close()
+    assert wait_gone(status["pids"], 5) == []

@@ -342,44 +342,66 @@ def fusions_vs_megatron() -> dict:
 
 
 def fused_first_steps() -> dict:
-    """The compiled path end to end (Inductor's CPU backend): warm-up covers the real steps.
+    """The compiled path end to end (Inductor's CPU backend): the first steps run unfused while the
+    kernels compile in the background, then switch at a step boundary; the warm-up covers the real steps.
 
-    Dynamo's frame counter must not move after ``mnb.gpt`` (whose warm-up compiles
-    every fused kernel) through a micro-batch-1 step and a micro-batch-2 step.
+    The compile is held back (its lock) until step 2's progress event, which releases it and waits
+    for it: the readiness at the end of step 2 is still "no" (decided before the event), so steps 1-3
+    run unfused and 4-6 fused, whatever the machine's speed.  After that Dynamo's frame counter must
+    not move through micro-batch-1 and micro-batch-2 steps.  Losses against the unfused model.
     """
     import torch._dynamo.utils as dynamo_utils
 
     from mnb.config import ParallelConfig
-    from mnb.megatron import fusions
+    from mnb.megatron import background_compile, events, fusions
     from mnb.megatron.layout import apply_layout
     from mnb.megatron.model import gpt
     from mnb.megatron.train import train
 
     fusions.COMPILE_ON_CPU = True
     apply_layout(ParallelConfig())
+    fusions._warm_lock.acquire()  # the background compile waits until step 2 is done
     model = gpt("tiny")
-    frames = {"after_gpt": dynamo_utils.counters["frames"]["total"]}
-    losses = {}
-    for mbs in (1, 2):
-        record = train(model, steps=1, micro_batch_size=mbs, global_batch_size=2, bf16=True)
-        frames[f"after_mbs{mbs}"] = dynamo_utils.counters["frames"]["total"]
-        losses[f"fused_mbs{mbs}"] = _losses(record)[0]
+    pending = background_compile.pending()
+    seen = {}
+
+    def release_after_step_2(kind, payload):
+        if kind == "progress" and payload["step"] == 2:
+            fusions._warm_lock.release()
+            seen["ready"] = pending.wait(600)
+            seen["calls"] = dict(fusions.calls)
+            seen["frames"] = dynamo_utils.counters["frames"]["total"]
+
+    events.set_sink(release_after_step_2)
+    try:
+        switched = train(model, steps=6, micro_batch_size=1, global_batch_size=2, bf16=True)
+    finally:
+        events.set_sink(None)
+    from mnb.runs import as_run
+
+    frames = {"after_compile": seen["frames"], "after_switch": dynamo_utils.counters["frames"]["total"]}
+    calls = {k: fusions.calls[k] - seen["calls"][k] for k in fusions.calls}  # steps 3-6, the main thread only
+    losses = {"switched": _losses(switched)}
+    record = train(model, steps=1, micro_batch_size=2, global_batch_size=2, bf16=True)
+    frames["after_mbs2"] = dynamo_utils.counters["frames"]["total"]
+    losses["fused_mbs2"] = _losses(record)[0]
     fusions.COMPILE_ON_CPU = False
     apply_layout(ParallelConfig(tp=1))
     plain = gpt("tiny", fusions=False)
-    for mbs in (1, 2):
-        losses[f"plain_mbs{mbs}"] = _losses(train(plain, steps=1, micro_batch_size=mbs,
-                                                  global_batch_size=2, bf16=True))[0]
+    losses["plain"] = _losses(train(plain, steps=6, micro_batch_size=1, global_batch_size=2, bf16=True))
+    losses["plain_mbs2"] = _losses(train(plain, steps=1, micro_batch_size=2, global_batch_size=2, bf16=True))[0]
     return {"frames": frames, "losses": losses, "fused_class": type(model.chunks[0]).__name__,
-            "rope_fusion": model.transformer_config.apply_rope_fusion}
+            "rope_fusion": model.transformer_config.apply_rope_fusion, "ready": seen["ready"], "calls": calls,
+            "compiling": [row["compiling"] for row in switched["steps"]],
+            "summary": str(as_run([dict(switched)]).summary())}
 
 
 def fused_relayout() -> dict:
-    """Compiled path on 2 CPU ranks: a tp1 model, then tp2; nothing compiles after the first gpt."""
+    """Compiled path on 2 CPU ranks: a tp1 model, then tp2; nothing compiles after the first gpt's warm-up."""
     import torch._dynamo.utils as dynamo_utils
 
     from mnb.config import ParallelConfig
-    from mnb.megatron import fusions
+    from mnb.megatron import background_compile, fusions
     from mnb.megatron.layout import apply_layout
     from mnb.megatron.model import gpt
     from mnb.megatron.train import train
@@ -389,6 +411,8 @@ def fused_relayout() -> dict:
     for name, layout in (("tp1", ParallelConfig()), ("tp2", ParallelConfig(tp=2))):
         apply_layout(layout)
         model = gpt("tiny")
+        if background_compile.pending() is not None:  # the first gpt compiles in the background
+            background_compile.pending().wait()
         frames[f"{name}_after_gpt"] = dynamo_utils.counters["frames"]["total"]
         losses[name] = _losses(train(model, steps=1, micro_batch_size=1, global_batch_size=2, bf16=True))[0]
         frames[f"{name}_after_step"] = dynamo_utils.counters["frames"]["total"]
