@@ -59,7 +59,23 @@ def _compile_by_default(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn, dynamic: bool | None):
+    _inline_while_another_thread_traces()
     return torch.compile(fn, dynamic=dynamic)
+
+
+def _inline_while_another_thread_traces() -> None:
+    """A compiled kernel called while another thread compiles runs eagerly instead of raising.
+
+    Why: FX's "am I tracing" flag is one process-wide global, not per thread.  While the
+    background compile (or the pool's preset warm-up) traces a graph, a compiled kernel called
+    on the training thread saw the flag and Dynamo raised "Detected that you are using FX to
+    symbolically trace a dynamo-optimized function" (the first llama-1b ``mnb.train`` on a
+    fresh H200, BENCHMARKS.md).  With ``error_on_nested_fx_trace`` off, Dynamo runs the
+    function itself for that call: the eager version of the same arithmetic.
+    """
+    config = torch._dynamo.config
+    if getattr(config, "error_on_nested_fx_trace", None):
+        config.error_on_nested_fx_trace = False
 
 
 def _kernel(fn, compiled: bool, *, dynamic: bool | None = True):

@@ -114,6 +114,24 @@ def test_swiglu_widths_cover_the_tp_sizes():
     assert swiglu_widths(100, 8) == (200, 100, 50)  # tp 8 does not divide the ffn
 
 
+
+def test_a_compiled_kernel_called_while_another_thread_traces_runs_eagerly():
+    """FX's "tracing now" flag is process-wide: a background compile's trace set it for the
+    training thread too, and Dynamo raised there (the first llama-1b step on a fresh H200)."""
+    import torch
+    import torch.fx._symbolic_trace as fx_trace
+
+    from mnb.megatron import fusions
+
+    y = torch.randn(4, 8)
+    kernel = fusions._kernel(fusions._swiglu, compiled=True)
+    fx_trace._is_fx_tracing_flag = True  # what another thread's make_fx/symbolic_trace sets
+    try:
+        out = kernel(y)
+    finally:
+        fx_trace._is_fx_tracing_flag = False
+    assert torch.equal(out, fusions._swiglu(y))
+
 @NEEDS_COMPILER
 def test_compiled_pieces_match_eager(tmp_path, monkeypatch):
     """The torch.compile'd kernels (the GPU path) compute what the eager pieces do.
