@@ -24,10 +24,16 @@ class Outcome:
     ename: str = ""
     evalue: str = ""
     traceback: str = ""
+    exception: BaseException | None = None
+    """The failure itself, only with ``run_cell(keep_failure=True)``: its frames are kept for ``%mnb debug``."""
 
 
-def run_cell(code: str, namespace: dict[str, Any]) -> Outcome:
-    """Execute ``code``; never raises (errors come back as an Outcome)."""
+def run_cell(code: str, namespace: dict[str, Any], keep_failure: bool = False) -> Outcome:
+    """Execute ``code``; never raises (errors come back as an Outcome).
+
+    ``keep_failure``: a failure keeps its frames (``Outcome.exception``) for a post-mortem
+    (``%mnb debug``); the caller releases them (:func:`release_frames`) before the next cell.
+    """
     global _cell_counter
     _cell_counter += 1
     filename = f"<cell-{_cell_counter}>"
@@ -44,7 +50,10 @@ def run_cell(code: str, namespace: dict[str, Any]) -> Outcome:
         return Outcome(ok=True, value=value)
     except BaseException as exc:  # the rank reports every failure, KeyboardInterrupt included
         outcome = describe_exception(exc)
-        release_frames(exc)
+        if keep_failure:
+            outcome.exception = exc
+        else:
+            release_frames(exc)
         return outcome
 
 
@@ -53,8 +62,8 @@ def release_frames(exc: BaseException) -> None:
 
     A failed training step's frames hold its activations, the model and its optimizer; any
     library that keeps the exception (a logger, a retry helper) would keep all of that alive
-    through the next cell.  The traceback text is already taken; nothing on the rank reads
-    these frames again.  (The 137 GiB an H200 kept after an out-of-memory error had another
+    through the next cell.  The traceback text is already taken; only ``%mnb debug`` reads
+    these frames again, until the rank's next cell (``mnb.worker.main`` releases them then).  (The 137 GiB an H200 kept after an out-of-memory error had another
     cause, fixed in ``mnb.megatron.memory``: this alone did not release it.)
     """
     seen: set[int] = set()
