@@ -1,7 +1,8 @@
 """Run a cell's code in the rank's persistent namespace.
 
 The cell is parsed like IPython does it: if its last statement is an
-expression, that expression's value is the cell's result.  The source is
+expression, that expression's value is the cell's result (assigned to a
+private name inside the same code object, so a debugger steps onto it).  The source is
 registered with ``linecache`` under a per-cell file name so tracebacks and
 stack dumps show the cell's own lines.
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _cell_counter = 0
+_RESULT = "_mnb_cell_value_"
+"""The name the cell's last expression is assigned to while the cell runs (then removed)."""
 
 
 @dataclass
@@ -40,11 +43,17 @@ def run_cell(code: str, namespace: dict[str, Any], keep_failure: bool = False) -
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
         tree = ast.parse(code, filename=filename)
-        last_expr = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last_expr = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, filename, "exec"), namespace)
-        value = eval(compile(last_expr, filename, "eval"), namespace) if last_expr else None
+        has_value = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
+        if has_value:  # one code object: pdb's `n` steps from a breakpoint() onto the last line as written
+            last = tree.body[-1]
+            tree.body[-1] = ast.copy_location(
+                ast.Assign(targets=[ast.Name(id=_RESULT, ctx=ast.Store())], value=last.value), last)
+            ast.fix_missing_locations(tree)
+        namespace.pop(_RESULT, None)
+        try:
+            exec(compile(tree, filename, "exec"), namespace)
+        finally:
+            value = namespace.pop(_RESULT, None)
         if code.rstrip().endswith(";"):  # IPython's convention: a trailing ';' hides the result
             value = None
         return Outcome(ok=True, value=value)

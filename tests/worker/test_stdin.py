@@ -67,7 +67,8 @@ def test_breakpoint_on_rank_1_only_with_debug_ranks_p_n_c(kernel):
     assert not result.errors, traceback_text(result)
     assert result.prompts == [(f"{R1} (Pdb) ", False)] * 4  # rank 0 skipped its breakpoint
     assert f"{R1} (11, 1)" in result.text and f"{R1} 12" in result.text, result.text
-    assert f"{R1} -> y = x + 1" in result.text  # where it stopped, the cell's own line
+    assert f"{R1} -> y = x + 1" in result.text  # where it stopped, the cell's own lines; `n` onto the last one
+    assert f"{R1} -> print('after', rank, y)" in result.text
     assert f"{R0} after 0 11" in result.text and f"{R1} after 1 12" in result.text
 
 
