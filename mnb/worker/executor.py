@@ -83,13 +83,38 @@ def release_frames(exc: BaseException) -> None:
 
 
 def describe_exception(exc: BaseException) -> Outcome:
-    """Plain-data description of an exception, mnb's own frames removed."""
+    """Plain-data description of an exception, mnb's own frames removed.
+
+    A debugger's own ending (pdb's ``q``: ``BdbQuit``; no stdin: ``NoStdinError``) is shown
+    without pdb's, bdb's and mnb's stdin frames: what is left is where the cell stood.
+    """
     tb = exc.__traceback__
     # Drop the frames of this module so the traceback starts in the cell.
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    hidden = _debugger_files() if type(exc).__name__ in ("BdbQuit", "NoStdinError") else ()
+    if hidden:
+        frames = [f for f in traceback.extract_tb(tb) if f.filename not in hidden]
+        text = (("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))) if frames else ""
+                ) + "".join(traceback.format_exception_only(type(exc), exc))
+    else:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
     return Outcome(ok=False, ename=type(exc).__name__, evalue=str(exc), traceback=text)
+
+
+def _debugger_files() -> set[str]:
+    """The files of pdb, bdb, cmd and mnb's stdin forwarding (with the exec loop that runs a post-mortem)."""
+    import bdb
+    import cmd
+    import pdb
+    import sys
+
+    files = {bdb.__file__, cmd.__file__, pdb.__file__}
+    for name in ("mnb.worker.stdin", "mnb.worker.main"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            files.add(module.__file__)
+    return files
 
 
 def portable(value: Any) -> Any:

@@ -85,6 +85,7 @@ def test_two_ranks_at_one_breakpoint_are_served_in_rank_order_and_quit_ends_the_
     assert f"mnb: {R0} waits for input; rank(s) [1] keep running" in result.text
     assert result.error["ename"] == "CompositeRankError", result.error
     assert "1 of 2 ranks raised an exception" in result.error["evalue"] and "BdbQuit" in result.error["evalue"]
+    assert 'File "<cell-' in traceback_text(result) and "bdb.py" not in traceback_text(result)  # where it quit
     assert "after 0" in result.text and "after 1" not in result.text
     # Kernel -> Interrupt while the input box waits ends the cell like any interrupt
     stopped = kernel.execute("%%megatron --ranks 1\ninput('never answered: ')", answers=[None])
