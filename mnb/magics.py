@@ -10,6 +10,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb stop            stop every rank; no process is left behind
     %mnb restart         stop and start the same pool (same size, device and GPUs)
     %mnb stacks          each rank's current Python stack (where is it stuck?)
+    %mnb debug [RANK]    post-mortem pdb where a rank's last cell failed (default: the root cause)
     %mnb plot memory|timeline|mfu|loss plots of mnb.last_run, predicted beside measured
     %mnb run [--ranks R] [--timeout S] [--grace S] [--isolated] SCRIPT [ARGS...]   a torchrun script, unmodified
     %mnb plan --model PRESET|PATH --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K] [--calibrate]
@@ -20,7 +21,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
 Cell magic (``%%megatron?`` or ``%%megatron --help`` prints its flags)::
 
     %%megatron [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--sp/--no-sp]
-               [--ranks 0,2-3] [--timeout SECONDS] [--grace SECONDS]
+               [--ranks 0,2-3] [--timeout SECONDS] [--grace SECONDS] [--debug-ranks 0,2-3]
                [--profile [STEPS]] [--profile-ranks 0,2-3] [--memory] [-o DIR]
     model = mnb.gpt("tiny")
     print(rank, ps.get_tensor_model_parallel_rank())
@@ -119,7 +120,7 @@ def _non_negative_float(text: str) -> float:
 LAYOUT_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "sp")
 """The %%megatron flags that name a layout: a cell naming any of them runs under exactly that layout."""
 
-MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "plot", "plan", "run", "export", "profile")
+MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "debug", "plot", "plan", "run", "export", "profile")
 
 
 class _HelpFormatter(MagicHelpFormatter):
@@ -221,6 +222,18 @@ def stacks_parser() -> MagicArgumentParser:
                    "answers also while a cell runs.", ["%mnb stacks"])
 
 
+def debug_parser() -> MagicArgumentParser:
+    p = _parser("%mnb debug", "Post-mortem pdb on the frame where a rank's last cell failed, like IPython's "
+                "%debug; prompts and answers go through the notebook's stdin, labelled with the rank. A rank "
+                "keeps its failure until its next cell, and only while its process lives.", [
+                    "%mnb debug        # the root cause (first failure) of the last failed cell",
+                    "%mnb debug 1      # rank 1's last failure",
+                ])
+    p.add_argument("rank", nargs="?", type=int, default=None, metavar="RANK",
+                   help="the rank to debug (default: the root-cause rank of the last failed cell)")
+    return p
+
+
 def plot_parser() -> MagicArgumentParser:
     p = _parser("%mnb plot", "Plot mnb.last_run, predicted beside measured.", [
         "%mnb plot timeline      # measured 1F1B Gantt per stage, bubble vs (p-1)/(m+p-1)",
@@ -271,6 +284,9 @@ def megatron_parser() -> MagicArgumentParser:
     run.add_argument("--grace", type=_non_negative_float, default=None, metavar="SECONDS",
                      help="seconds the other ranks may take to finish after one rank failed "
                           f"(default: the pool's --grace, {DEFAULT_GRACE_S:g} s unless %%mnb start set it)")
+    run.add_argument("--debug-ranks", default=None, metavar="0,2-3",
+                     help="only these ranks stop at breakpoint() and pdb.set_trace(); the others skip them "
+                          "(default: every rank, served one after another in rank order)")
     profile_arguments(p)
     return p
 
@@ -394,7 +410,7 @@ def export_parser() -> MagicArgumentParser:
 
 SUBCOMMAND_PARSERS: dict[str, Callable[[], MagicArgumentParser]] = {
     "start": start_parser, "status": status_parser, "stop": stop_parser, "restart": restart_parser,
-    "stacks": stacks_parser, "plot": plot_parser, "plan": plan_parser, "run": run_parser,
+    "stacks": stacks_parser, "debug": debug_parser, "plot": plot_parser, "plan": plan_parser, "run": run_parser,
     "export": export_parser, "profile": profile_parser,
 }
 
@@ -576,6 +592,13 @@ class MegatronMagics(Magics):
         for rank, text in sorted(current_pool().stacks().items()):
             print(f"--- rank {rank} ---\n{text}")
 
+    def _cmd_debug(self, args: argparse.Namespace) -> None:
+        pool = current_pool()
+        if args.rank is not None and not 0 <= args.rank < pool.world_size:
+            raise UsageError(f"%mnb debug {args.rank}: no such rank in world size {pool.world_size}")
+        with pool_request("post-mortem"):
+            pool.debug(args.rank)
+
     def _cmd_profile(self, args: argparse.Namespace) -> None:
         run_profile_command(args, current_pool(required=False))
 
@@ -704,11 +727,15 @@ class MegatronMagics(Magics):
         if problems:
             raise UsageError("refused before running on the ranks:\n  " + "\n  ".join(problems))
         profile = profile_request(args, pool, parse_ranks)
+        debug_ranks = parse_ranks(args.debug_ranks) if args.debug_ranks else None
+        if debug_ranks is not None and max(debug_ranks) >= pool.world_size:
+            raise UsageError(f"--debug-ranks {args.debug_ranks}: rank {max(debug_ranks)} does not exist in world "
+                             f"size {pool.world_size}")
         since = time.time() - 1
         try:
             with pool_request("cell"):
                 pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace,
-                         kernel=_kernel(pool, cwd=False), profile=profile)
+                         kernel=_kernel(pool, cwd=False), profile=profile, debug_ranks=debug_ranks)
         finally:
             shown = take_profile(profile["dir"] if profile else None, pool, since)
         remember_settings(**cell_settings(cell))  # what %mnb export takes as "the last settings"

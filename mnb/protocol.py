@@ -32,6 +32,10 @@ controller -> rank
     interrupt  a real SIGINT to the running cell, from the I/O thread
     heartbeat  the controller is alive; ranks exit when these stop
     shutdown   leave the exec loop and exit
+    input_reply  the answer to an ``input_request`` (same id), from the I/O thread to the waiting
+               thread: value (the line typed, no newline), or error (``no-stdin``: the front-end
+               has no stdin; ``eof``: the user ended input; ``interrupt``: the cell is being
+               stopped) with text saying why
 
 rank -> controller (every header also has rank and identity)
     hello      world_size, local_rank, node_rank, pid, host, device, device_name, backend, coords,
@@ -45,6 +49,9 @@ rank -> controller (every header also has rank and identity)
                status: pid, device, rss_bytes, memory_bytes (memory_reserved_bytes on CUDA),
                layout, busy; stacks: stacks, busy; interrupt: interrupted, deferred
     heartbeat  the rank is alive (its state travels in status and stacks answers)
+    input_request  a cell on the rank called ``input()``/``getpass``/pdb: prompt, password, cell;
+               the controller asks the notebook's stdin (labelled with the rank) and sends an
+               ``input_reply`` with the same id
 """
 
 from __future__ import annotations
@@ -76,10 +83,10 @@ EXITS_DIR_ENV = "MNB_EXITS_DIR"
 records how failed ranks ended: the one other thing besides messages that crosses the sides."""
 
 CONTROLLER_TYPES = frozenset(
-    {"execute", "push", "pull", "status", "stacks", "interrupt", "heartbeat", "shutdown", "go"}
+    {"execute", "push", "pull", "status", "stacks", "interrupt", "heartbeat", "shutdown", "go", "input_reply"}
 )
 """``go`` releases a standby rank (imports done, waiting before CUDA and the process group) into its start."""
-RANK_TYPES = frozenset({"hello", "stream", "display", "event", "reply", "heartbeat", "standby"})
+RANK_TYPES = frozenset({"hello", "stream", "display", "event", "reply", "heartbeat", "standby", "input_request"})
 """``standby``: a standby rank's imports are done and it waits for ``go`` (its pid, versions)."""
 MESSAGE_TYPES = CONTROLLER_TYPES | RANK_TYPES
 

@@ -2,12 +2,16 @@
 
 Tests read what a notebook would show: the iopub stream text, each message's
 arrival time, and the error a cell ended with (its ``traceback`` is exactly
-what the notebook renders).
+what the notebook renders).  ``execute(code, answers=[...])`` sends the cell with
+``allow_stdin=True`` and answers each ``input_request`` on the stdin channel with the
+next answer, as JupyterLab's input box does (the prompts asked are in ``CellResult.prompts``);
+without ``answers`` the cell runs with ``allow_stdin=False``, as under nbclient.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +27,11 @@ class CellResult:
     """(wall-clock arrival time, text) of every stream message of the cell (ranks share the clock)."""
     started: float = 0.0
     ended: float = 0.0
+    prompts: list[tuple[str, bool]] = field(default_factory=list)
+    """(prompt, password) of each input_request the kernel sent, in order."""
+    answers: list[str | None] | None = None
+    """What is typed into the next input boxes (``allow_stdin=True``; an entry None: Kernel -> Interrupt
+    instead of an answer); None: no stdin."""
 
     @property
     def error(self) -> dict | None:
@@ -42,18 +51,43 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def send(self, code: str) -> str:
+    def send(self, code: str, answers: list[str | None] | None = None) -> str:
         # stop_on_error=False: a request sent right after an interrupted cell's error must
         # not be aborted by the kernel's "stop on error" window.
-        msg_id = self.client.execute(code, stop_on_error=False)
-        self._sent[msg_id] = CellResult(started=time.time())
+        msg_id = self.client.execute(code, stop_on_error=False, allow_stdin=answers is not None)
+        self._sent[msg_id] = CellResult(started=time.time(), answers=None if answers is None else list(answers))
         return msg_id
+
+    def _answer_stdin(self) -> None:
+        """Answer the kernel's input_request with the cell's next answer (Ctrl-D once they run out)."""
+        while self.client.stdin_channel.msg_ready():
+            msg = self.client.get_stdin_msg(timeout=1)
+            if msg["msg_type"] != "input_request":
+                continue
+            into = self._sent.get(msg["parent_header"].get("msg_id"))
+            if into is None:
+                continue
+            into.prompts.append((msg["content"]["prompt"], bool(msg["content"].get("password"))))
+            answer = into.answers.pop(0) if into.answers else "\x04"
+            if answer is None:  # Kernel -> Interrupt while the input box waits
+                self.interrupt()
+            else:
+                self.client.input(answer)
 
     def wait(self, msg_id: str, timeout: float = 300) -> CellResult:
         result = self._sent[msg_id]
         deadline = time.monotonic() + timeout
         while True:
-            msg = self.client.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+            if result.answers is not None:
+                self._answer_stdin()
+                try:
+                    msg = self.client.get_iopub_msg(timeout=0.05)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise
+                    continue
+            else:
+                msg = self.client.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
             parent = msg["parent_header"].get("msg_id")
             if parent not in self._sent:
                 continue
@@ -69,12 +103,12 @@ class Kernel:
                 if parent == msg_id:
                     return result
 
-    def execute(self, code: str, timeout: float = 300) -> CellResult:
-        return self.wait(self.send(code), timeout)
+    def execute(self, code: str, timeout: float = 300, answers: list[str | None] | None = None) -> CellResult:
+        return self.wait(self.send(code, answers), timeout)
 
-    def ok(self, code: str, timeout: float = 300) -> str:
+    def ok(self, code: str, timeout: float = 300, answers: list[str | None] | None = None) -> str:
         """Run a cell that must succeed; its printed text."""
-        result = self.execute(code, timeout)
+        result = self.execute(code, timeout, answers)
         assert not result.errors, (result.text, [e["traceback"] for e in result.errors])
         return result.text
 

@@ -49,7 +49,7 @@ def assert_full_help(text: str, parser: argparse.ArgumentParser) -> None:
 
 
 def test_every_command_has_parser_and_help():
-    assert set(SUBCOMMAND_PARSERS) == set(MNB_COMMANDS) == {"start", "status", "stop", "restart", "stacks", "plot",
+    assert set(SUBCOMMAND_PARSERS) == set(MNB_COMMANDS) == {"start", "status", "stop", "restart", "stacks", "debug", "plot",
                                                           "plan", "run", "export", "profile"}
 
 

@@ -31,7 +31,7 @@ FLAGS = {
     "%mnb start": ["--account", "--cell-timeout", "--device", "--gpus", "--gpus-per-node", "--grace", "--ip",
                    "--nnodes", "--nodes", "--partition", "--rdzv-endpoint", "--sbatch-arg", "--slurm", "--standby",
                    "--threads", "--time", "--timeout", "--timings", "--verbose", "-n"],
-    "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [],
+    "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [], "%mnb debug": [],
     "%mnb plot": ["loss", "memory", "mfu", "timeline"],
     "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
     "%mnb run": ["--grace", "--isolated", "--ranks", "--timeout"],
@@ -39,7 +39,7 @@ FLAGS = {
     "%mnb export": ["--cp", "--data", "--ep", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
                     "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
                     "megatron-lm", "slurm", "torchrun"],
-    "%%megatron": ["--cp", "--ep", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
+    "%%megatron": ["--cp", "--debug-ranks", "--ep", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
                    "--ranks", "--sp", "--timeout", "--tp", "--vpp", "-o"],
 }
 """Every magic's flags and positional choices (-h/--help aside): a contract, so any change is deliberate."""

@@ -14,6 +14,9 @@ its state or restarts ranks.  Every wait is bounded:
 - Jupyter's interrupt (KeyboardInterrupt in the kernel) is forwarded to the
   ranks as ``interrupt`` messages, and the output still queued for the cell
   is dropped and counted, never replayed into the next cell;
+- a rank's ``input()``/``getpass``/pdb prompt is answered with the notebook's stdin
+  (``stdin.py``), one rank at a time; the time the user takes pauses the timeout and the
+  grace period (the wait is the user's);
 - a request another thread cancelled (``Pool.stop``/``restart``: the latch's
   ``cancelled``) ends the wait at once: the ranks are about to be ended;
 - an event handler that raises (the live widget's drawing) is logged once per
@@ -37,6 +40,7 @@ from typing import Any, Callable
 
 from mnb.controller.guards import NO_LATCH, InterruptLatch
 from mnb.controller.output import GeneratedText, LineFolder, ProgressLine, show_bundle
+from mnb.controller.stdin import Ask, StdinServer, ask_kernel
 from mnb.protocol import Message
 from mnb.timeouts import ASK_TIMEOUT_S, DEFERRED_STOP_S, INTERRUPT_ACK_S, INTERRUPT_RELEASE_MAX_S, RELEASE_S
 
@@ -98,6 +102,7 @@ class Collector:
         any_dead: Callable[[], bool],
         event_handlers: list[EventHandler],
         on_stray: Callable[[Message], None],
+        ask: Ask = ask_kernel,
     ):
         self.transport = transport
         self.request_id = request_id
@@ -111,6 +116,7 @@ class Collector:
         self.outcome = Outcome()
         self.folder = LineFolder(targets, labels) if stream else None
         self.progress: ProgressLine | None = None
+        self.stdin = StdinServer(transport, request_id, labels, ask=ask)
         self.generated: GeneratedText | None = None
         self._muted = False  # after an interrupt: count the cell's output, show none
         self._failed_at: float | None = None
@@ -147,6 +153,18 @@ class Collector:
                     if self._unshown is not None and now - self._failed_at >= SHOW_FAILURE_AFTER_S:
                         self._show_first_failure()
                 self._step(0.05)
+                if self.stdin.next_rank() is not None:
+                    if self.folder:
+                        self.folder.flush()  # what the rank printed before it asked comes first
+                    began = time.monotonic()
+                    stop = self.stdin.serve()
+                    spent = time.monotonic() - began  # the user's time: not the cell's timeout or grace
+                    start += spent
+                    if self._failed_at is not None:
+                        self._failed_at += spent
+                    if stop:
+                        interrupted = True
+                        break
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + CHECK_INTERVAL_S
                     if self.any_dead():
@@ -171,6 +189,7 @@ class Collector:
 
     def _end(self, release_s: float, stacks_first: bool = True) -> Outcome:
         """Interrupt the pending ranks and wait ``release_s`` for them; record where they were."""
+        self.stdin.close("the cell is being stopped")
         pending = self._pending()
         if stacks_first and pending:
             self.outcome.stacks = _stack_texts(self.transport.ask("stacks", pending, ASK_TIMEOUT_S))
@@ -221,6 +240,7 @@ class Collector:
         return self._finish(where_for=pending)
 
     def _finish(self, where_for: list[int] | None = None) -> Outcome:
+        self.stdin.close(self.outcome.cancelled or "the cell has ended")
         if self.folder:
             self.folder.flush()
         for rank in (where_for if where_for is not None else self._pending()):  # as they were when stopped
@@ -262,8 +282,11 @@ class Collector:
                 self.on_stray(message)
                 return
             self.outcome.replies[rank] = message
+            self.stdin.finished(rank)
             if not message.get("ok") and self._failed_at is None:
                 self._on_first_failure(rank, message)
+        elif message.type == "input_request":  # another cell's is refused there: its rank must not hang
+            self.stdin.add(message)
         elif message.get("cell") not in (None, self.request_id):
             self.on_stray(message)
         elif message.type == "stream":

@@ -72,6 +72,8 @@ class Repair:
         """What the last start or restart did about a standby ("adopted the standby ...", "launched cold ...")."""
         self.restart_line = ""
         """The automatic restart's result, said once by the next request (``wait``)."""
+        self.replaced_why = ""
+        """Why the last generation was replaced (``%mnb debug`` says it when the frames it wants are gone)."""
 
     # ------------------------------------------------------------ in the caller's thread
     def launch(self) -> Generation:
@@ -79,6 +81,8 @@ class Repair:
         with self._lock:
             self.stopped, self.broken = False, None
             self._cancel.clear()
+            if self.generation is not None:
+                self.replaced_why = "the pool was restarted (%mnb restart)"
         self.adopt(self._build())
         self.prepare_standby()
         return self.generation
@@ -160,6 +164,7 @@ class Repair:
             if self._thread is not None and self._thread.is_alive():
                 return f"{why}; mnb is already restarting the ranks"
             several_hosts = self.spec.nnodes > 1
+            self.replaced_why = why
             if several_hosts:
                 self.broken = why
             else:

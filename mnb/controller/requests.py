@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -34,6 +35,15 @@ from mnb.values import ValueDecodeError, decode_values, encode_push
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class KeptFailure:
+    """The root cause of the last failed cell: its rank keeps the frames while ``generation`` lives."""
+
+    rank: int
+    what: str
+    generation: Any
+
+
 class Requests:
     """The request API; the pool (lifecycle, state, status) is :class:`mnb.controller.pool.Pool`."""
 
@@ -45,6 +55,7 @@ class Requests:
     last_cell_records: list[dict[str, Any]]
     ranks: dict[int, RankInfo]
     world_size: int
+    last_failure: "KeptFailure | None"
     _gate: RequestGate
     _repair: Repair
     _transport: Transport | None
@@ -64,6 +75,7 @@ class Requests:
         grace: float | None = None,
         kernel: dict[str, Any] | None = None,
         profile: dict[str, Any] | None = None,
+        debug_ranks: Iterable[int] | None = None,
     ) -> dict[int, Any]:
         """Run ``code`` on ``ranks`` (all by default); return {rank: value of the last expression}.
 
@@ -76,6 +88,10 @@ class Requests:
         ``show_result`` (as ``%%megatron`` does) so does the last expression.  ``kernel``: the
         notebook's environment changes for the ranks (``mnb.controller.kernel_context``).
         ``profile``: ``{"dir", "steps", "ranks"}`` to profile the cell (``mnb.megatron.profile``).
+        A rank's ``input()`` and pdb prompt are answered with the notebook's stdin
+        (``mnb.controller.stdin``); ``debug_ranks``: only these ranks stop at ``breakpoint()``
+        and ``pdb.set_trace()`` (default: every rank).  A failed rank keeps its frames for
+        :meth:`debug` until its next cell.
         """
         targets = self._targets(ranks)
         header: dict[str, Any] = {
@@ -85,6 +101,8 @@ class Requests:
             header["kernel"] = kernel
         if profile:
             header["profile"] = profile
+        if debug_ranks is not None:
+            header["debug_ranks"] = sorted(set(debug_ranks))
         if layout is not None:
             try:
                 resolved = layout.resolve(self.world_size)
@@ -103,8 +121,49 @@ class Requests:
                 self.layout = resolved
         outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
         errors, values = self._absorb(outcome)
+        self._keep_failure(targets, errors, died=outcome.died)
         self._raise_for(outcome, targets, errors)
         return values
+
+    def _keep_failure(self, targets: list[int], errors: list[RankError], died: bool = False) -> None:
+        """Remember the root-cause rank of a failed cell for ``%mnb debug`` (its rank keeps the frames).
+
+        A cell that ended in a death keeps the earlier record: ``debug`` then says the frames went
+        with the replaced processes, rather than that nothing failed."""
+        kept = self.last_failure
+        if kept is not None and kept.rank in targets and not died:  # that rank ran another cell
+            self.last_failure = None
+        if errors:
+            first = errors[0]
+            self.last_failure = KeptFailure(first.rank, f"{first.ename}: {first.evalue}", self._repair.generation)
+
+    @exclusive
+    def debug(self, rank: int | None = None) -> None:
+        """Post-mortem pdb on the frame where ``rank``'s last cell failed (what ``%mnb debug [RANK]`` does).
+
+        Default rank: the root cause (first failure) of the last failed cell.  The prompts and
+        answers go through the notebook's stdin (``mnb.controller.stdin``), as ``breakpoint()``'s
+        do.  A rank keeps its failure until its next cell, and only while its process lives: after a
+        restart this raises :class:`~mnb.errors.RequestRefused` saying why the frames are gone.
+        """
+        kept = self.last_failure
+        if rank is None and kept is None:
+            raise RequestRefused("no failed cell to debug: %mnb debug looks at the last cell that failed on "
+                                 "a rank (run one, or name a rank: %mnb debug 1)")
+        rank = kept.rank if rank is None else rank
+        targets = self._targets([rank])  # a restart under way is waited for: then the generation is the new one
+        if kept is not None and kept.generation is not self._repair.generation:
+            raise RequestRefused(
+                f"the frames of rank {kept.rank}'s {kept.what} are gone: its process was replaced since "
+                f"({self._repair.replaced_why or 'the pool restarted'}); run the failing cell again, then %mnb debug")
+        outcome = self._exchange("execute", targets, {"code": "", "post_mortem": True, "want_value": False},
+                                 timeout=None)
+        reply = outcome.replies.get(rank)
+        errors = [self._rank_error(rank, reply)] if reply is not None and not reply.get("ok") else []
+        self._raise_for(outcome, targets, errors)
+        if reply is not None and not reply.get("kept"):
+            raise RequestRefused(f"rank {rank} keeps no failed traceback: its last cell did not fail there "
+                                 "(a rank keeps one until its next cell)")
 
     @exclusive
     def run_script(
@@ -144,6 +203,7 @@ class Requests:
         for rank, reply in outcome.replies.items():  # label by the pool's coordinates, not the script's
             reply.header["coords"] = self.ranks[rank].coords
         errors, _ = self._absorb(outcome)
+        self._keep_failure(targets, [])  # a script's failure keeps no frames (mnb.worker.script)
         records = self.last_cell_records
         if not (outcome.died or outcome.unreleased or outcome.waiting):
             # Every rank is idle: rebuild the pool's layout (collectives) in a request of its own.
@@ -272,6 +332,9 @@ class Requests:
             return
         if message.type == "reply" and info.state == "busy" and message.id == info.request_id:
             info.state, info.request_id = "idle", None
+        elif message.type == "input_request" and self._transport is not None:  # its cell ended: do not hang
+            self._transport.send(message.get("rank"), Message("input_reply", id=message.id, header={
+                "error": "interrupt", "text": "the cell that asked has ended"}))
         elif message.type == "stream":
             self._stray_lines += message["text"].count("\n") or 1
 

@@ -4,7 +4,8 @@ ZeroMQ sockets are not thread-safe, and the main thread may be stuck inside
 user code or a collective for minutes.  So one daemon thread owns the DEALER
 socket and answers what must be answered even while a cell runs: heartbeats,
 ``status``, ``stacks`` and ``interrupt``.  Cells (``execute``/``push``/
-``pull``/``shutdown``) are handed to the main thread through a queue.
+``pull``/``shutdown``) are handed to the main thread through a queue; answers to a
+cell's ``input()`` (``input_reply``) through another, which the waiting cell reads.
 
 Sending.  Every thread appends to one ordered outbox (a deque under a lock)
 and, when the I/O thread must act, writes a byte to a pipe the thread polls.
@@ -100,6 +101,8 @@ class Channel:
         self._controller_started = info.controller_started if same_host else None
         self._connection_file = info.path if same_host else None
         self.inbox: "queue.Queue[Message]" = queue.Queue()
+        self.answers: "queue.Queue[Message]" = queue.Queue()
+        """``input_reply`` messages, for the thread that waits in ``input()`` (``mnb.worker.stdin``)."""
         self.busy = threading.Event()
         self.closing = threading.Event()
         self.received: collections.Counter[str] = collections.Counter()
@@ -299,6 +302,8 @@ class Channel:
             return
         if kind in MAIN_THREAD_TYPES:
             self.inbox.put(message)
+        elif kind == "input_reply":  # the main thread waits for it inside a cell, not in the exec loop
+            self.answers.put(message)
         elif kind == "interrupt":
             self.interrupt_main()
             # deferred: the main thread holds interrupts until a step boundary (mnb.train)

@@ -1,7 +1,8 @@
 """Run a cell's code in the rank's persistent namespace.
 
 The cell is parsed like IPython does it: if its last statement is an
-expression, that expression's value is the cell's result.  The source is
+expression, that expression's value is the cell's result (assigned to a
+private name inside the same code object, so a debugger steps onto it).  The source is
 registered with ``linecache`` under a per-cell file name so tracebacks and
 stack dumps show the cell's own lines.
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _cell_counter = 0
+_RESULT = "_mnb_cell_value_"
+"""The name the cell's last expression is assigned to while the cell runs (then removed)."""
 
 
 @dataclass
@@ -24,27 +27,42 @@ class Outcome:
     ename: str = ""
     evalue: str = ""
     traceback: str = ""
+    exception: BaseException | None = None
+    """The failure itself, only with ``run_cell(keep_failure=True)``: its frames are kept for ``%mnb debug``."""
 
 
-def run_cell(code: str, namespace: dict[str, Any]) -> Outcome:
-    """Execute ``code``; never raises (errors come back as an Outcome)."""
+def run_cell(code: str, namespace: dict[str, Any], keep_failure: bool = False) -> Outcome:
+    """Execute ``code``; never raises (errors come back as an Outcome).
+
+    ``keep_failure``: a failure keeps its frames (``Outcome.exception``) for a post-mortem
+    (``%mnb debug``); the caller releases them (:func:`release_frames`) before the next cell.
+    """
     global _cell_counter
     _cell_counter += 1
     filename = f"<cell-{_cell_counter}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
         tree = ast.parse(code, filename=filename)
-        last_expr = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last_expr = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, filename, "exec"), namespace)
-        value = eval(compile(last_expr, filename, "eval"), namespace) if last_expr else None
+        has_value = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
+        if has_value:  # one code object: pdb's `n` steps from a breakpoint() onto the last line as written
+            last = tree.body[-1]
+            tree.body[-1] = ast.copy_location(
+                ast.Assign(targets=[ast.Name(id=_RESULT, ctx=ast.Store())], value=last.value), last)
+            ast.fix_missing_locations(tree)
+        namespace.pop(_RESULT, None)
+        try:
+            exec(compile(tree, filename, "exec"), namespace)
+        finally:
+            value = namespace.pop(_RESULT, None)
         if code.rstrip().endswith(";"):  # IPython's convention: a trailing ';' hides the result
             value = None
         return Outcome(ok=True, value=value)
     except BaseException as exc:  # the rank reports every failure, KeyboardInterrupt included
         outcome = describe_exception(exc)
-        release_frames(exc)
+        if keep_failure:
+            outcome.exception = exc
+        else:
+            release_frames(exc)
         return outcome
 
 
@@ -53,8 +71,8 @@ def release_frames(exc: BaseException) -> None:
 
     A failed training step's frames hold its activations, the model and its optimizer; any
     library that keeps the exception (a logger, a retry helper) would keep all of that alive
-    through the next cell.  The traceback text is already taken; nothing on the rank reads
-    these frames again.  (The 137 GiB an H200 kept after an out-of-memory error had another
+    through the next cell.  The traceback text is already taken; only ``%mnb debug`` reads
+    these frames again, until the rank's next cell (``mnb.worker.main`` releases them then).  (The 137 GiB an H200 kept after an out-of-memory error had another
     cause, fixed in ``mnb.megatron.memory``: this alone did not release it.)
     """
     seen: set[int] = set()
@@ -65,13 +83,38 @@ def release_frames(exc: BaseException) -> None:
 
 
 def describe_exception(exc: BaseException) -> Outcome:
-    """Plain-data description of an exception, mnb's own frames removed."""
+    """Plain-data description of an exception, mnb's own frames removed.
+
+    A debugger's own ending (pdb's ``q``: ``BdbQuit``; no stdin: ``NoStdinError``) is shown
+    without pdb's, bdb's and mnb's stdin frames: what is left is where the cell stood.
+    """
     tb = exc.__traceback__
     # Drop the frames of this module so the traceback starts in the cell.
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    hidden = _debugger_files() if type(exc).__name__ in ("BdbQuit", "NoStdinError") else ()
+    if hidden:
+        frames = [f for f in traceback.extract_tb(tb) if f.filename not in hidden]
+        text = (("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))) if frames else ""
+                ) + "".join(traceback.format_exception_only(type(exc), exc))
+    else:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
     return Outcome(ok=False, ename=type(exc).__name__, evalue=str(exc), traceback=text)
+
+
+def _debugger_files() -> set[str]:
+    """The files of pdb, bdb, cmd and mnb's stdin forwarding (with the exec loop that runs a post-mortem)."""
+    import bdb
+    import cmd
+    import pdb
+    import sys
+
+    files = {bdb.__file__, cmd.__file__, pdb.__file__}
+    for name in ("mnb.worker.stdin", "mnb.worker.main"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            files.add(module.__file__)
+    return files
 
 
 def portable(value: Any) -> Any:

@@ -36,7 +36,8 @@ from mnb.worker import sandbox  # noqa: F401  (second: it records the rank's ori
 from mnb.protocol import ConnectionInfo, Message
 from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures
 from mnb.worker.channel import Channel
-from mnb.worker.executor import describe_exception, portable, run_cell
+from mnb.worker.executor import describe_exception, portable, release_frames, run_cell
+from mnb.worker import stdin
 
 log = logging.getLogger("mnb.worker")
 
@@ -133,6 +134,8 @@ class Rank:
         self.fd_capture = FdCapture(self.channel)
         self.profiles_root = Path(info.path).parent / "profiles" if info.path else None
         """Where ``mnb.train(profile=...)`` writes outside a ``--profile`` cell (the pool's folder)."""
+        self.last_failure: BaseException | None = None
+        """The last cell's failure with its frames, for ``%mnb debug``; released when the next cell starts."""
 
     # -------------------------------------------------------------- start
     def start(self) -> None:
@@ -321,13 +324,42 @@ class Rank:
                 self.channel.busy.clear()
 
     def _on_execute(self, message: Message) -> None:
-        from mnb.megatron import events, layout
-
         self.cell_id = message.id
         self.stdout.cell_id = self.stderr.cell_id = message.id
         self.display_here = self.rank in (message.get("display_ranks") or [])
         self.channel.busy.set()
         self.fd_capture.cell_id = message.id
+        if message.get("post_mortem"):  # %mnb debug: the kept failure stays for another look
+            self._post_mortem(message)
+            return
+        if self.last_failure is not None:  # the next cell: the failed one's frames (and tensors) go
+            release_frames(self.last_failure)
+            self.last_failure = None
+        with stdin.forwarded(self.channel, self.rank, message.id, message.get("debug_ranks")):
+            self._execute(message)
+
+    def _post_mortem(self, message: Message) -> None:
+        """pdb on the frame where this rank's last cell failed, through the notebook's stdin."""
+        from mnb.megatron import layout
+
+        failure, outcome = self.last_failure, None
+        if failure is not None:
+            print(f"post-mortem of {type(failure).__name__}: {failure}", flush=True)
+            with stdin.forwarded(self.channel, self.rank, message.id, None):
+                try:
+                    stdin.post_mortem(failure, skip_file=sys.modules[run_cell.__module__].__file__)
+                except BaseException as exc:  # no stdin, an interrupt: the request's error
+                    outcome = describe_exception(exc)
+        self.fd_capture.drain()
+        self.fd_capture.cell_id = None
+        self.channel.busy.clear()
+        error = {"ename": outcome.ename, "evalue": outcome.evalue, "traceback": outcome.traceback} if outcome else {}
+        self.channel.reply(message, payload={"value": None, "records": []}, ok=outcome is None,
+                           kept=failure is not None, coords=layout.coordinates(), layout=self.layout, **error)
+
+    def _execute(self, message: Message) -> None:
+        from mnb.megatron import events, layout
+
         outcome = None
         kernel = message.get("kernel") or {}  # the notebook's cwd and environment changes
         sandbox.apply_environ(kernel.get("environ") if not message.get("script") else None)
@@ -355,7 +387,8 @@ class Rank:
             # %%megatron --profile (message["profile"]); mnb.train(profile=...) writes into the cell's folder
             default_dir = self.profiles_root / f"cell-{message.id}" if self.profiles_root else None
             with profile.cell(message.get("profile"), self.rank, default_dir) as report:
-                outcome = run_cell(message["code"], self.namespace)
+                outcome = run_cell(message["code"], self.namespace, keep_failure=True)
+                self.last_failure = outcome.exception
                 if not outcome.ok:
                     report["error"] = f"{outcome.ename}: {outcome.evalue}"
         self.fd_capture.drain()
