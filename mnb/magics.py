@@ -570,8 +570,7 @@ class MegatronMagics(Magics):
               f"layout {pool.layout.describe()}")
 
     def _cmd_stacks(self, args: argparse.Namespace) -> None:
-        for rank, text in sorted(current_pool().stacks().items()):
-            print(f"--- rank {rank} ---\n{text}")
+        print(current_pool().stacks_report())
 
     def _cmd_profile(self, args: argparse.Namespace) -> None:
         run_profile_command(args, current_pool(required=False))
