@@ -9,7 +9,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb status          per rank: pid, state (idle/busy/restarting/dead), device, memory, layout; the standby
     %mnb stop            stop every rank; no process is left behind
     %mnb restart         stop and start the same pool (same size, device and GPUs)
-    %mnb stacks          each rank's current Python stack (where is it stuck?)
+    %mnb stacks          each rank's Python stack and the collective it waits in (where is it stuck?)
     %mnb plot memory|timeline|mfu|loss plots of mnb.last_run, predicted beside measured
     %mnb run [--ranks R] [--timeout S] [--grace S] [--isolated] SCRIPT [ARGS...]   a torchrun script, unmodified
     %mnb plan --model PRESET|PATH --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K] [--calibrate]
@@ -216,8 +216,9 @@ def restart_parser() -> MagicArgumentParser:
 
 
 def stacks_parser() -> MagicArgumentParser:
-    return _parser("%mnb stacks", "Print every rank's current Python stack (where is it stuck?); "
-                   "answers also while a cell runs.", ["%mnb stacks"])
+    return _parser("%mnb stacks", "Print every rank's current Python stack and the collective it waits in "
+                   "(operation, group, sequence number, tensor), then what the ranks' counts say "
+                   "(where is it stuck?); answers also while a cell runs.", ["%mnb stacks"])
 
 
 def plot_parser() -> MagicArgumentParser:

@@ -111,9 +111,9 @@ def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[st
     missing = high - low
     one = "one" if missing == 1 else str(missing)
     verb = "is" if len(behind) == 1 else "are"
-    at = f"at {op[behind[0]]} #{low}" if low else "at #0 (no call yet)"
-    return (f"{_who(behind)} {verb} {at} of {name}; {_who(ahead)} {'is' if len(ahead) == 1 else 'are'} at #{high}"
-            f" — {_who(behind)} skipped {one} (or {_who(ahead)} ran {one} more)")
+    where = f"{verb} at {op[behind[0]]} #{low} of {name}" if low else f"made no call on {name}"
+    return (f"{_who(behind)} {where}; {_who(ahead)} {'is' if len(ahead) == 1 else 'are'} at "
+            f"{'' if low else op[ahead[0]] + ' '}#{high} — {_who(behind)} skipped {one} (or {_who(ahead)} ran {one} more)")
 
 
 def _p2p_line(rank: int, call: dict[str, Any], key: str, group: dict[str, Any],

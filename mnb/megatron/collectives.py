@@ -184,14 +184,19 @@ def group_names() -> dict[str, str]:
     """Megatron's groups of this rank by their ``group_name``: tp, pp, dp (with cp), cp, ep; the
     default group is ``world``.  Read at report time: a group cached by rank set may be tp in one
     layout and pp in the next."""
-    names: dict[str, str] = {}
+    return {key: label for key, (label, _) in _known_groups().items()}
+
+
+def _known_groups() -> dict[str, tuple[str, Any]]:
+    known: dict[str, tuple[str, Any]] = {}
     try:
-        names[dist.distributed_c10d._get_default_group().group_name] = "world"
+        world = dist.distributed_c10d._get_default_group()
     except Exception:  # noqa: BLE001 - no process group yet
-        return names
+        return known
+    known[world.group_name] = ("world", world)
     ps = sys.modules.get("megatron.core.parallel_state")  # never imported here: the I/O thread calls this
     if ps is None:
-        return names
+        return known
     getters = [("tp", ps.get_tensor_model_parallel_group), ("pp", ps.get_pipeline_model_parallel_group),
                ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
                ("dp", ps.get_data_parallel_group), ("cp", ps.get_context_parallel_group),
@@ -201,10 +206,10 @@ def group_names() -> dict[str, str]:
             group = getter()
         except Exception:  # noqa: BLE001 - layout not set, or this group not built
             continue
-        name = getattr(group, "group_name", None)
-        if name is not None and name not in names:
-            names[name] = label
-    return names
+        key = getattr(group, "group_name", None)
+        if key is not None and key not in known:
+            known[key] = (label, group)
+    return known
 
 
 def _ranks(group) -> list[int]:
@@ -248,18 +253,22 @@ def flight_recorder() -> dict[str, Any] | None:
         trace = pickle.loads(dump(True, False, False))  # collectives, no stack traces, all entries
     except Exception:  # noqa: BLE001 - not enabled, or no NCCL group
         return None
-    return from_trace(trace, group_names())
+    known = _known_groups()
+    return from_trace(trace, {key: label for key, (label, _) in known.items()},
+                      {key: _ranks(group) for key, (_, group) in known.items()})
 
 
-def from_trace(trace: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
-    """A Flight Recorder dump (``pickle.loads`` of ``_dump_nccl_trace()``) as :func:`snapshot`'s data."""
+def from_trace(trace: dict[str, Any], names: dict[str, str],
+               ranks_of: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """A Flight Recorder dump (``pickle.loads`` of ``_dump_nccl_trace()``) as :func:`snapshot`'s data;
+    a group's ranks from the dump's ``pg_config``, else from ``ranks_of`` (this rank's groups)."""
     config = trace.get("pg_config") or {}
     groups: dict[str, dict[str, Any]] = {}
     for entry in trace.get("entries") or []:
         key = str((entry.get("process_group") or ("?",))[0])
-        ranks = config.get(key, {}).get("ranks", "[]")
+        ranks = _parse_ranks(config.get(key, {}).get("ranks", "[]")) or (ranks_of or {}).get(key, [])
         group = groups.setdefault(key, {"key": key, "name": names.get(key, "group"),
-                                        "ranks": _parse_ranks(ranks), "calls": 0, "last": "",
+                                        "ranks": ranks, "calls": 0, "last": "",
                                         "sent": {}, "received": {}, "pending": []})
         op = str(entry.get("profiling_name", "")).split(":", 1)[-1]
         p2p = bool(entry.get("is_p2p"))
