@@ -12,7 +12,7 @@ reaches them, also Megatron's import-time bindings (``dist_all_gather_func``) an
 compares by identity.  Each call is one integer increment and one small record holding a weak
 reference to its ``Work``; a call counts as "in" until its work completed (an ``async_op=True``
 call until ``wait()`` or, on gloo collectives, its completion).  On NCCL ranks PyTorch's Flight
-Recorder keeps the same facts (``TORCH_NCCL_TRACE_BUFFER_SIZE``, set by the pool's launcher):
+Recorder keeps the same facts (``TORCH_FR_BUFFER_SIZE``, set by the pool's launcher):
 :func:`snapshot` reads it instead.
 
 :func:`snapshot` is called by the rank's I/O thread (the ``stacks`` answer) while the main thread
@@ -98,7 +98,7 @@ def install() -> None:
         original = getattr(cls, method, None)
         if original is None or method in _installed:
             continue
-        _installed[method] = original
+        _installed[method] = vars(cls).get(method, original)  # the descriptor itself, for uninstall
         setattr(cls, method, _counted(op, original))
 
 
@@ -271,6 +271,7 @@ def from_trace(trace: dict[str, Any], names: dict[str, str],
                                         "ranks": ranks, "calls": 0, "last": "",
                                         "sent": {}, "received": {}, "pending": []})
         op = str(entry.get("profiling_name", "")).split(":", 1)[-1]
+        op = FLIGHT_RECORDER_OPS.get(op, op)
         p2p = bool(entry.get("is_p2p"))
         seq = int(entry.get("p2p_seq_id" if p2p else "collective_seq_id") or 0)
         if not p2p and seq >= group["calls"]:
@@ -279,8 +280,17 @@ def from_trace(trace: dict[str, Any], names: dict[str, str],
             sizes = entry.get("input_sizes") or []
             dtypes = entry.get("input_dtypes") or [""]
             group["pending"].append({"op": op, "seq": seq, "peer": None, "shapes": sizes[:4],
-                                     "dtype": str(dtypes[0]).lower(), "state": entry.get("state")})
+                                     "dtype": FLIGHT_RECORDER_DTYPES.get(str(dtypes[0]), str(dtypes[0]).lower()),
+                                     "state": entry.get("state")})
     return {"source": "flight recorder", "groups": list(groups.values())}
+
+
+FLIGHT_RECORDER_OPS = {"_all_gather_base": "all_gather_into_tensor", "_reduce_scatter_base": "reduce_scatter_tensor",
+                       "allreduce_coalesced": "all_reduce_coalesced", "all_to_all": "all_to_all_single"}
+"""The Flight Recorder's operation names (torch 2.11: ``nccl:_all_gather_base``) as :data:`OPS` spells them."""
+FLIGHT_RECORDER_DTYPES = {"Float": "float32", "Half": "float16", "BFloat16": "bfloat16", "Double": "float64",
+                          "Int": "int32", "Long": "int64", "Byte": "uint8", "Char": "int8", "Bool": "bool"}
+"""The Flight Recorder's dtype names (c10's ``ScalarType`` names) as torch spells them."""
 
 
 def _parse_ranks(text: Any) -> list[int]:
