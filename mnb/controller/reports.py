@@ -22,6 +22,7 @@ def interrupt_line(outcome: Outcome, targets: list[int], labels: Labels) -> str:
     replies = {r: outcome.replies[r] for r in targets if r in outcome.replies}
     stuck = [r for r in outcome.unreleased if r in targets]
     parts = [f"rank {r} ({labels.get(r, f'r{r}')}) did not stop: stuck at {outcome.waiting.get(r) or '(no stack)'}"
+             + "".join(f"; in {text}" for text in hangs.waiting_in(outcome.collectives.get(r)))
              for r in stuck]
     train = {m.get("evalue") for m in replies.values() if str(m.get("evalue", "")).startswith("mnb.train stopped")}
     finished = [r for r, m in replies.items() if m.get("ok")]
@@ -37,6 +38,8 @@ def interrupt_line(outcome: Outcome, targets: list[int], labels: Labels) -> str:
     text = "; ".join(parts)
     if outcome.dropped_lines:
         text += f" ({outcome.dropped_lines:,} line(s) of its output were dropped)"
+    if stuck:  # what the ranks' call counts say, one line per group that cannot go on
+        text += "".join(f"\n{line}" for line in hangs.diagnose(outcome.collectives))
     return text
 
 
