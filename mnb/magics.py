@@ -9,7 +9,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb status          per rank: pid, state (idle/busy/restarting/dead), device, memory, layout; the standby
     %mnb stop            stop every rank; no process is left behind
     %mnb restart         stop and start the same pool (same size, device and GPUs)
-    %mnb stacks          each rank's current Python stack (where is it stuck?)
+    %mnb stacks          each rank's Python stack and the collective it waits in (where is it stuck?)
     %mnb debug [RANK]    post-mortem pdb where a rank's last cell failed (default: the root cause)
     %mnb plot memory|timeline|mfu|loss plots of mnb.last_run, predicted beside measured
     %mnb run [--ranks R] [--timeout S] [--grace S] [--isolated] SCRIPT [ARGS...]   a torchrun script, unmodified
@@ -218,8 +218,9 @@ def restart_parser() -> MagicArgumentParser:
 
 
 def stacks_parser() -> MagicArgumentParser:
-    return _parser("%mnb stacks", "Print every rank's current Python stack (where is it stuck?); "
-                   "answers also while a cell runs.", ["%mnb stacks"])
+    return _parser("%mnb stacks", "Print every rank's current Python stack and the collective it waits in "
+                   "(operation, group, sequence number, tensor), then what the ranks' counts say "
+                   "(where is it stuck?); answers also while a cell runs.", ["%mnb stacks"])
 
 
 def debug_parser() -> MagicArgumentParser:
@@ -589,8 +590,7 @@ class MegatronMagics(Magics):
               f"layout {pool.layout.describe()}")
 
     def _cmd_stacks(self, args: argparse.Namespace) -> None:
-        for rank, text in sorted(current_pool().stacks().items()):
-            print(f"--- rank {rank} ---\n{text}")
+        print(current_pool().stacks_report())
 
     def _cmd_debug(self, args: argparse.Namespace) -> None:
         pool = current_pool()

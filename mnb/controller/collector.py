@@ -67,6 +67,9 @@ class Outcome:
     """Ranks still running the request when the wait was ended (grace, timeout, interrupt):
     where each was, from its stack.  They were interrupted; some may have replied since."""
     stacks: dict[int, str] = field(default_factory=dict)
+    collectives: dict[int, Any] = field(default_factory=dict)
+    """Every answering rank's collective snapshot (``mnb.megatron.collectives``) when the stacks were
+    taken, finished ranks too: their call counts say who skipped a collective (``hangs.py``)."""
     unreleased: list[int] = field(default_factory=list)
     """Ranks still running after their interrupt: they must be restarted."""
     died: bool = False
@@ -192,7 +195,7 @@ class Collector:
         self.stdin.close("the cell is being stopped")
         pending = self._pending()
         if stacks_first and pending:
-            self.outcome.stacks = _stack_texts(self.transport.ask("stacks", pending, ASK_TIMEOUT_S))
+            self._take_stacks(pending)
         deferred = False
         if pending:
             answers = self.transport.ask("interrupt", pending, INTERRUPT_ACK_S)
@@ -235,9 +238,15 @@ class Collector:
         still = self._pending()
         ending = self.outcome.died or self.outcome.cancelled  # the ranks go anyway: nothing to release
         if still and not self.outcome.stacks and not ending:
-            self.outcome.stacks = _stack_texts(self.transport.ask("stacks", still, ASK_TIMEOUT_S))
+            self._take_stacks(still)
         self.outcome.unreleased = [] if ending else still
         return self._finish(where_for=pending)
+
+    def _take_stacks(self, pending: list[int]) -> None:
+        """The pending ranks' stacks, and every target's collective counts (finished ranks answer at once)."""
+        answers = self.transport.ask("stacks", self.targets, ASK_TIMEOUT_S)
+        self.outcome.stacks = _stack_texts({r: m for r, m in answers.items() if r in pending})
+        self.outcome.collectives = {r: m.get("collectives") for r, m in answers.items()}
 
     def _finish(self, where_for: list[int] | None = None) -> Outcome:
         self.stdin.close(self.outcome.cancelled or "the cell has ended")

@@ -123,6 +123,11 @@ class LaunchSpec:
             # (about 3 s instead of 11 s on an H200); a user's own setting wins.
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE / "inductor"))
             env.setdefault("TRITON_CACHE_DIR", str(COMPILE_CACHE / "triton"))
+            # PyTorch's Flight Recorder: the NCCL calls each rank is in, for hang reports
+            # (mnb.megatron.collectives reads it; gloo ranks count their calls themselves).
+            # torch 2.11 reads TORCH_FR_BUFFER_SIZE and calls the older name deprecated.
+            if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+                env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         if self.loopback and self.nnodes == 1:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
             env.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -442,6 +447,9 @@ COMPILE_CACHE = cache_dir()
 """Where CUDA ranks keep Inductor's and Triton's compiled kernels (``%mnb start`` docs say so):
 mnb's one cache folder, :func:`mnb.config.cache_dir`."""
 
+FLIGHT_RECORDER_ENTRIES = 2000
+"""``TORCH_FR_BUFFER_SIZE`` of CUDA pools (a user's own setting, or ``TORCH_NCCL_TRACE_BUFFER_SIZE``, wins):
+the calls each rank's Flight Recorder keeps."""
 MAX_CPU_RANKS_PER_CORE = 4
 """Beyond this, CPU ranks spend their time switching and gloo's collectives time out."""
 CPU_RANK_BYTES = 600 * MIB

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from mnb.config import ParallelConfig
+from mnb.controller import hangs
 from mnb.controller.gate import RequestGate
 from mnb.controller.generation import RankInfo
 from mnb.controller.launcher import LaunchSpec, Launcher, resolve_device
@@ -357,11 +358,25 @@ class Pool(Requests):
 
         Answered by each rank's I/O thread, also while another request runs.
         """
+        return {r: m.get("stacks", "") for r, m in self._ask_stacks(ranks).items()}
+
+    def stacks_report(self, ranks: Iterable[int] | None = None) -> str:
+        """What ``%mnb stacks`` prints: each rank's stack and the collective it is in, then the diagnosis
+        across every rank (``rank 1 is at all_reduce #42 of tp group [0,1]; rank 0 is at #43 — ...``)."""
+        answers = self._ask_stacks(None)  # every rank's counts, for the diagnosis
+        shown = [r for r in answers if ranks is None or r in set(ranks)]
+        labels = self._labels()
+        blocks = [f"--- rank {r} ({labels.get(r, f'r{r}')}) ---\n{answers[r].get('stacks', '')}"
+                  + "".join(f"in {text}\n" for text in hangs.waiting_in(answers[r].get("collectives")))
+                  for r in shown]
+        return "\n".join(blocks + hangs.diagnose({r: m.get("collectives") for r, m in answers.items()}))
+
+    def _ask_stacks(self, ranks: Iterable[int] | None) -> dict[int, Message]:
         transport, table = self._transport, self.ranks
         if transport is None or self.restarting:
             return {}
         targets = [r for r in (ranks if ranks is not None else table) if r in table and table[r].state != "dead"]
-        return {r: m.get("stacks", "") for r, m in sorted(transport.ask("stacks", targets, ASK_TIMEOUT_S).items())}
+        return dict(sorted(transport.ask("stacks", targets, ASK_TIMEOUT_S).items()))
 
     def __repr__(self) -> str:
         state = ("restarting" if self.restarting

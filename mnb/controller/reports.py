@@ -8,6 +8,7 @@ says what happened, where each rank was, and what happens next.
 
 from __future__ import annotations
 
+from mnb.controller import hangs
 from mnb.controller.collector import Outcome, last_frame
 from mnb.errors import CompositeRankError, RankError, format_rank_set
 
@@ -21,6 +22,7 @@ def interrupt_line(outcome: Outcome, targets: list[int], labels: Labels) -> str:
     replies = {r: outcome.replies[r] for r in targets if r in outcome.replies}
     stuck = [r for r in outcome.unreleased if r in targets]
     parts = [f"rank {r} ({labels.get(r, f'r{r}')}) did not stop: stuck at {outcome.waiting.get(r) or '(no stack)'}"
+             + "".join(f"; in {text}" for text in hangs.waiting_in(outcome.collectives.get(r)))
              for r in stuck]
     train = {m.get("evalue") for m in replies.values() if str(m.get("evalue", "")).startswith("mnb.train stopped")}
     finished = [r for r, m in replies.items() if m.get("ok")]
@@ -36,6 +38,8 @@ def interrupt_line(outcome: Outcome, targets: list[int], labels: Labels) -> str:
     text = "; ".join(parts)
     if outcome.dropped_lines:
         text += f" ({outcome.dropped_lines:,} line(s) of its output were dropped)"
+    if stuck:  # what the ranks' call counts say, one line per group that cannot go on
+        text += "".join(f"\n{line}" for line in hangs.diagnose(outcome.collectives))
     return text
 
 
@@ -51,6 +55,7 @@ def timeout_text(outcome: Outcome, targets: list[int], labels: Labels, note: str
     finished = [r for r in targets if r not in pending]
     if finished:
         lines.append(f"  rank(s) {finished} had finished (did they skip a collective the others wait in?)")
+    lines += [f"  {line}" for line in hangs.report_lines(outcome.collectives, pending, labels)]
     grouped: dict[str, list[int]] = {}
     for rank, text in outcome.stacks.items():
         grouped.setdefault(text, []).append(rank)
@@ -64,10 +69,13 @@ def timeout_text(outcome: Outcome, targets: list[int], labels: Labels, note: str
 def failure_error(errors: list[RankError], outcome: Outcome, targets: list[int], labels: Labels,
                   note: str) -> CompositeRankError:
     """The cell's failures, root cause first, then where the ranks that had not finished were."""
-    waiting = {r: f"[{labels[r]}] was still running at {where}" for r, where in outcome.waiting.items()}
+    waiting = {r: f"[{labels[r]}] was still running at {where}" + "".join(
+                   f"; in {text}" for text in hangs.waiting_in(outcome.collectives.get(r)))
+               for r, where in outcome.waiting.items()}
     if outcome.waiting and not note:
         note = f"rank(s) {sorted(outcome.waiting)} were interrupted; the pool is usable."
-    return CompositeRankError(errors, cell_ranks=targets, waiting=waiting, notes=[note] if note else [])
+    notes = hangs.diagnose(outcome.collectives) if outcome.waiting else []
+    return CompositeRankError(errors, cell_ranks=targets, waiting=waiting, notes=notes + ([note] if note else []))
 
 
 def death_lines(deaths: dict[int, str], labels: Labels) -> tuple[list[str], list[int]]:

@@ -88,9 +88,11 @@ class Channel:
         status_fn: Callable[[], dict[str, Any]],
         controller_timeout_s: float = CONTROLLER_SILENCE_S,
         deferring_fn: Callable[[], bool] = lambda: False,
+        collectives_fn: Callable[[], Any] = lambda: None,
     ):
         self.rank = rank
         self._deferring_fn = deferring_fn
+        self._collectives_fn = collectives_fn
         self.identity = b"r%d-" % rank + secrets.token_hex(8).encode()
         self._identity_text = self.identity.decode()
         self._signer = Signer(info.key)
@@ -309,13 +311,22 @@ class Channel:
             # deferred: the main thread holds interrupts until a step boundary (mnb.train)
             self.reply(message, interrupted=self.busy.is_set(), deferred=self._deferring_fn())
         elif kind == "stacks":
-            self.reply(message, stacks=main_thread_stack(self._main_ident), busy=self.busy.is_set())
+            self.reply(message, stacks=main_thread_stack(self._main_ident), busy=self.busy.is_set(),
+                       collectives=self._collectives())
         elif kind == "status":
             try:
                 status = self._status_fn()
             except Exception as exc:  # status must never kill the I/O thread
                 status = {"error": f"{type(exc).__name__}: {exc}"}
             self.reply(message, **status, busy=self.busy.is_set())
+
+    def _collectives(self) -> Any:
+        """Which collective the rank is in (``mnb.megatron.collectives.snapshot``), or None."""
+        try:
+            return self._collectives_fn()
+        except Exception:  # noqa: BLE001 - the stack is worth sending without it
+            log.debug("rank %d: no collective snapshot", self.rank, exc_info=True)
+            return None
 
     def interrupt_main(self) -> None:
         """Raise KeyboardInterrupt in the main thread, only while a cell runs.

@@ -124,7 +124,8 @@ class Rank:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.node_rank = int(os.environ.get("GROUP_RANK", "0"))
         self.device_kind = device_kind
-        self.channel = Channel(info, self.rank, status_fn=self.status, deferring_fn=_interrupts_deferred)
+        self.channel = Channel(info, self.rank, status_fn=self.status, deferring_fn=_interrupts_deferred,
+                               collectives_fn=_collectives_snapshot)
         self.layout: dict[str, Any] | None = None
         self.namespace: dict[str, Any] = {"__name__": "__mnb__"}
         self.stdout = RankStream("stdout", self.channel, self.rank, sys.__stdout__)
@@ -165,6 +166,9 @@ class Rank:
             with clock.stage("Megatron-Core import and CPU redirection"):
                 cpu.install()
             route_warnings(self.rank, verbose)  # cpu.install() ignores the apex notices: log or show them
+            from mnb.megatron import collectives
+
+            collectives.install()  # gloo: mnb counts collectives (NCCL ranks have the Flight Recorder)
             self.device = torch.device("cpu")
             backend = "gloo"
         kwargs: dict[str, Any] = {"backend": backend}
@@ -482,6 +486,15 @@ class _InThread:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _collectives_snapshot() -> Any:
+    """The ``stacks`` answer's collective part: nothing before torch.distributed is imported."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    from mnb.megatron import collectives
+
+    return collectives.snapshot()
 
 
 def _import_megatron() -> None:

@@ -69,6 +69,7 @@ def test_root_cause_is_shown_at_once_and_the_next_cell_runs(kernel, failure):
     cause = "ValueError: root cause" if "ValueError" in failure else "SystemExit: 2"
     assert cause in text and "(first failure)" in text
     assert text.index(cause) < text.index("was still running at cell line 5 `dist.barrier()`")
+    assert re.search(r"`dist.barrier\(\)` -> \S+ in \w+; in barrier #\d+ of world group \[0,1\]", text), text
     assert "restarting all 2 ranks" in text and "names defined in earlier cells are gone" in text
     after = kernel.ok("%%megatron\nprint('after', rank)")  # no %mnb restart typed
     assert "after 0" in after and "after 1" in after

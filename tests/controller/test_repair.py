@@ -9,6 +9,7 @@ from __future__ import annotations
 import _thread
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -130,6 +131,8 @@ def test_an_interrupted_stuck_barrier_under_pp2_keeps_the_layout_and_names_the_s
     message = str(info.value)
     assert "rank 0 (r0 tp0 pp0 dp0) did not stop: stuck at cell line 4 `dist.barrier()`" in message, message
     assert "rank(s) [1] had finished" in message and "interrupted rank(s) [1]" not in message
+    assert re.search(r"in barrier; in barrier #\d+ of world group \[0,1\]", message), message
+    assert "\nrank 1 " in message and "— rank 1 skipped one (or rank 0 ran one more)" in message, message
     assert "the layout tp1 pp2 dp1 stays" in message
     assert cpu_pool.layout.describe() == "tp1 pp2 dp1"  # also while the restart runs: what %%megatron reads
     capsys.readouterr()
