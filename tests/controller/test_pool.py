@@ -66,6 +66,26 @@ def test_exception_on_one_rank_raises_one_composite_error(cpu_pool):
     assert cpu_pool.run("rank") == {0: 0, 1: 1}  # still usable
 
 
+def test_every_rank_failing_alike_shows_one_traceback_and_stops_nobody(cpu_pool, capsys):
+    capsys.readouterr()
+    with pytest.raises(CompositeRankError) as info:  # both fail at once: only the cell's error speaks
+        cpu_pool.run("raise ValueError('same on every rank')", grace=60)
+    err = capsys.readouterr().err
+    assert "failed first" not in err and "stopped" not in err
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "[r0-1]" in rendered and rendered.count("raise ValueError('same on every rank')") == 1
+    # rank 1 fails alike but late: the root cause is printed while it runs, the error refers to it
+    with pytest.raises(CompositeRankError) as info:
+        cpu_pool.run("import time\nif rank == 1:\n    time.sleep(1.5)\nraise ValueError('late')", grace=60)
+    err = capsys.readouterr().err
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "[r0 tp0 pp0 dp0] failed first:" in err and "rank(s) [1] still running" in err
+    assert (err + rendered).count("raise ValueError('late')") == 1
+    assert "[r0-1]" in rendered and "(the traceback printed above; ValueError: late)" in rendered
+    assert info.value.waiting == {} and "interrupted" not in rendered
+    assert cpu_pool.run("rank") == {0: 0, 1: 1}
+
+
 def test_invalid_requests_are_refused_before_ranks_run(cpu_pool):
     with pytest.raises(ValueError, match=r"tp\(4\) \* pp\(1\) \* cp\(1\) = 4 does not divide world size 2"):
         cpu_pool.run("x = 1", layout=ParallelConfig(tp=4))
