@@ -356,7 +356,7 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
                and ps.get_context_parallel_rank() == 0)
     step_rows, timeline, stop = [], [], False
     for i in range(tc.steps):
-        step = model.steps_done
+        step = model.steps_done + 1  # the model's step number, from 1 (Megatron-LM's iteration): 4-6 after 3
         if session is not None:
             session.step_begin(i + 1, step)
         meter.begin_step()

@@ -266,7 +266,11 @@ def test_a_cell_that_trains_twice_leaves_the_second_training_as_last_run(cpu_poo
     assert run.losses == pytest.approx([row["loss"] for row in second["steps"]])
     # the record reaches the kernel as the one-line mapping it is on the ranks (mnb.results)
     assert type(second).__name__ == "TrainResult" and second["losses"] == run.losses
-    assert repr(second).startswith("<mnb.train rank 0 ") and "3 steps (2-4)" in repr(second)
+    assert repr(second).startswith("<mnb.train rank 0 ") and "3 steps (3-5)" in repr(second)
+    # every step number is the model's, from 1: steps 1-2, then 3-5 in the repr, the run, its summary, plots
+    assert run.steps == [3, 4, 5] and "tokens/s (mean of steps 4-5)" in run.summary()
+    assert "loss at each of steps 3-5" in run.plot_loss().get_title()
+    assert [int(x) for x in run.plot_loss().lines[0].get_xdata()] == [3, 4, 5]
     assert run.lrs == second.lrs == [3e-4] * 3
 
 
