@@ -307,10 +307,9 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
         dp=parallel.dp,
         dp_rank=ps.get_data_parallel_rank(),
     )
-    # Sized for the whole schedule, as Megatron-LM sizes its datasets for --train-iters: one call of
-    # 10 steps and two of 5 read the same samples.
-    dataset = (plan.dataset(tc, model, steps=max(tc.steps, tc.schedule_steps - model.steps_done))
-               if own is None else None)
+    # Sample k is the same however long the run (batches.EpochSamples): steps=10 and steps=20 start
+    # alike, and one call of 10 steps and two of 5 read the same samples.
+    dataset = plan.dataset(tc, model) if own is None else None
     if _agree_to_stop(flag, device):
         raise KeyboardInterrupt(f"mnb.train stopped before its first step on every rank "
                                 f"(steps_done={model.steps_done}); nothing was trained")
