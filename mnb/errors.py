@@ -81,7 +81,9 @@ class CompositeRankError(_TravellingFields, Exception):
     the ranks that had not finished when the cell was ended and where each
     waited (``cell line 3 `dist.barrier()` -> distributed_c10d.py:4810 in barrier``);
     ``notes`` are one-line statements of what mnb did about it (e.g. which
-    ranks it restarted).
+    ranks it restarted).  ``shown_above`` is the root cause's traceback when
+    mnb already printed it while other ranks still ran: rendering names it
+    instead of printing the same traceback a second time.
     """
 
     errors: list[RankError]
@@ -89,6 +91,7 @@ class CompositeRankError(_TravellingFields, Exception):
     headline: str = ""
     waiting: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    shown_above: str = ""
 
     def __post_init__(self) -> None:
         super().__init__(self._summary())
@@ -148,7 +151,11 @@ class CompositeRankError(_TravellingFields, Exception):
             out.append(f"{bold}{self._label(members)}{cause}{reset}")
             if len(members) > 1:
                 out.append("  " + ", ".join(m.label or f"r{m.rank}" for m in members))
-            out.extend(traceback_text.rstrip("\n").splitlines() or [f"{first.ename}: {first.evalue}"])
+            body = traceback_text.rstrip("\n")
+            if body and body == self.shown_above.rstrip("\n"):
+                out.append(f"(the traceback printed above; {first.ename}: {first.evalue})")
+            else:
+                out.extend(body.splitlines() or [f"{first.ename}: {first.evalue}"])
         tail = self._tail()
         if tail:
             out.append("")

@@ -14,9 +14,9 @@ it through :class:`Progress`::
     True
 
 ``step`` counts from 1: the steps finished in this ``mnb.train`` call, so the
-last event of a call has ``step == steps``.  The model's own step counter (which
-goes on across calls) is ``global_step``, counted from 0.  Stdlib only: both sides
-import it.
+last event of a call has ``step == steps``.  The model's own step number (from 1,
+going on across calls: a second call of 3 steps after 3 is 4-6; the record's, the
+repr's and the summary's number) is ``global_step``.  Stdlib only: both sides import it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Progress:
     steps: int
     """Steps this training call takes (0 when unknown)."""
     global_step: int | None = None
-    """The model's step counter of the step just finished (0-based, continues across calls)."""
+    """The model's number of the step just finished (from 1, continues across calls; the record's ``step``)."""
     loss: float | None = None
     tokens_per_s: float | None = None
     """This step's rate (a run's summary gives the mean of steps 2-N: the first includes warm-up)."""

@@ -5,7 +5,7 @@ kilobytes of dict.  :class:`TrainResult` is that record (a ``dict``, the same ke
 ``run["losses"]``-style reads, ``json.dumps``, ``dict(run)`` all unchanged) whose repr is
 one line::
 
-    <mnb.train rank 0 (tp1 pp0 dp0): 10 steps (0-9), loss 5.5452 -> 4.1230, 1,234 tokens/s, peak 38.2 MiB>
+    <mnb.train rank 0 (tp1 pp0 dp0): 10 steps (1-10), loss 5.5452 -> 4.1230, 1,234 tokens/s, peak 38.2 MiB>
 
 :class:`LoadResult` does the same for ``mnb.load``.  Standard library only: made on the ranks,
 rebuilt in the notebook kernel (``mnb.values`` lets these classes travel).

@@ -134,6 +134,10 @@ class Run:
 
     @property
     def steps(self) -> list[int]:
+        """The run's step numbers: the model's, from 1 (a second ``mnb.train`` call of 3 after 3: 4-6).
+
+        The repr, the summary and every plot name steps by these numbers.
+        """
         return list(self._per_step("step_time_s"))
 
     @property
@@ -382,10 +386,9 @@ class Run:
         return median(values) if values else None
 
     def step_ordinal(self, step: int) -> int:
-        """Where the run's recorded step number ``step`` stands in this run, counted from 1.
+        """Where the run's step number ``step`` stands in this run, counted from 1 (6 -> 3 in steps 4-6).
 
-        Recorded numbers are the model's counter (a continued model starts past 0); the text
-        and the plots name steps as the progress line does: 1 to ``len(run.steps)``.
+        The text and the plots name steps by their numbers (:attr:`steps`), not by this position.
         """
         steps = self.steps or self.timeline_steps()
         return steps.index(step) + 1 if step in steps else step
@@ -393,9 +396,9 @@ class Run:
     @property
     def measured_bubble_statistic(self) -> str:
         """What :attr:`measured_bubble` is, in words the summary and the timeline's title share:
-        ``"median of steps 2-10"`` (steps of this run, counted from 1)."""
+        ``"median of steps 2-10"`` (the run's step numbers, :attr:`steps`)."""
         per = self.measured_bubble_per_step
-        used = [self.step_ordinal(s) for s in self._steady_steps(list(per))]
+        used = self._steady_steps(list(per))
         if not used:
             return "no step timed"
         if len(used) == 1:
@@ -452,12 +455,13 @@ class Run:
             lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(self.steps)} steps")
         evals = [(s, x) for s, x in zip(self.steps, self.eval_losses) if x is not None]
         if evals:
-            lines.append(f"eval loss {evals[0][1]:.4f} (step {self.step_ordinal(evals[0][0])}) -> {evals[-1][1]:.4f} "
-                         f"(step {self.step_ordinal(evals[-1][0])}), {len(evals)} evaluations")
+            lines.append(f"eval loss {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} "
+                         f"(step {evals[-1][0]}), {len(evals)} evaluations")
         tps = [x for x in self.tokens_per_s[1:] or self.tokens_per_s if x]
         mfus = [x for x in self.mfu[1:] or self.mfu if x is not None]
-        steps = len(self.steps)
-        which = f"mean of steps 2-{steps}" if steps > 2 else ("step 2" if steps == 2 else "step 1")
+        numbers = self.steps
+        which = (f"mean of steps {numbers[1]}-{numbers[-1]}" if len(numbers) > 2
+                 else f"step {numbers[-1]}" if numbers else "no step")
         perf = []
         if tps:
             perf.append(f"{sum(tps) / len(tps):,.0f} tokens/s ({which})")

@@ -8,7 +8,7 @@ import sys
 import types
 
 import mnb.units
-from mnb.units import GIB, format_bytes, in_kernel, ipython_shell
+from mnb.units import GIB, format_bytes, format_percent, format_seconds, in_kernel, ipython_shell
 
 
 def test_doctests():
@@ -17,6 +17,12 @@ def test_doctests():
 
 def test_format_bytes():
     assert format_bytes(None) == "?" and format_bytes(1.5 * GIB) == "1.50 GiB" and format_bytes(7 * 1024) == "7.0 KiB"
+
+
+def test_times_and_percentages_scale_so_small_values_stay_readable():
+    assert [format_seconds(v) for v in (95.0, 1.5, 0.9996, 0.0123, 4.56e-5, 7e-9, None)] == [
+        "95.0 s", "1.50 s", "1.00 s", "12.3 ms", "45.6 µs", "7.00 ns", "?"]
+    assert [format_percent(v) for v in (0.416, 0.001, 3.14e-5, 0.0)] == ["41.6%", "0.1%", "0.0031%", "0.0%"]
 
 
 def test_kernel_check_needs_a_shell_with_a_kernel(monkeypatch):

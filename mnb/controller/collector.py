@@ -83,6 +83,9 @@ class Outcome:
     """Why another thread ended the wait (``Pool.stop``: the ranks were not interrupted)."""
     error: Exception | None = None
     """What went wrong in the notebook kernel while waiting (the ranks were interrupted first)."""
+    shown_traceback: str = ""
+    """The first failure's traceback, printed while other ranks still ran: the cell's error refers
+    to it instead of printing it a second time."""
 
     @property
     def pending(self) -> list[int]:
@@ -321,17 +324,36 @@ class Collector:
         self._unshown = reply
 
     def _show_first_failure(self) -> None:
-        """The root cause, at once: the other ranks may wait for the failed one in a collective."""
+        """The root cause, at once: the other ranks may wait for the failed one in a collective.
+
+        Replies already queued are taken first: when every rank has failed (a loaded machine
+        delivers them late) nothing is printed here, the cell's error shows them all folded,
+        and no line claims that finished ranks are about to be stopped.
+        """
         reply, self._unshown = self._unshown, None
-        rank, others = reply.get("rank"), self._pending()
+        self._take_queued()
+        others = self._pending()
+        if not others:
+            return
+        rank = reply.get("rank")
         if self.folder:
             self.folder.flush()
         text = (reply.get("traceback") or f"{reply.get('ename')}: {reply.get('evalue')}").rstrip("\n")
+        self.outcome.shown_traceback = text
         sys.stderr.write(
             f"[{self.labels.get(rank, f'r{rank}')}] failed first:\n{text}\n"
-            f"mnb: waiting up to {self.grace_s:g} s for rank(s) {others}, then stopping them\n"
+            f"mnb: rank(s) {others} still running: they are stopped unless they finish within {self.grace_s:g} s\n"
         )
         sys.stderr.flush()
+
+    def _take_queued(self) -> None:
+        """Handle every message already in the inbox, without waiting for more."""
+        while True:
+            try:
+                message = self.transport.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(message)
 
     def _on_event(self, rank: int, kind: str, payload: dict[str, Any]) -> None:
         if kind == "progress" and payload.get("step_time_s"):

@@ -75,7 +75,8 @@ def failure_error(errors: list[RankError], outcome: Outcome, targets: list[int],
     if outcome.waiting and not note:
         note = f"rank(s) {sorted(outcome.waiting)} were interrupted; the pool is usable."
     notes = hangs.diagnose(outcome.collectives) if outcome.waiting else []
-    return CompositeRankError(errors, cell_ranks=targets, waiting=waiting, notes=notes + ([note] if note else []))
+    return CompositeRankError(errors, cell_ranks=targets, waiting=waiting, notes=notes + ([note] if note else []),
+                              shown_above=outcome.shown_traceback)
 
 
 def death_lines(deaths: dict[int, str], labels: Labels) -> tuple[list[str], list[int]]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
-from mnb.units import GIB, Text
+from mnb.units import Text, format_bytes
 
 from . import hardware
 from ._inputs import as_model, as_parallel, as_train, dropout, padded_vocab_size
@@ -138,11 +138,11 @@ class MemoryEstimate:
         for s in self.stages:
             c = s.components()
             lines.append(
-                f"  stage {s.stage}: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in c.items())
-                + f" -> {s.total_bytes / GIB:.2f} GiB"
+                f"  stage {s.stage}: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in c.items())
+                + f" -> {format_bytes(s.total_bytes)}"
             )
         if self.capacity_bytes:
-            lines.append(f"  capacity {self.capacity_bytes / GIB:.1f} GiB; fits: {self.fits}")
+            lines.append(f"  capacity {format_bytes(self.capacity_bytes)}; fits: {self.fits}")
         return Text("\n".join(lines))
 
     def __str__(self) -> str:

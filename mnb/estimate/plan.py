@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
-from mnb.units import GIB, Text
+from mnb.units import Text, format_bytes, format_percent, format_seconds
 
 from . import hardware
 from ._inputs import as_model, as_train
@@ -75,25 +75,30 @@ class Plan(list):
         return self.table()
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{c}</th>" for c in ("layout", "memory GiB", "fits", "step s", "MFU", "HFU", "tokens/s"))
+        head = "".join(f"<th>{c}</th>" for c in ("layout", "memory/rank", "fits", "step", "MFU", "HFU", "tokens/s"))
         body = []
         for r in self[:30]:
             style = "" if r.fits else ' style="color:#999"'
             body.append(
-                f"<tr{style}><td>{r.describe()}</td><td>{r.memory_bytes / GIB:.1f}</td>"
-                f"<td>{'yes' if r.fits else 'no'}</td><td>{r.step_time_s:.3f}</td>"
-                f"<td>{r.mfu:.1%}</td><td>{r.hfu:.1%}</td><td>{r.tokens_per_s:,.0f}</td></tr>"
+                f"<tr{style}><td>{r.describe()}</td><td>{format_bytes(r.memory_bytes)}</td>"
+                f"<td>{'yes' if r.fits else 'no'}</td><td>{format_seconds(r.step_time_s)}</td>"
+                f"<td>{format_percent(r.mfu)}</td><td>{format_percent(r.hfu)}</td><td>{r.tokens_per_s:,.0f}</td></tr>"
             )
         return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
 def format_plan(rows: Iterable[PlanRow]) -> str:
-    """Plain-text table of plan rows (layout, memory, fits, step time, MFU, HFU, tokens/s)."""
-    lines = [f"{'layout':<50} {'mem GiB':>8} {'fits':>5} {'step s':>8} {'MFU':>6} {'HFU':>6} {'tokens/s':>10}"]
+    """Plain-text table of plan rows (layout, memory, fits, step time, MFU, HFU, tokens/s).
+
+    Each memory and time carries its own unit (GiB..B, s..µs): a tiny model's plan read
+    '0.0 GiB' and '0.000 s' in fixed columns.
+    """
+    lines = [f"{'layout':<50} {'mem/rank':>10} {'fits':>5} {'step':>9} {'MFU':>7} {'HFU':>7} {'tokens/s':>10}"]
     for r in rows:
         lines.append(
-            f"{r.describe():<50} {r.memory_bytes / GIB:8.1f} {'yes' if r.fits else 'no':>5} "
-            f"{r.step_time_s:8.3f} {r.mfu:6.1%} {r.hfu:6.1%} {r.tokens_per_s:10,.0f}"
+            f"{r.describe():<50} {format_bytes(r.memory_bytes):>10} {'yes' if r.fits else 'no':>5} "
+            f"{format_seconds(r.step_time_s):>9} {format_percent(r.mfu):>7} {format_percent(r.hfu):>7} "
+            f"{r.tokens_per_s:10,.0f}"
         )
     return "\n".join(lines)
 

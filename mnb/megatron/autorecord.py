@@ -206,7 +206,7 @@ class _Run:
         self.call = {"micro_batch_size": int(kwargs.get("micro_batch_size") or 1),
                      "seq_length": int(kwargs.get("seq_length") or 0), "losses": None}
         self.meter.begin_step()
-        self.recorder.begin_step(len(self.rows))
+        self.recorder.begin_step(len(self.rows) + 1)  # steps are numbered from 1, as mnb.train's
         self.t0 = self.end = time.perf_counter()
         self.optimizer_span = None
         self.open = True
@@ -240,7 +240,7 @@ class _Run:
         total, count = loss_sum_and_count(self.call["losses"] if isinstance(self.call["losses"], list) else [])
         tokens = self.call["micro_batch_size"] * self.num_microbatches * self.parallel.dp * self.call["seq_length"]
         lr = next((float(g["lr"]) for o in self.optimizers for g in getattr(o, "param_groups", [])[:1]), None)
-        row = {"step": len(self.rows), "loss": total / count if count else None, "grad_norm": None, "lr": lr,
+        row = {"step": len(self.rows) + 1, "loss": total / count if count else None, "grad_norm": None, "lr": lr,
                "step_time_s": step_time, "tokens_per_s": tokens / step_time if step_time > 0 and tokens else None,
                **self.meter.end_step()}
         self.rows.append(row)

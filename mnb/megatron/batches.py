@@ -9,12 +9,19 @@ layout sees the same samples in each global batch (only their split over dp
 ranks and microbatches changes); tp ranks read the same batch; cp ranks read
 their chunks of its sequences; only the first and last pipeline stages read
 data at all.
+
+Sample ``k`` is the same whatever the run's length (:class:`EpochSamples`): a run of
+10 steps and one of 20 start with the same batches, as do 10 steps in one call and
+in two.  Megatron's ``GPTDataset`` shuffles over as many epochs as the requested
+sample count needs, so sizing it by the run changed every sample from the first on
+once the run outgrew one epoch of a small corpus.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -39,11 +46,36 @@ class BatchPlan:
                  + microbatch * mbs * self.dp + self.dp_rank * mbs)
         return range(first, first + mbs)
 
-    def dataset(self, tc, model, *, steps: int):
-        """The dataset covering this call's samples (built collectively on all ranks)."""
-        return build_dataset(tc.data, model.config, model.config.seq_length,
-                             self.start_sample + steps * self.global_batch_size, tc.seed,
-                             tokenizer=getattr(model, "tokenizer", None))
+    def dataset(self, tc, model) -> "EpochSamples":
+        """The run's samples, numbered independently of its length (built collectively on all ranks)."""
+        first_epoch = build_dataset(tc.data, model.config, model.config.seq_length, 1, tc.seed,
+                                    tokenizer=getattr(model, "tokenizer", None))
+        return EpochSamples(first_epoch, tc.seed)
+
+
+class EpochSamples:
+    """Samples ``0, 1, 2, ...`` without end: Megatron's first epoch in its own shuffled order, then
+    each later epoch ``e`` in a permutation of that epoch drawn from ``(seed, e)``.
+
+    Megatron's dataset is built for one sample (it then holds one whole epoch), never for the
+    run's sample count: the count sets how many epochs Megatron shuffles together, which changed
+    the order from the first sample on (a run of 20 steps started on other batches than one
+    of 10).  Within the first epoch the samples are exactly Megatron's.
+    """
+
+    def __init__(self, first_epoch, seed: int):
+        self.first_epoch = first_epoch
+        self.seed = seed
+        self.epoch_size = len(first_epoch)
+        self._order: tuple[int, np.ndarray] | None = None  # the latest later epoch's permutation
+
+    def __getitem__(self, index: int):
+        epoch, within = divmod(int(index), self.epoch_size)
+        if epoch:
+            if self._order is None or self._order[0] != epoch:
+                self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.epoch_size))
+            within = int(self._order[1][within])
+        return self.first_epoch[within]
 
 
 def build_dataset(data: str, model_config, seq_length: int, num_samples: int, seed: int, *,

@@ -313,10 +313,9 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
         dp=parallel.dp,
         dp_rank=ps.get_data_parallel_rank(),
     )
-    # Sized for the whole schedule, as Megatron-LM sizes its datasets for --train-iters: one call of
-    # 10 steps and two of 5 read the same samples.
-    dataset = (plan.dataset(tc, model, steps=max(tc.steps, tc.schedule_steps - model.steps_done))
-               if own is None else None)
+    # Sample k is the same however long the run (batches.EpochSamples): steps=10 and steps=20 start
+    # alike, and one call of 10 steps and two of 5 read the same samples.
+    dataset = plan.dataset(tc, model) if own is None else None
     switch = background_compile.Steps(fused=model.fusions)
     with switch:
         if _agree_to_stop(flag, device, switch):
@@ -369,7 +368,7 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
                and ps.get_context_parallel_rank() == 0)
     step_rows, timeline, stop = [], [], False
     for i in range(tc.steps):
-        step = model.steps_done
+        step = model.steps_done + 1  # the model's step number, from 1 (Megatron-LM's iteration): 4-6 after 3
         if session is not None:
             session.step_begin(i + 1, step)
         meter.begin_step()

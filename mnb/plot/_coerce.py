@@ -31,3 +31,10 @@ def as_run_or_estimate(obj: Any, needs: Iterable[str] = ()) -> tuple[Any, Memory
     if isinstance(obj, MemoryEstimate):
         return None, obj
     return as_run(obj, needs), None
+
+
+def step_span(steps: list[int]) -> str:
+    """'steps 4-6' / 'step 4': a run's step numbers as titles name them (``run.steps``, from 1)."""
+    if not steps:
+        return "no step"
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._coerce import as_run
+from ._coerce import as_run, step_span
 from ._figure import new_axes
 
 
@@ -14,12 +14,13 @@ def plot_loss(run: Any, ax=None):
     The evaluation loss comes from ``mnb.train(..., eval_data=..., eval_every=K)``
     (``run.eval_losses``: None at steps without an evaluation).  Returns the Axes.
     """
-    run = as_run(run, ("losses", "eval_losses"))
+    run = as_run(run, ("steps", "losses", "eval_losses"))
     if ax is None:
         _, ax = new_axes(figsize=(7.0, 3.6))
-    # steps counted from 1 within the run, as the progress line, the summary and the other plots count them
-    train = [(i, v) for i, v in enumerate(run.losses, 1) if v is not None]
-    evals = [(i, v) for i, v in enumerate(run.eval_losses, 1) if v is not None]
+    # the run's step numbers (from 1, going on across mnb.train calls), as the summary and the repr name them
+    numbers = run.steps
+    train = [(i, v) for i, v in zip(numbers, run.losses) if v is not None]
+    evals = [(i, v) for i, v in zip(numbers, run.eval_losses) if v is not None]
     ax.plot([s for s, _ in train], [v for _, v in train], marker=".", color="#C44E52", label="training loss")
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", color="#4C72B0",
@@ -27,6 +28,6 @@ def plot_loss(run: Any, ax=None):
     ax.set_xlabel("step")
     ax.set_ylabel("loss (per token)")
     ax.legend(fontsize=8)
-    ax.set_title(f"{run.model.name} | {run.layout.describe()}: loss at each of steps 1-{len(run.losses)}"
+    ax.set_title(f"{run.model.name} | {run.layout.describe()}: loss at each of {step_span(numbers)}"
                  + (f", {len(evals)} evaluations" if evals else ""), fontsize=10)
     return ax

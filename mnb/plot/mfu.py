@@ -1,10 +1,10 @@
-"""plot_mfu: MFU, tokens/s and loss per step (steps counted from 1 within the run, as its summary counts)."""
+"""plot_mfu: MFU, tokens/s and loss per step (the run's step numbers, from 1, as its summary names them)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._coerce import as_run
+from ._coerce import as_run, step_span
 from ._figure import new_axes
 
 
@@ -15,9 +15,9 @@ def plot_mfu(run: Any, ax=None):
     """
     from matplotlib.ticker import MaxNLocator  # matplotlib loads when a plot is drawn, not at import
 
-    run = as_run(run, ("mfu", "tokens_per_s", "losses", "peak_source"))
-    steps = list(range(1, len(run.steps) + 1))  # counted from 1 within the run, as the summary counts
-    title = (f"{run.model.name} | {run.layout.describe()}: each of steps 1-{len(steps)}, "
+    run = as_run(run, ("steps", "mfu", "tokens_per_s", "losses", "peak_source"))
+    steps = run.steps  # the model's step numbers, from 1, as the summary and the repr name them
+    title = (f"{run.model.name} | {run.layout.describe()}: each of {step_span(steps)}, "
              f"MFU vs {run.peak_source}")
     mfu = run.mfu
     tps = run.tokens_per_s

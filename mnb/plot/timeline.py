@@ -18,7 +18,7 @@ from typing import Any
 from mnb.config import ParallelConfig
 from mnb.estimate import bubble, simulate_schedule, timeline_bubble
 
-from ._coerce import as_run
+from ._coerce import as_run, step_span
 from ._figure import COLORS, new_axes
 
 COMPUTE = ("forward", "backward")
@@ -75,13 +75,13 @@ def plot_timeline(run: Any, ax=None, step: int | None = None):
     """Gantt chart of one measured step of a Run, per pipeline stage.
 
     ``step`` is a recorded step number (``run.steps``; default: the last).  The title says
-    which step is drawn, counted from 1 within the run as the summary and the progress line
-    count, with that step's idle share; below it the run's measured bubble exactly as
+    which step is drawn, by the number the summary and the repr give it (the model's, from 1),
+    with that step's idle share; below it the run's measured bubble exactly as
     ``run.summary()`` states it (the same number and statistic, e.g. the median of steps
     after the first) beside the theoretical one.
     """
     run = as_run(run, ("timeline", "num_microbatches", "theoretical_bubble", "measured_bubble",
-                       "measured_bubble_statistic", "step_ordinal"))
+                       "measured_bubble_statistic", "steps"))
     events = run.timeline(step)
     if ax is None:
         _, ax = new_axes(figsize=(9.0, 1.4 + 0.6 * run.layout.pp))
@@ -100,8 +100,9 @@ def timeline_title(run: Any, events: list[dict[str, Any]]) -> str:
     if shown is None:
         first = "no step recorded"
     else:
-        total = len(run.steps) or len(run.timeline_steps())
-        first = f"step {run.step_ordinal(int(shown))} of {total} drawn"
+        numbers = run.steps or run.timeline_steps()
+        first = (f"step {int(shown)} of {len(numbers)} drawn" if numbers[:1] == [1]
+                 else f"step {int(shown)} (of {step_span(numbers)}) drawn")
         if drawn is not None:
             first += f": idle {drawn['bubble']:.1%} of this step's pipeline span"
     second = ""

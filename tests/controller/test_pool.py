@@ -66,6 +66,26 @@ def test_exception_on_one_rank_raises_one_composite_error(cpu_pool):
     assert cpu_pool.run("rank") == {0: 0, 1: 1}  # still usable
 
 
+def test_every_rank_failing_alike_shows_one_traceback_and_stops_nobody(cpu_pool, capsys):
+    capsys.readouterr()
+    with pytest.raises(CompositeRankError) as info:  # both fail at once: only the cell's error speaks
+        cpu_pool.run("raise ValueError('same on every rank')", grace=60)
+    err = capsys.readouterr().err
+    assert "failed first" not in err and "stopped" not in err
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "[r0-1]" in rendered and rendered.count("raise ValueError('same on every rank')") == 1
+    # rank 1 fails alike but late: the root cause is printed while it runs, the error refers to it
+    with pytest.raises(CompositeRankError) as info:
+        cpu_pool.run("import time\nif rank == 1:\n    time.sleep(1.5)\nraise ValueError('late')", grace=60)
+    err = capsys.readouterr().err
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "[r0 tp0 pp0 dp0] failed first:" in err and "rank(s) [1] still running" in err
+    assert (err + rendered).count("raise ValueError('late')") == 1
+    assert "[r0-1]" in rendered and "(the traceback printed above; ValueError: late)" in rendered
+    assert info.value.waiting == {} and "interrupted" not in rendered
+    assert cpu_pool.run("rank") == {0: 0, 1: 1}
+
+
 def test_invalid_requests_are_refused_before_ranks_run(cpu_pool):
     with pytest.raises(ValueError, match=r"tp\(4\) \* pp\(1\) \* cp\(1\) = 4 does not divide world size 2"):
         cpu_pool.run("x = 1", layout=ParallelConfig(tp=4))
@@ -246,7 +266,11 @@ def test_a_cell_that_trains_twice_leaves_the_second_training_as_last_run(cpu_poo
     assert run.losses == pytest.approx([row["loss"] for row in second["steps"]])
     # the record reaches the kernel as the one-line mapping it is on the ranks (mnb.results)
     assert type(second).__name__ == "TrainResult" and second["losses"] == run.losses
-    assert repr(second).startswith("<mnb.train rank 0 ") and "3 steps (2-4)" in repr(second)
+    assert repr(second).startswith("<mnb.train rank 0 ") and "3 steps (3-5)" in repr(second)
+    # every step number is the model's, from 1: steps 1-2, then 3-5 in the repr, the run, its summary, plots
+    assert run.steps == [3, 4, 5] and "tokens/s (mean of steps 4-5)" in run.summary()
+    assert "loss at each of steps 3-5" in run.plot_loss().get_title()
+    assert [int(x) for x in run.plot_loss().lines[0].get_xdata()] == [3, 4, 5]
     assert run.lrs == second.lrs == [3e-4] * 3
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import mnb.estimate as est
+from mnb.units import format_bytes, format_seconds
 
 
 def test_llama7b_on_8_h200_prefers_data_parallel():
@@ -25,6 +26,7 @@ def test_llama7b_on_8_h200_prefers_data_parallel():
     fits = [r.fits for r in rows]
     assert fits == sorted(fits, reverse=True)
     assert "tp1 pp1 dp8" in est.format_plan(rows[:3]) and "HFU" in est.format_plan(rows[:3])
+    assert "GiB" in est.format_plan(rows[:3]) and " s " in est.format_plan(rows[:3])
     full = next(r for r in rows if r.recompute == "full")
     assert full.hfu == pytest.approx(full.time_estimate.hfu) and full.hfu > full.mfu  # recompute counted
 
@@ -97,3 +99,14 @@ def test_long_sequences_are_offered_context_parallelism():
     assert cp2.memory_estimate.stages[0].activations_bytes < 0.6 * cp1.activations_bytes
     with pytest.raises(ValueError, match=r"no valid layout"):
         est.plan("tiny", gpus=2, seq=6, cps=[2], tps=[1], pps=[1])  # 6 tokens are not 4 equal chunks
+
+
+def test_a_tiny_models_plan_shows_its_memory_and_step_time_in_units_that_say_something():
+    rows = est.plan("tiny", gpus=2, gpu="h200")
+    text, html = est.format_plan(rows[:4]), rows._repr_html_()
+    assert "0.0 GiB" not in text and "0.000" not in text and " 0 s" not in text
+    best = rows[0]
+    assert 2**20 <= best.memory_bytes < 2**30 and 1e-6 <= best.step_time_s < 1e-3  # what the units must carry
+    line = text.splitlines()[1]
+    assert format_bytes(best.memory_bytes) in line and format_seconds(best.step_time_s) in line
+    assert f"<td>{format_seconds(best.step_time_s)}</td>" in html and "MiB</td>" in html

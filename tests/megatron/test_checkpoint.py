@@ -431,12 +431,12 @@ def test_schedule_and_data_continue_across_calls_saves_and_layouts(tmp_path):
         assert once["lr"][0] == 0.0 and once["lr"][3] == pytest.approx(3e-3) and once["lr"][-1] > 3e-4
         assert first["lr"] + second["lr"] == once["lr"]  # the same schedule, step by step
         assert first["loss"] + second["loss"] == once["loss"]
-        assert second["step"] == [5, 6, 7, 8, 9] and second["schedule_steps"] == 10
-        assert r["past"]["lr"] == [pytest.approx(3e-4)] and r["past"]["step"] == [10]
+        assert second["step"] == [6, 7, 8, 9, 10] and second["schedule_steps"] == 10
+        assert r["past"]["lr"] == [pytest.approx(3e-4)] and r["past"]["step"] == [11]
         assert len(r["past"]["warned"]) == (1 if r is results[0] else 0)
         assert all("schedule of 10 steps is at step 10" in w and "schedule_steps" in w for w in r["past"]["warned"])
         for name, resumed in r["resumed"].items():
-            assert resumed["schedule_loaded"] and resumed["step"] == [5, 6, 7, 8, 9], name
+            assert resumed["schedule_loaded"] and resumed["step"] == [6, 7, 8, 9, 10], name
             assert resumed["info"].endswith(": step 5, saved under tp2 pp1 dp1; weights, optimizer, schedule"
                                             + (", rng loaded>" if name == "same-layout" else " loaded>"))
             assert resumed["lr"] == pytest.approx(once["lr"][5:], rel=1e-12), name

@@ -128,6 +128,25 @@ def test_stdlib_corpus_and_dataset_items():
     assert with_mask[0]["attention_mask"].shape == (1, 32, 32)
 
 
+def test_a_runs_samples_do_not_depend_on_its_length(tmp_path):
+    """Megatron shuffles over as many epochs as the sample count needs; a run's sample k must not."""
+    import types
+
+    from mnb.megatron.batches import BatchPlan
+
+    (tmp_path / "t.txt").write_text(" ".join(f"word{i % 97}" for i in range(3000)))
+    cfg = model_config("tiny", vocab_size=257)
+    epoch = len(data.dataset_for(str(tmp_path / "t.txt"), cfg, 64, 1, 5))
+    sized = [data.dataset_for(str(tmp_path / "t.txt"), cfg, 64, n, 5) for n in (epoch, 3 * epoch)]
+    first = lambda ds, n: [ds[i]["tokens"].tolist() for i in range(n)]  # noqa: E731
+    assert first(sized[0], 8) != first(sized[1], 8)  # Megatron's order: by the requested count
+    samples = BatchPlan(0, 2, 2, 1, 0).dataset(types.SimpleNamespace(data=str(tmp_path / "t.txt"), seed=5),
+                                              types.SimpleNamespace(config=cfg))
+    assert samples.epoch_size == epoch and first(samples, epoch) == first(sized[0], epoch)
+    later = [samples[k]["tokens"].tolist() for k in range(epoch, 2 * epoch)]  # the second epoch:
+    assert sorted(later) == sorted(first(sized[0], epoch)) and later != first(sized[0], epoch)  # reshuffled
+
+
 def test_mock_dataset_fits_model_vocab():
     ds = data.dataset_for("mock", model_config("tiny", vocab_size=256), seq_length=16,
                           num_samples=20, seed=1)

@@ -34,6 +34,26 @@ def test_relayout_releases_old_model_and_destroys_its_groups(cpu_pool):
     cpu_pool.run("pass", layout=ParallelConfig())
 
 
+def test_the_first_losses_do_not_depend_on_the_number_of_steps(cpu_pool, tmp_path):
+    """steps=3 and steps=6 start on the same batches, also when 6 steps read past one epoch of the corpus."""
+    corpus = tmp_path / "words"
+    corpus.mkdir()
+    for doc in range(6):  # six documents (Megatron shuffles them), about 70 samples of 64 tokens in all
+        (corpus / f"{doc}.txt").write_text(" ".join(f"w{(i * (doc + 3)) % 89}" for i in range(220)))
+    cpu_pool.run(
+        "from mnb.megatron.data import dataset_for\n"
+        f"corpus = {str(corpus)!r}\n"
+        "models = [mnb.gpt('tiny', vocab_size=257, seed=3) for _ in range(2)]\n"
+        "epoch = len(dataset_for(corpus, models[0].config, models[0].config.seq_length, 1, 1234))\n"
+        "runs = [mnb.train(m, steps=n, data=corpus, micro_batch_size=4, global_batch_size=16)\n"
+        "        for m, n in zip(models, (3, 6))]", quiet=True)
+    epoch = cpu_pool.pull("epoch")[0]
+    assert 3 * 16 <= epoch < 6 * 16  # the longer run crosses an epoch: Megatron would reshuffle from sample 0
+    three, six = cpu_pool.run("[r['losses'] for r in runs]")[0]
+    assert len(three) == 3 and len(six) == 6
+    assert six[:3] == pytest.approx(three, rel=1e-6, abs=0)
+
+
 def test_measured_bubble_is_a_fraction_of_a_1f1b_schedule(cpu_pool):
     """pp=2 on CPU ranks: 1F1B order per stage; the bubble is in [0, 1] on every stage.
 

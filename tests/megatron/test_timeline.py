@@ -46,7 +46,7 @@ def test_pp2_four_microbatches_in_1f1b_order(world2):
 def test_interleaved_rows_carry_chunk_and_microbatch(world2):
     for rank in world2:
         record = ok(rank["pp2-vpp2"])
-        rows = [r for r in record["timeline"] if r["step"] == 0]
+        rows = [r for r in record["timeline"] if r["step"] == 1]
         forward = [(r["microbatch"], r["chunk"]) for r in rows if r["kind"] == "forward"]
         backward = [(r["microbatch"], r["chunk"]) for r in rows if r["kind"] == "backward"]
         table = schedule_table(4, 2, 2)

@@ -49,12 +49,12 @@ def test_progress_events_and_published_record(world1):
 def test_second_train_call_continues(world1):
     result = ok(world1["continue"])
     assert result["split"] == result["once"]
-    assert result["second_steps"] == [3, 4, 5]
+    assert result["second_steps"] == [4, 5, 6]  # steps 1-3, then 4-6: numbered from 1, going on
     # the record reads as before and shows as one line (a cell's last value)
     assert result["type"] == "TrainResult" and result["losses_key"] == result["split"][3:]
     assert result["lrs"] == [1e-3] * 3
     line = result["repr"]
-    assert "\n" not in line and line.startswith("<mnb.train rank 0 (tp0 pp0 dp0): 3 steps (3-5), loss ")
+    assert "\n" not in line and line.startswith("<mnb.train rank 0 (tp0 pp0 dp0): 3 steps (4-6), loss ")
     assert "tokens/s" in line and "peak" in line and len(line) < 160
 
 
@@ -63,7 +63,7 @@ def test_out_of_memory_message(world1):
     result = ok(world1["oom"])
     assert result["type"] == "OutOfMemoryError" and result["cause"] == "OutOfMemoryError"
     message = result["message"]
-    for part in ("rank 0", "pipeline stage 0 of 1", "ran out of memory at step 0", "allocated",
+    for part in ("rank 0", "pipeline stage 0 of 1", "ran out of memory at step 1", "allocated",
                  "peak", "(rss)", "micro_batch_size", "Tried to allocate 20.00 GiB"):
         assert part in message, part
 

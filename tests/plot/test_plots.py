@@ -117,6 +117,9 @@ def test_plot_plan(tmp_path):
     assert any(label.startswith("does not fit") for label in labels)
     assert any(rows[0].describe() == t.get_text() for t in ax.texts)
     save(ax, tmp_path, "plan")
+    tiny = plot_plan(est.plan("tiny", gpus=2, gpu="h200"))  # megabytes on a 140 GiB device
+    assert tiny.get_xlabel() == "predicted peak memory per rank (MiB)"
+    assert any(t.get_text().endswith("GiB (off the axis)") for t in tiny.get_legend().get_texts())
 
 
 def test_rejects_unknown_input():

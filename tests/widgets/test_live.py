@@ -16,7 +16,7 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 def _event(step, steps, loss=5.0):
     """What mnb.train sends: ``step`` counts from 1 within the call."""
-    return Progress(step=step, steps=steps, global_step=step - 1, loss=loss, tokens_per_s=999.0 + step,
+    return Progress(step=step, steps=steps, global_step=step, loss=loss, tokens_per_s=999.0 + step,
                     step_time_s=0.05).as_payload()
 
 
@@ -105,4 +105,4 @@ def test_headless_notebook_keeps_a_text_line(tmp_path):
     quiet = nb.cells[2].outputs
     assert not [o for o in quiet if o.output_type == "error"], quiet
     assert not [o for o in quiet if WIDGET_MIME in o.get("data", {})], quiet
-    assert [o.get("text") for o in quiet] == ["quiet run done [0, 1]\n"], quiet
+    assert [o.get("text") for o in quiet] == ["quiet run done [1, 2]\n"], quiet
