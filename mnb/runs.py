@@ -295,10 +295,10 @@ class Run:
 
     @property
     def unfused_steps(self) -> list[int]:
-        """Steps (from 1, as the progress line counts) that ran the fused ops unfused while their kernels
+        """The steps (their numbers, as :attr:`steps`) that ran the fused ops unfused while their kernels
         compiled in the background (mnb.megatron.background_compile); [] when none did."""
         compiling = self._per_step("compiling")
-        return [self.step_ordinal(step) for step, flags in compiling.items() if any(flags)]
+        return [step for step, flags in compiling.items() if any(flags)]
 
     @property
     def memory_source(self) -> str:
@@ -472,7 +472,7 @@ class Run:
         if unfused:
             first, last = unfused[0], unfused[-1]
             lines.append((f"step {first}" if first == last else f"steps {first}\u2013{last}")
-                         + " unfused while compiling" + ("" if last < steps else " (the fused kernels were not ready yet)"))
+                         + " unfused while compiling" + ("" if last < self.steps[-1] else " (the fused kernels were not ready yet)"))
         if self.measured_bubble is not None and self.layout.pp > 1:  # no pipeline, no bubble to speak of
             text = (f"bubble measured {self.measured_bubble:.1%} ({self.measured_bubble_statistic}) "
                     f"vs theoretical {self.theoretical_bubble:.1%}")
