@@ -111,7 +111,10 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     pool = Pool.start(1, device=args.device, timeout=300)
     try:
-        pool.run(model, quiet=True)
+        # Measure the fused model as it trains once compiled: wait for the background compile
+        # (mnb.megatron.background_compile), or the first steps run unfused while it works.
+        pool.run(model + "\nfrom mnb.megatron import background_compile as _bc\n"
+                 "_ = _bc.pending() and _bc.pending().wait()", quiet=True)
         pool.run(f"mnb.train(model, steps=6, {train_kw})", quiet=True)
         plain = [s["step_time_s"] for s in last_run().records_by_rank[0]["steps"]][1:]
         folder = Path(args.folder) if args.folder else out.parent / "profile-folder"
