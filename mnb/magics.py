@@ -55,7 +55,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
-from mnb.config import FSDP_STRATEGIES, ParallelConfig
+from mnb.config import FSDP_OPTIM_ON_CPU, FSDP_STRATEGIES, ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
 from mnb.controller.kernel_context import kernel_context
 from mnb.controller.preflight import cell_settings, check_cell
@@ -268,7 +268,7 @@ def megatron_parser() -> MagicArgumentParser:
                        metavar="{" + ",".join(FSDP_STRATEGIES) + "}",
                        help="Megatron-FSDP over the dp ranks: shard the optimizer state (optim, ZeRO-1), and the "
                             "gradients (optim_grads, ZeRO-2), and the parameters (optim_grads_params, ZeRO-3; "
-                            "--fsdp alone); not with --pp (default: off when the cell names another layout flag; "
+                            "--fsdp alone); not with --pp, optim not on CPU ranks (default: off when the cell names another layout flag; "
                             "the pool's when it names none)")
     run = p.add_argument_group("running")
     run.add_argument("--ranks", default=None, metavar="0,2-3", help="run on these ranks only (default: every rank)")
@@ -702,6 +702,8 @@ class MegatronMagics(Magics):
         if pool is None:
             raise UsageError("no pool is running; start one with %mnb start")
         layout = requested_layout(pool.layout, args, pool.world_size)
+        if layout.fsdp == "optim" and pool.spec.device == "cpu":
+            raise UsageError(FSDP_OPTIM_ON_CPU)
         ranks = parse_ranks(args.ranks) if args.ranks else None
         if ranks is not None and max(ranks) >= pool.world_size:
             raise UsageError(f"--ranks {args.ranks}: rank {max(ranks)} does not exist in world size {pool.world_size}")

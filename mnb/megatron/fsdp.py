@@ -188,6 +188,19 @@ def sharded_chunks(model: Any) -> list:
     return [w for w in getattr(model, "wrapped", None) or [] if is_fsdp(w)]
 
 
+def ready_for_direct_forward(model: Any) -> None:
+    """Let code call the model's own chunks (not the wrappers), as ``mnb.generate`` does.
+
+    Megatron-FSDP's wrapper first puts the module's own (raw) parameters back in place of the
+    optimizer's DTensor shards, then its per-layer hooks gather them; a call that bypasses the
+    wrapper meets the DTensors (megatron-core 0.19.2: ``KeyError`` in ``all_gather_params``).
+    This does that first step (``MegatronFSDP._replace_param_with_raw_if_needed``, what its
+    ``forward`` runs); the hooks do the rest.
+    """
+    for wrapped in sharded_chunks(model):
+        wrapped.module._replace_param_with_raw_if_needed()
+
+
 OPTIMIZER_NOT_SAVED = (
     "mnb.save: the optimizer state of a Megatron-FSDP model is not saved (Megatron's only optimizer format "
     "under FSDP is torch DCP's fsdp_dtensor, not the layout-free dist_checkpointing format): the checkpoint "

@@ -172,6 +172,12 @@ def _fsdp_strategy(model: MegatronModel) -> str | None:
                 f"run it under the same --fsdp, or build a new model (mnb.gpt) or save and load it"
             )
         return wanted
+    from mnb.megatron import cpu
+
+    if wanted == "optim" and cpu.installed():
+        from mnb.config import FSDP_OPTIM_ON_CPU
+
+        raise ValueError(FSDP_OPTIM_ON_CPU)
     if wanted is not None and model.user_model:
         raise ValueError(f"--fsdp ({wanted}) wraps models built by mnb.gpt / mnb.from_hf; "
                          "your own module trains with Megatron DDP: drop --fsdp")

@@ -3,15 +3,15 @@
 One 4-rank pool (``pool4``) serves the module; the cells run once (``runs``) and the tests read
 what they left:
 
-- tp2·dp2 with Megatron DDP, then the same under ``--fsdp`` (through the magic),
-  ``--fsdp optim_grads`` and ``--fsdp optim``: loss step by step (fp32, rtol 1e-4), the
+- tp2·dp2 with Megatron DDP, then the same under ``--fsdp`` (through the magic) and
+  ``--fsdp optim_grads``: loss step by step (fp32, rtol 1e-4), the
   layout in the run record, and the memory by component (gradients and optimizer state
   halved where the strategy shards them over dp = 2);
 - ``mnb.logits``/``mnb.generate`` of the FSDP model against the DDP model's;
 - a checkpoint saved under fsdp2·tp2 loads under tp2·pp2 (Megatron DDP) and under fsdp4 (dp4):
   the first next loss is the saved model's own next loss, and the two continue alike;
-- what is refused on the ranks, with what to do instead: training a DDP model under
-  ``--fsdp``, loading into a model FSDP already wraps, loading optimizer state under ``--fsdp``.
+- what is refused, with what to do instead: ``--fsdp optim`` on CPU ranks (by the magic, and by
+  ``mnb.train``), training a DDP model under ``--fsdp``, loading into a model FSDP already wraps, loading optimizer state under ``--fsdp``.
 
 Refusals made before any rank is touched (``--pp`` with ``--fsdp``, unknown strategies) are
 tested in tests/test_magics.py.
@@ -22,15 +22,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mnb.config import ParallelConfig
+from IPython.core.error import UsageError
+
+from mnb.config import FSDP_OPTIM_ON_CPU, ParallelConfig
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
 TRAIN = "micro_batch_size=1, global_batch_size=4, lr=1e-3, data='mock'"
-STRATEGIES = ("optim_grads_params", "optim_grads", "optim")
-SHARDS = {"optim_grads_params": ("gradients", "optimizer"), "optim_grads": ("gradients", "optimizer"),
-          "optim": ("optimizer",)}
+STRATEGIES = ("optim_grads_params", "optim_grads")
+"""``optim`` is refused on CPU ranks (mnb.config.FSDP_OPTIM_ON_CPU: its gradients are not DDP's on gloo)."""
+SHARDS = {"optim_grads_params": ("gradients", "optimizer"), "optim_grads": ("gradients", "optimizer")}
 """The components each strategy divides by dp (the rest stay whole)."""
 
 TRAIN_CELL = """
@@ -76,6 +78,10 @@ out['load_into_wrapped'] = refused(lambda: mnb.load({str(ck)!r}, m3))
     for strategy in STRATEGIES[1:]:
         pool.run(TRAIN_CELL.format(name="m", key=strategy, steps=STEPS, train=TRAIN),
                  layout=ParallelConfig(tp=2, fsdp=strategy), quiet=True)
+    with pytest.raises(UsageError) as refused:  # before any rank is touched
+        shell.run_cell_magic("megatron", "--tp 2 --fsdp optim", "print('never runs')")
+    pool.run("m = mnb.gpt('tiny')\nout['optim'] = refused(lambda: mnb.train(m, steps=1, " + TRAIN + "))",
+             layout=ParallelConfig(tp=2, fsdp="optim"), quiet=True)
     load_cell = """
 {name} = mnb.gpt('tiny')
 _info = mnb.load({ck!r}, {name})
@@ -88,7 +94,7 @@ out[{key!r}] = dict(step=_info['step'], optimizer_loaded=_info['optimizer_loaded
              + f"g = mnb.gpt('tiny')\nout['optimizer_under_fsdp'] = refused(lambda: mnb.load({str(ddp_ck)!r}, g))\n"
              f"out['weights_under_fsdp'] = mnb.load({str(ddp_ck)!r}, g, load_optimizer=False)['step']",
              layout=ParallelConfig(fsdp="optim_grads_params"), quiet=True)
-    return pool.run("out", quiet=True)[0]
+    return {**pool.run("out", quiet=True)[0], "optim magic": str(refused.value)}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -121,6 +127,7 @@ def test_a_checkpoint_saved_under_fsdp_loads_under_tp2_pp2_and_under_fsdp4(runs)
 
 
 def test_what_fsdp_cannot_do_is_refused_with_what_to_do(runs):
+    assert runs["optim magic"] == runs["optim"] == FSDP_OPTIM_ON_CPU
     assert "wrapped with fsdp=None but the cell runs with fsdp='optim_grads_params'" in runs["ddp_model_under_fsdp"]
     assert "build a new one (mnb.gpt) under --fsdp and load into it before its first mnb.train" in \
         runs["load_into_wrapped"]
