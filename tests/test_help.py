@@ -69,7 +69,7 @@ def test_help_lists_every_option_with_its_default_and_an_example(name):
 def test_megatron_help_states_the_layout_semantics():
     text = " ".join(megatron_parser().format_help().split())
     assert "names any layout flag" in text and "runs under exactly that layout" in text
-    assert "the dimensions it does not name are 1 and sequence parallelism is off" in text
+    assert "the dimensions it does not name are 1, sequence parallelism and FSDP are off" in text
     assert "A cell that names none keeps the pool's current layout" in text
 
 

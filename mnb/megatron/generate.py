@@ -257,8 +257,11 @@ def inference_mode(model: MegatronModel):
     """Eval mode, no autograd, sequence parallelism off; restored however the call ends."""
     from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
+    from mnb.megatron import fsdp
+
     sp = bool(model.transformer_config.sequence_parallel)
     modes = [chunk.training for chunk in model.chunks]
+    fsdp.ready_for_direct_forward(model)  # the chunks are called directly, not through their wrappers
     try:
         for chunk in model.chunks:
             chunk.eval()

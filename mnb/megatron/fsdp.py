@@ -1,0 +1,274 @@
+"""Megatron-FSDP: ZeRO-1/2/3 as a way of wrapping the model (``%%megatron --fsdp``).
+
+Inside a cell::
+
+    %%megatron --fsdp                     # optim_grads_params (ZeRO-3); or --fsdp optim / optim_grads
+    model = mnb.gpt("tiny")
+    mnb.train(model, steps=10)            # Megatron-FSDP + Megatron's distributed optimizer
+
+``mnb.train`` wraps the chunks with Megatron-Core's own ``FullyShardedDataParallel``
+(``megatron.core.distributed.fsdp.mcore_fsdp_adapter``, the wrapper behind Megatron-LM's
+``--use-megatron-fsdp``) instead of its ``DistributedDataParallel``, with
+``data_parallel_sharding_strategy`` = the layout's ``fsdp``; the optimizer is Megatron's
+distributed optimizer over FSDP's sharded buffers (``get_megatron_optimizer`` sees
+``ddp_config.use_megatron_fsdp``), as Megatron-LM forces it.  The process groups are the
+same as without FSDP: the strategy shards over the dp x cp group.
+
+What is needed around Megatron (megatron-core 0.16.1 and 0.19.2 both ship it):
+
+- the adapter builds its device mesh with ``einops.rearrange`` (``_get_dp_tp_mesh``), a
+  package megatron-core does not depend on: where einops is missing, :func:`_dp_tp_mesh`
+  (the same arrangement, ranks ordered dp*cp x ep x tp, with the same consistency checks)
+  takes its place;
+- megatron-core 0.16.1's adapter tests ``isinstance(module, (TELinear,))`` with tp > 1, and
+  ``TELinear`` is a ``MagicMock`` without Transformer Engine: :class:`_NoTELinear` stands in;
+- on CPU ranks, :mod:`mnb.megatron.cpu` makes Megatron's ``torch.device("cuda:...")`` and
+  ``DeviceMesh(... "cuda")`` the CPU's, so the DTensor shards stay on the CPU.
+
+pp > 1 is refused in :class:`mnb.config.ParallelConfig` (the adapter's mesh has no pipeline
+dimension).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _adapter():
+    try:
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    except ImportError as exc:  # pragma: no cover - both supported versions ship it
+        raise RuntimeError(
+            f"this megatron-core has no Megatron-FSDP (megatron.core.distributed.fsdp: {exc}); "
+            "use megatron-core 0.16 or newer, or drop --fsdp"
+        ) from exc
+    if not getattr(mcore_fsdp_adapter, "HAVE_MEGATRON_FSDP", True):
+        raise RuntimeError(
+            "Megatron-FSDP did not import in this megatron-core "
+            f"({getattr(mcore_fsdp_adapter, 'IMPORT_MEGATRON_FSDP_ERROR', '?')}); drop --fsdp"
+        )
+    if not getattr(mcore_fsdp_adapter, "HAVE_EINOPS", False):
+        mcore_fsdp_adapter._get_dp_tp_mesh = _dp_tp_mesh
+    if "TELinear" in vars(mcore_fsdp_adapter) and not isinstance(mcore_fsdp_adapter.TELinear, type):
+        mcore_fsdp_adapter.TELinear = _NoTELinear
+    return mcore_fsdp_adapter
+
+
+class _NoTELinear:
+    """Stands for Transformer Engine's ``TELinear`` where TE is absent: no module is one.
+
+    megatron-core 0.16.1's adapter asks ``isinstance(module, (TELinear,))`` for every
+    parameter when tp > 1, and without TE ``megatron.core.extensions.transformer_engine``
+    leaves ``TELinear`` a ``MagicMock`` (a TypeError: not a type).
+    """
+
+
+def _dp_tp_mesh(dp_cp_group, tp_group, ep_size: int = 1) -> torch.Tensor:
+    """The (dp*cp, tp) block of ranks this rank belongs to, as Megatron-FSDP's adapter arranges them.
+
+    World ranks in Megatron's order (tp fastest, then ep, then dp*cp; no pp) as an
+    ``[ep, dp_cp, tp]`` grid; this rank's ``[dp_cp, tp]`` slice.  The rows and columns must
+    be exactly the ranks of ``dp_cp_group`` and ``tp_group``: anything else would shard
+    over the wrong ranks, so it raises.
+    """
+    dist = torch.distributed
+    world = dist.get_world_size()
+    tp = tp_group.size() if tp_group is not None else 1
+    dp_cp = dp_cp_group.size()
+    if dp_cp * ep_size * tp != world:
+        raise ValueError(
+            f"Megatron-FSDP's mesh needs dp*cp({dp_cp}) * ep({ep_size}) * tp({tp}) = world size({world}); "
+            "pipeline parallelism does not combine with --fsdp"
+        )
+    grid = torch.arange(world).reshape(dp_cp, ep_size, tp).permute(1, 0, 2)
+    rank = dist.get_rank()
+    mine = [block for block in grid if rank in block.reshape(-1).tolist()]
+    block = mine[0]
+    column = next(col for col in block.t().tolist() if rank in col)
+    row = next(r for r in block.tolist() if rank in r)
+    if sorted(column) != sorted(dist.get_process_group_ranks(dp_cp_group)) or (
+            tp_group is not None and sorted(row) != sorted(dist.get_process_group_ranks(tp_group))):
+        raise ValueError(
+            f"rank {rank}: Megatron-FSDP's mesh {block.tolist()} does not match the dp*cp group "
+            f"{dist.get_process_group_ranks(dp_cp_group)} and the tp group; the layout's rank order "
+            "is not Megatron's default tp-cp-ep-dp"
+        )
+    return block
+
+
+def ddp_config(strategy: str, *, grad_reduce_in_fp32: bool = True) -> Any:
+    """Megatron's ``DistributedDataParallelConfig`` for Megatron-FSDP with ``strategy``."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=True,  # Megatron-FSDP's optimizer is the distributed one
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+    )
+
+
+def wrap(config: Any, module: torch.nn.Module, strategy: str, device: torch.device) -> torch.nn.Module:
+    """``module`` wrapped with Megatron-Core's ``FullyShardedDataParallel`` (one chunk: pp is 1)."""
+    adapter = _adapter()
+    return adapter.FullyShardedDataParallel(config, ddp_config(strategy), module, device=device)
+
+
+def is_fsdp(wrapped: Any) -> bool:
+    """True for a chunk wrapped by :func:`wrap`."""
+    return bool(getattr(getattr(wrapped, "ddp_config", None), "use_megatron_fsdp", False))
+
+
+def buffer_tensors(wrapped: Any) -> dict[str, list[torch.Tensor]]:
+    """This rank's storages of an FSDP chunk, by what they hold: ``weights`` (the model's
+    compute weights and fp32 main weights, sharded unless ``optim``/``optim_grads`` keep
+    the compute copy whole) and ``gradients`` (the main-gradient buffer, sharded from
+    ``optim_grads`` on).  Read from Megatron-FSDP's ``ParamAndGradBuffer`` groups."""
+    out: dict[str, list[torch.Tensor]] = {"weights": [], "gradients": []}
+    buffer = getattr(wrapped, "param_and_grad_buffer", None)
+    for group in getattr(buffer, "parameter_groups", None) or []:
+        for name, kind in (("model_weight_buffer", "weights"), ("main_weight_buffer", "weights"),
+                           ("main_grad_buffer", "gradients")):
+            data = getattr(getattr(group, name, None), "data", None)
+            if isinstance(data, torch.Tensor):
+                out[kind].append(data)
+    return out
+
+
+@contextlib.contextmanager
+def whole_parameters(wrapped_chunks: list):
+    """Inside: the chunks' own modules hold whole (this tp rank's) parameters, gathered over dp.
+
+    Megatron-FSDP keeps each parameter as a dp-sharded DTensor (``optimizer_named_parameters``
+    of its ``ParamAndGradBuffer``) and swaps them into the module before the optimizer step and
+    before any ``state_dict`` (a pre-hook).  A layout-free checkpoint (:mod:`mnb.megatron.checkpoint`)
+    needs Megatron's ``sharded_state_dict`` of plain tensors instead: each shard is gathered
+    (:func:`_gather_rows`), cast to the module's own dtype, placed in the
+    module's raw parameters, and the hook is told the parameters are already in place; on the way
+    out the module's parameters are what they were.  A collective: every rank of the pool.
+    """
+    restore = []
+    try:
+        for wrapped in wrapped_chunks:
+            if not is_fsdp(wrapped):
+                continue
+            inner = wrapped.module  # MegatronFSDP
+            was_distributed = inner.is_param_fsdp_distributed
+            kept = {name: raw.data for name, raw in inner.raw_param.items()}
+            restore.append((inner, was_distributed, kept))
+            sharded = dict(inner.param_and_grad_buffer.optimizer_named_parameters)
+            for name, raw in inner.raw_param.items():
+                whole = _gather_rows(sharded[name])
+                if tuple(whole.shape) != tuple(raw.shape):
+                    raise RuntimeError(f"Megatron-FSDP gathered {name} as {tuple(whole.shape)}, the module "
+                                       f"holds {tuple(raw.shape)}: this megatron-core's sharding is not dp-only")
+                raw.data = whole.to(raw.dtype)
+            inner._replace_param_with_raw_if_needed()
+            inner.is_param_fsdp_distributed = True  # the state_dict pre-hook leaves the whole ones in place
+        yield
+    finally:
+        for inner, was_distributed, kept in reversed(restore):
+            for name, raw in inner.raw_param.items():
+                raw.data = kept[name]
+            inner.is_param_fsdp_distributed = False  # the truth: the raw parameters are installed
+            if was_distributed:
+                inner._replace_param_with_distributed_if_needed()
+
+
+def sharded_chunks(model: Any) -> list:
+    """The Megatron-FSDP chunks of an mnb model once trained (else ``[]``)."""
+    return [w for w in getattr(model, "wrapped", None) or [] if is_fsdp(w)]
+
+
+def ready_for_direct_forward(model: Any) -> None:
+    """Let code call the model's own chunks (not the wrappers), as ``mnb.generate`` does.
+
+    Megatron-FSDP's wrapper first puts the module's own (raw) parameters back in place of the
+    optimizer's DTensor shards, then its per-layer hooks gather them; a call that bypasses the
+    wrapper meets the DTensors (megatron-core 0.19.2: ``KeyError`` in ``all_gather_params``).
+    This does that first step (``MegatronFSDP._replace_param_with_raw_if_needed``, what its
+    ``forward`` runs); the hooks do the rest.
+    """
+    for wrapped in sharded_chunks(model):
+        wrapped.module._replace_param_with_raw_if_needed()
+
+
+OPTIMIZER_NOT_SAVED = (
+    "mnb.save: the optimizer state of a Megatron-FSDP model is not saved (Megatron's only optimizer format "
+    "under FSDP is torch DCP's fsdp_dtensor, not the layout-free dist_checkpointing format): the checkpoint "
+    "holds the weights and the progress; mnb.load continues them with a fresh optimizer, under any layout"
+)
+
+
+def warn_optimizer_not_saved() -> None:
+    """The warning, once per pool (rank 0)."""
+    import warnings
+
+    if torch.distributed.get_rank() == 0:
+        warnings.warn(OPTIMIZER_NOT_SAVED, stacklevel=3)
+
+
+def check_load(model: Any, wants_optimizer: bool) -> None:
+    """Refuse, before any collective, what ``mnb.load`` cannot do under Megatron-FSDP.
+
+    A model FSDP already wrapped holds DTensor shards its ``load_state_dict`` cannot fill in
+    place; a model about to be wrapped (the cell's ``--fsdp``) cannot take a checkpoint's
+    optimizer state (see :data:`OPTIMIZER_NOT_SAVED`).
+    """
+    from mnb.megatron import layout
+
+    if sharded_chunks(model):
+        raise ValueError(
+            f"mnb.load into a model Megatron-FSDP already wraps (fsdp={model.parallel.fsdp!r}, trained): "
+            "build a new one (mnb.gpt) under --fsdp and load into it before its first mnb.train"
+        )
+    current = layout.current_layout()
+    if wants_optimizer and current is not None and current.fsdp is not None and not getattr(model, "user_model", True):
+        raise ValueError(
+            f"under --fsdp {current.fsdp} the checkpoint's optimizer state cannot be loaded (Megatron-FSDP's "
+            "optimizer takes only its own fsdp_dtensor format): mnb.load(path, model, load_optimizer=False) "
+            "loads the weights and the progress, and training continues with a fresh optimizer"
+        )
+
+
+DP_DIM = "dp_cp"
+"""The mesh dimension Megatron-FSDP's adapter shards over (its tp dimension only describes tp's split)."""
+
+
+def _gather_rows(dtensor: Any) -> torch.Tensor:
+    """This tp rank's whole tensor of a Megatron-FSDP DTensor: its rows gathered over the dp mesh dimension.
+
+    Megatron-FSDP cuts each (tp-local) parameter at flat-buffer boundaries, so dp ranks hold
+    different numbers of rows (possibly none).  Megatron's own ``gather_uneven_dtensor_to_full_tensor``
+    all-gathers tensors of different sizes, which gloo refuses; here each rank's rows are padded
+    to the largest count, all-gathered over that mesh dimension's group, and cut back.
+    """
+    from torch.distributed.tensor import Shard
+
+    local = dtensor.to_local()
+    names = list(dtensor.device_mesh.mesh_dim_names or ())
+    dims = [names.index(DP_DIM)] if DP_DIM in names else \
+        [i for i, p in enumerate(dtensor.placements) if isinstance(p, Shard)]
+    if not dims or not isinstance(dtensor.placements[dims[0]], Shard):
+        return local
+    if len(dims) > 1 or dtensor.placements[dims[0]].dim != 0:
+        raise RuntimeError(f"Megatron-FSDP parameter sharded as {dtensor.placements}: mnb gathers dim-0 dp shards only")
+    group = dtensor.device_mesh.get_group(dims[0])
+    dist = torch.distributed
+    rows = torch.tensor([local.shape[0]], dtype=torch.long, device=local.device)
+    counts = [torch.zeros_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, rows, group=group)
+    counts = [int(c) for c in counts]
+    padded = local.new_zeros((max(counts), *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([piece[:n] for piece, n in zip(pieces, counts)])
