@@ -97,6 +97,10 @@ class ParallelConfig:
     """Data-parallel size; None means 'infer from the world size'."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1 to have any effect)."""
+    fsdp: Literal["optim", "optim_grads", "optim_grads_params"] | None = None
+    """Megatron-FSDP's sharding over the data-parallel ranks (None: Megatron DDP): ``optim`` shards the
+    optimizer state (ZeRO-1), ``optim_grads`` also the gradients (ZeRO-2), ``optim_grads_params``
+    also the parameters (ZeRO-3; Megatron's ``data_parallel_sharding_strategy``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "vpp", as_vpp(self.vpp))
@@ -175,6 +179,8 @@ class ParallelConfig:
         parts.append(f"dp{self.dp if self.dp is not None else '?'}")
         if self.sequence_parallel:
             parts.append("sp")
+        if self.fsdp:
+            parts.append(f"fsdp:{self.fsdp}")
         return " ".join(parts)
 
 
