@@ -123,7 +123,7 @@ class StepTimeEstimate:
         rows += [("pipeline bubble", self.bubble_s), ("optimizer step", self.optimizer_s),
                  ("tp communication (exposed)", self.tp_comm_s), ("cp communication", self.cp_comm_s),
                  ("ep all-to-all", self.ep_comm_s), ("pp send/recv", self.pp_comm_s),
-                 ("dp gradient reduce (exposed)", self.dp_comm_s)]
+                 ("dp collectives (exposed)", self.dp_comm_s)]
         return Explanation(
             rows=tuple((name, s) for name, s in rows if s > 0 or name in ("pipeline bubble",)),
             hidden=tuple((n, s) for n, s in self.hidden_comm if s > 0),
