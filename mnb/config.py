@@ -78,7 +78,8 @@ def _positive(obj: Any, names: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How ranks are arranged.  dp is derived: world / (tp * pp * cp)."""
+    """How ranks are arranged.  dp is derived: world / (tp * pp * cp).  ``fsdp`` says how the model's
+    state is sharded over the dp ranks (Megatron-FSDP), without changing the process groups."""
 
     tp: int = 1
     """Tensor-parallel size (Megatron: tensor_model_parallel_size)."""
@@ -98,9 +99,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1 to have any effect)."""
     fsdp: Literal["optim", "optim_grads", "optim_grads_params"] | None = None
-    """Megatron-FSDP's sharding over the data-parallel ranks (None: Megatron DDP): ``optim`` shards the
-    optimizer state (ZeRO-1), ``optim_grads`` also the gradients (ZeRO-2), ``optim_grads_params``
-    also the parameters (ZeRO-3; Megatron's ``data_parallel_sharding_strategy``)."""
+    """Megatron-FSDP over the dp (x cp) ranks: what is sharded besides what DDP keeps whole --
+    ``"optim"`` (optimizer state, ZeRO-1), ``"optim_grads"`` (+ gradients, ZeRO-2),
+    ``"optim_grads_params"`` (+ parameters, ZeRO-3; ``%%megatron --fsdp`` alone); ``None``: Megatron
+    DDP.  A way of wrapping the model, not a process-group change (Megatron's
+    ``data_parallel_sharding_strategy``; :mod:`mnb.megatron.fsdp`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "vpp", as_vpp(self.vpp))
@@ -116,6 +119,12 @@ class ParallelConfig:
             )
         if self.dp is not None and self.dp < 1:
             raise ValueError(f"dp must be a positive integer or None, got {self.dp!r}")
+        if self.fsdp is not None and self.pp > 1:
+            raise ValueError(
+                f"fsdp={self.fsdp!r} does not combine with pp({self.pp}): Megatron-FSDP lays its device mesh "
+                "over every rank as dp*cp x ep x tp (megatron-core 0.16 and 0.19 mcore_fsdp_adapter), so "
+                "there is no pipeline dimension; drop --pp or --fsdp"
+            )
 
     @property
     def model_parallel_size(self) -> int:
@@ -179,10 +188,13 @@ class ParallelConfig:
         parts.append(f"dp{self.dp if self.dp is not None else '?'}")
         if self.sequence_parallel:
             parts.append("sp")
-        if self.fsdp:
+        if self.fsdp is not None:
             parts.append(f"fsdp:{self.fsdp}")
         return " ".join(parts)
 
+
+FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+"""Values of ``ParallelConfig.fsdp`` (Megatron's ``data_parallel_sharding_strategy`` without ``no_shard``)."""
 
 TRANSFORMER_DEFAULTS: dict[str, Any] = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 """TransformerConfig values mnb changes from Megatron's defaults (overridable through ``extra``).

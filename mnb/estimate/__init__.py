@@ -32,7 +32,7 @@ from .memory import COMPONENTS, MemoryEstimate, StageMemory, bytes_per_param, me
 from .params import StageParams, layer_params, stage_params
 from .pipeline import bubble, bubble_time_ratio, in_flight, simulate_schedule, timeline_bubble, warmup_microbatches
 from .plan import Plan, PlanRow, format_plan, plan
-from .sharding import FSDP_LEVELS, DataParallelTraffic, dp_traffic
+from .sharding import DataParallelTraffic, dp_traffic
 from .explain import Explanation
 from .timing import StepTimeEstimate, step_time
 
@@ -42,7 +42,6 @@ __all__ = [
     "DataParallelTraffic",
     "Device",
     "Explanation",
-    "FSDP_LEVELS",
     "MemoryEstimate",
     "Plan",
     "PlanRow",

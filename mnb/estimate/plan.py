@@ -12,7 +12,7 @@ the distributed optimizer is on when dp*cp > 1 (Megatron shards it over both); v
 split evenly and m >= pp; ep (MoE) divides the experts and dp*cp; recompute
 in ``recomputes``; Megatron-FSDP's levels in ``fsdps`` where dp*cp > 1 (with one rank
 in the group they shard nothing; ``optim`` is left out by default: it keeps and moves
-what the distributed optimizer does) and ParallelConfig accepts the layout.  Rows are sorted: fitting layouts first, then by predicted
+what the distributed optimizer does) and ParallelConfig accepts the layout (not with pp > 1: Megatron-FSDP's device mesh has no pipeline dimension).  Rows are sorted: fitting layouts first, then by predicted
 step time, then by memory.
 """
 
@@ -21,14 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
+from mnb.config import FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
 from mnb.units import GIB, Text
 
 from . import hardware
 from ._inputs import as_model, as_train
 from .memory import MemoryEstimate, memory
 from .pipeline import bubble
-from .sharding import FSDP_LEVELS
 from .timing import StepTimeEstimate, step_time
 
 
@@ -158,8 +157,8 @@ def plan(
     vpp_choices = list(dict.fromkeys(as_vpp(v) for v in vpps))  # None (accepted) is 1: no interleaving
     fsdp_choices = list(dict.fromkeys(fsdps))
     for level in fsdp_choices:
-        if level is not None and level not in FSDP_LEVELS:
-            raise ValueError(f"fsdps: {level!r} is not a sharding level; choose from None, {', '.join(FSDP_LEVELS)}")
+        if level is not None and level not in FSDP_STRATEGIES:
+            raise ValueError(f"fsdps: {level!r} is not a sharding level; choose from None, {', '.join(FSDP_STRATEGIES)}")
     ep_choices = list(eps) if eps is not None else (
         divisors(model.num_moe_experts) if model.is_moe else [1]
     )

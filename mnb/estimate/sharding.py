@@ -47,14 +47,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig
+from mnb.config import FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig
 
 from ._inputs import as_model, as_parallel, as_train
 from ._inputs import num_microbatches as resolve_microbatches
 from .params import layer_params, stage_params
-
-FSDP_LEVELS = ("optim", "optim_grads", "optim_grads_params")
-"""Megatron-FSDP's sharding levels, in ZeRO order (ZeRO-1, -2, -3)."""
 
 GATHERED_LAYERS = 2
 """Layers whose parameters a ZeRO-3 rank holds gathered at once: the one computing and the next (prefetched)."""
@@ -80,7 +77,7 @@ def sharded_components(parallel: ParallelConfig, train: TrainConfig) -> tuple[st
     level = parallel.fsdp
     if level is None:
         return ("optimizer",) if train.use_distributed_optimizer else ()
-    return ("optimizer", "gradients", "weights")[: FSDP_LEVELS.index(level) + 1]
+    return ("optimizer", "gradients", "weights")[: FSDP_STRATEGIES.index(level) + 1]  # ZeRO order: 1, 2, 3
 
 
 def level_name(parallel: ParallelConfig, train: TrainConfig) -> str:

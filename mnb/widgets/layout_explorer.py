@@ -39,9 +39,8 @@ from typing import Any
 import ipywidgets as widgets
 from traitlets import Bool, Bytes, Dict, Enum, Int, TraitError, Unicode, observe, validate
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig
+from mnb.config import FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig
 from mnb.controller.registry import measured_cpu_peak_flops
-from mnb.estimate.sharding import FSDP_LEVELS
 
 from . import _explorer_view as view
 from .choices import CONFIG_TRAITS, MODEL_DIMS, TRAIN_TRAITS, Derived, Settings, derive, refusal
@@ -75,7 +74,7 @@ class Explorer(widgets.VBox):
     cp = Int(_DEFAULT.cp, help="Context-parallel size.").tag(sync=True)
     ep = Int(_DEFAULT.ep, help="Expert-parallel size (MoE models).").tag(sync=True)
     sequence_parallel = Bool(_DEFAULT.sequence_parallel, help="Megatron sequence parallelism (tp > 1).").tag(sync=True)
-    fsdp = Enum(FSDP_LEVELS, _DEFAULT.fsdp, allow_none=True,
+    fsdp = Enum(FSDP_STRATEGIES, _DEFAULT.fsdp, allow_none=True,
                 help="Megatron-FSDP sharding over dp: None (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
                      "optim_grads_params (ZeRO-3).").tag(sync=True)
     # ----- batch and memory savers -------------------------------------------------

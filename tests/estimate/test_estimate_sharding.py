@@ -105,6 +105,8 @@ def test_plan_lists_fsdp_layouts_where_they_shard():
     levels = {r.parallel.fsdp for r in rows}
     assert levels == {None, "optim_grads", "optim_grads_params"}  # optim is the distributed optimizer's twin
     assert all((r.parallel.dp or 1) * r.parallel.cp > 1 for r in rows if r.parallel.fsdp)
+    # Megatron-FSDP's device mesh is dp*cp x ep x tp over the whole world: no pipeline dimension
+    assert any(r.parallel.pp > 1 for r in rows) and not any(r.parallel.pp > 1 for r in rows if r.parallel.fsdp)
     assert any(r.describe() == "tp1 pp1 dp8 fsdp:optim_grads_params" for r in rows)
     # where only sharding the parameters fits, the plan's best is ZeRO-3
     tight = est.plan("llama-8b", gpus=8, gbs=64, tps=[1], pps=[1], cps=[1], recomputes=("none",),
@@ -120,3 +122,5 @@ def test_parallel_config_fsdp_field():
     assert ParallelConfig(fsdp="optim_grads", dp=2).describe() == "tp1 pp1 dp2 fsdp:optim_grads"
     with pytest.raises(ValueError, match="optim_grads_params"):
         ParallelConfig(fsdp="zero3")
+    with pytest.raises(ValueError, match=r"does not combine with pp\(2\)"):
+        ParallelConfig(fsdp="optim", pp=2)

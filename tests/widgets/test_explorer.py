@@ -220,5 +220,11 @@ def test_fsdp_level_shards_and_shows_its_collectives(llama):
     assert "all-gather" in llama.summary()
     with pytest.raises(TraitError):
         llama.fsdp = "zero3"
+    with pytest.raises(TraitError, match=r"does not combine with pp\(2\)"):  # Megatron-FSDP has no pp
+        llama.pp = 2
     llama.controls["fsdp"].value = None  # the page's dropdown writes the trait back
     assert llama.fsdp is None and llama.predicted["components"] == base
+    llama.pp = 2
+    llama.fsdp = "optim_grads"  # the explorer moves what the level rules out, saying why
+    assert llama.pp == 1 and "does not combine with pp(2)" in llama.status
+    llama.fsdp = None
