@@ -19,15 +19,15 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
 
 Cell magic (``%%megatron?`` or ``%%megatron --help`` prints its flags)::
 
-    %%megatron [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--sp/--no-sp]
+    %%megatron [--tp N] [--pp N] [--vpp N] [--cp N] [--ep N] [--sp/--no-sp] [--fsdp [STRATEGY]]
                [--ranks 0,2-3] [--timeout SECONDS] [--grace SECONDS]
                [--profile [STEPS]] [--profile-ranks 0,2-3] [--memory] [-o DIR]
     model = mnb.gpt("tiny")
     print(rank, ps.get_tensor_model_parallel_rank())
 
 A cell means the same every time it runs: a cell that names any layout flag
-(--tp --pp --vpp --cp --ep --sp/--no-sp) runs under exactly that layout, the
-dimensions it does not name being 1 and sequence parallelism off; a cell that
+(--tp --pp --vpp --cp --ep --sp/--no-sp --fsdp) runs under exactly that layout, the
+dimensions it does not name being 1 and sequence parallelism and FSDP off; a cell that
 names none keeps the pool's current layout.  So ``%%megatron --pp 2`` after
 ``%%megatron --tp 2`` on 2 ranks runs under tp1 pp2.  dp is always
 world_size / (tp * pp * cp).  The parallel state is re-initialised in the live
@@ -55,7 +55,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
-from mnb.config import ParallelConfig
+from mnb.config import FSDP_STRATEGIES, ParallelConfig
 from mnb.controller import Pool, current_pool, last_run, set_current_pool
 from mnb.controller.kernel_context import kernel_context
 from mnb.controller.preflight import cell_settings, check_cell
@@ -115,7 +115,7 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-LAYOUT_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "sp")
+LAYOUT_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "sp", "fsdp")
 """The %%megatron flags that name a layout: a cell naming any of them runs under exactly that layout."""
 
 MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "plot", "plan", "run", "export", "profile")
@@ -236,9 +236,9 @@ def megatron_parser() -> MagicArgumentParser:
     p = _parser(
         "%%megatron",
         "Run the cell on the ranks (all by default) under a Megatron layout.\n\n"
-        "A cell that names any layout flag (--tp --pp --vpp --cp --ep --sp/--no-sp) runs under exactly that\n"
-        "layout: the dimensions it does not name are 1 and sequence parallelism is off.  A cell that names\n"
-        "none keeps the pool's current layout.  dp = world size / (tp * pp * cp).  The names rank,\n"
+        "A cell that names any layout flag (--tp --pp --vpp --cp --ep --sp/--no-sp --fsdp) runs under exactly\n"
+        "that layout: the dimensions it does not name are 1, sequence parallelism and FSDP are off.\n"
+        "A cell that names none keeps the pool's current layout.  dp = world size / (tp * pp * cp).  The names rank,\n"
         "world_size, local_rank, device, torch, dist, ps (megatron.core.parallel_state), mnb and display\n"
         "are bound on every rank; names a cell defines persist for later cells.",
         [
@@ -248,6 +248,7 @@ def megatron_parser() -> MagicArgumentParser:
             "%%megatron --pp 2                 # tp1 pp2 (unnamed dimensions are 1), whatever ran before",
             "%%megatron                        # no layout flag: the pool's current layout",
             "%%megatron --tp 2 --sp --ranks 0,1 --timeout 60",
+            "%%megatron --fsdp                 # Megatron-FSDP, ZeRO-3 (--fsdp optim_grads: ZeRO-2)",
         ],
     )
     sizes = p.add_argument_group("layout (naming any of these sets the whole layout)")
@@ -263,6 +264,12 @@ def megatron_parser() -> MagicArgumentParser:
                             "the pool's when it names none)")
     sizes.add_argument("--no-sp", dest="sp", action="store_false",
                        help="sequence parallelism off (default: see --sp)")
+    sizes.add_argument("--fsdp", nargs="?", const="optim_grads_params", default=None, choices=FSDP_STRATEGIES,
+                       metavar="{" + ",".join(FSDP_STRATEGIES) + "}",
+                       help="Megatron-FSDP over the dp ranks: shard the optimizer state (optim, ZeRO-1), and the "
+                            "gradients (optim_grads, ZeRO-2), and the parameters (optim_grads_params, ZeRO-3; "
+                            "--fsdp alone); not with --pp (default: off when the cell names another layout flag; "
+                            "the pool's when it names none)")
     run = p.add_argument_group("running")
     run.add_argument("--ranks", default=None, metavar="0,2-3", help="run on these ranks only (default: every rank)")
     run.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
@@ -468,6 +475,7 @@ def requested_layout(current: ParallelConfig, args: Any, world_size: int) -> Par
         return ParallelConfig(
             tp=named.get("tp", 1), pp=named.get("pp", 1), vpp=named.get("vpp", 1),
             cp=named.get("cp", 1), ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp", False)),
+            fsdp=named.get("fsdp"),
         ).resolve(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -633,7 +641,7 @@ class MegatronMagics(Magics):
 
         settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
                                                   "lr", "data") if getattr(args, k) is not None}
-        named = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name) is not None}
+        named = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name, None) is not None}
         try:
             layout = None
             if named:

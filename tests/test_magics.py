@@ -39,7 +39,7 @@ FLAGS = {
     "%mnb export": ["--cp", "--data", "--ep", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
                     "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
                     "megatron-lm", "slurm", "torchrun"],
-    "%%megatron": ["--cp", "--ep", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
+    "%%megatron": ["--cp", "--ep", "--fsdp", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
                    "--ranks", "--sp", "--timeout", "--tp", "--vpp", "-o"],
 }
 """Every magic's flags and positional choices (-h/--help aside): a contract, so any change is deliberate."""
@@ -108,12 +108,28 @@ def test_a_cell_naming_a_layout_flag_runs_under_exactly_that_layout():
     assert _run_cells(["--pp 2 --vpp 1"], world=2) == ["tp1 pp2 dp1"]  # 1: no interleaving
     with pytest.raises(UsageError, match=r"vpp must be a positive integer \(1 = no interleaving\), got 0"):
         _run_cells(["--pp 2 --vpp 0"], world=2)
-    assert set(LAYOUT_FLAGS) == {"tp", "pp", "vpp", "cp", "ep", "sp"}
+    assert set(LAYOUT_FLAGS) == {"tp", "pp", "vpp", "cp", "ep", "sp", "fsdp"}
+
+
+def test_fsdp_is_a_layout_flag_refused_before_any_rank():
+    # bare --fsdp is ZeRO-3; it is a layout flag (a cell naming another one turns it off); it keeps dp
+    assert _run_cells(["--fsdp", "", "--fsdp optim", "--tp 2 --fsdp optim_grads", "--tp 2", "--fsdp"], world=4) == [
+        "tp1 pp1 dp4 fsdp:optim_grads_params", "tp1 pp1 dp4 fsdp:optim_grads_params", "tp1 pp1 dp4 fsdp:optim",
+        "tp2 pp1 dp2 fsdp:optim_grads", "tp2 pp1 dp2", "tp1 pp1 dp4 fsdp:optim_grads_params"]
+    with pytest.raises(UsageError, match=r"invalid choice: 'zero3' \(choose from 'optim', 'optim_grads', "
+                                         r"'optim_grads_params'\)"):
+        _cell("--fsdp zero3")
+    with pytest.raises(UsageError, match=r"fsdp='optim_grads_params' does not combine with pp\(2\).*drop --pp or --fsdp"):
+        _run_cells(["--pp 2 --fsdp"], world=4)
+    with pytest.raises(ValueError, match=r"ParallelConfig.fsdp must be one of 'optim', 'optim_grads', "
+                                         r"'optim_grads_params' or None, got 'ZeRO-3'"):
+        ParallelConfig(fsdp="ZeRO-3")
 
 
 def test_requested_layout_reads_only_the_layout_flags():
     current = ParallelConfig(tp=2).resolve(2)
-    args = SimpleNamespace(tp=None, pp=None, vpp=None, cp=None, ep=None, sp=None, ranks="1", timeout=5.0, grace=1.0)
+    args = SimpleNamespace(tp=None, pp=None, vpp=None, cp=None, ep=None, sp=None, fsdp=None, ranks="1", timeout=5.0,
+                           grace=1.0)
     assert requested_layout(current, args, 2) == current
 
 

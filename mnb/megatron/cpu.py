@@ -30,6 +30,12 @@ is needed:
      ``local_multi_tensor_l2_norm``, dist_checkpointing's verification.
    - ``torch.autocast("cuda", ...)`` becomes ``torch.autocast("cpu", ...)``
      (schedules.py, when ``config.enable_autocast``).
+   - ``torch.device("cuda...")`` is the CPU device (Megatron-FSDP builds
+     ``torch.device(f"cuda:{current_device()}")`` and asks groups for their CUDA backend).
+
+   A module-level ``DeviceMesh`` (Megatron-FSDP's adapter builds its meshes with
+   ``DeviceMesh.from_group(..., device_type="cuda")``, and DTensors on a CUDA mesh move
+   their shards to CUDA) becomes one that makes ``cpu`` meshes.
 
    Modules imported later are patched by a ``sys.meta_path`` hook.
 2. ``Tensor.cuda()`` and ``Module.cuda()`` called *from Megatron code* return
@@ -205,6 +211,61 @@ class _CudaShim(types.ModuleType):
         return getattr(_REAL_TORCH.cuda, name)
 
 
+class _MegatronDevice(type):
+    """``torch.device`` as Megatron code sees it on a CPU rank: CUDA spellings make the CPU device.
+
+    Megatron-FSDP compares its device against ``torch.device(f"cuda:{current_device()}")``
+    and asks process groups for their backend by ``torch.device("cuda", current_device())``.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any):
+        if args and isinstance(args[0], str) and args[0].startswith("cuda") or \
+                str(kwargs.get("type", "")).startswith("cuda"):
+            return _REAL_TORCH.device("cpu")
+        return _REAL_TORCH.device(*args, **kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_TORCH.device)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _REAL_TORCH.device)
+
+
+class _MeshType(type):
+    """``DeviceMesh`` as Megatron code sees it on a CPU rank: meshes of device type ``cpu``.
+
+    Megatron-FSDP's adapter builds its meshes with ``DeviceMesh.from_group(...,
+    device_type="cuda")``; DTensors on such a mesh move their local shards to CUDA.
+    """
+
+    def __call__(cls, device_type: str, *args: Any, **kwargs: Any):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh(_mesh_device(device_type), *args, **kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return isinstance(obj, DeviceMesh)
+
+    def __getattr__(cls, name: str) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return getattr(DeviceMesh, name)
+
+
+def _mesh_device(device_type: Any) -> Any:
+    return "cpu" if isinstance(device_type, str) and device_type.startswith("cuda") else device_type
+
+
+class _CpuDeviceMesh(metaclass=_MeshType):
+    @staticmethod
+    def from_group(group: Any, device_type: str, *args: Any, **kwargs: Any):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(group, _mesh_device(device_type), *args, **kwargs)
+
+
 def _autocast(device_type: str = "cpu", *args: Any, **kwargs: Any):
     if isinstance(device_type, str) and device_type.startswith("cuda"):
         device_type = "cpu"
@@ -216,6 +277,7 @@ def _make_torch_proxy() -> types.ModuleType:
     overrides: dict[str, Any] = {name: _factory(getattr(torch, name)) for name in FACTORIES}
     overrides["cuda"] = _CudaShim()
     overrides["autocast"] = _autocast
+    overrides["device"] = _MegatronDevice("device", (), {"__doc__": "Megatron's torch.device on a CPU rank"})
     proxy.__dict__.update(overrides)
     proxy.__dict__["__getattr__"] = lambda name: getattr(_REAL_TORCH, name)
     proxy.__dict__["__mnb_cpu_proxy__"] = True
@@ -232,6 +294,9 @@ def _is_megatron(module_name: str) -> bool:
 def _patch_module(module: types.ModuleType) -> None:
     if getattr(module, "torch", None) is _REAL_TORCH:
         module.torch = _PROXY
+    mesh = module.__dict__.get("DeviceMesh")
+    if mesh is not None and mesh is _real_device_mesh():
+        module.DeviceMesh = _CpuDeviceMesh
 
 
 class _MegatronImportHook(importlib.abc.MetaPathFinder):
@@ -268,6 +333,14 @@ def after_exec(spec, then):
 
     spec.loader = _Loader()
     return spec
+
+
+def _real_device_mesh() -> Any:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch without DTensor
+        return None
+    return DeviceMesh
 
 
 def _caller_is_megatron(depth: int = 2) -> bool:

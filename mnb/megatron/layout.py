@@ -61,9 +61,9 @@ def megatron_vpp(vpp: int) -> int | None:
 
 
 def _same_groups(a: ParallelConfig, b: ParallelConfig) -> bool:
-    """True when a and b need the same process groups (sequence_parallel is a model flag)."""
-    return dataclasses.replace(a, sequence_parallel=False) == dataclasses.replace(
-        b, sequence_parallel=False
+    """True when a and b need the same process groups (sequence_parallel and fsdp are model flags)."""
+    return dataclasses.replace(a, sequence_parallel=False, fsdp=None) == dataclasses.replace(
+        b, sequence_parallel=False, fsdp=None
     )
 
 

@@ -136,11 +136,17 @@ class ComponentMeter:
         Called before the steps, so activations never count these storages, and
         again after them: Adam creates its moments at its first step.
         """
+        from mnb.megatron import fsdp
+
         self._known.clear()
-        weights = self._add(p for chunk in model.chunks for p in chunk.parameters())
-        buffers = [b for ddp in model.wrapped or [] for b in (*getattr(ddp, "buffers", []),
-                                                               *getattr(ddp, "expert_parallel_buffers", []))]
-        gradients = self._add(b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None)
+        # Megatron-FSDP: this rank's shards live in its ParamAndGradBuffer (parameters are DTensors)
+        sharded = [fsdp.buffer_tensors(w) for w in model.wrapped or [] if fsdp.is_fsdp(w)]
+        weights = self._add(t for found in sharded for t in found["weights"])
+        weights += self._add(p for chunk in model.chunks for p in chunk.parameters())
+        buffers = [b for ddp in model.wrapped or [] if not fsdp.is_fsdp(ddp)
+                   for b in (*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", []))]
+        gradients = self._add(t for found in sharded for t in found["gradients"])
+        gradients += self._add(b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None)
         gradients += self._add(getattr(p, "main_grad", None) for chunk in model.chunks for p in chunk.parameters())
         state = []
         for opt in optimizers:
@@ -156,7 +162,10 @@ class ComponentMeter:
         """Bytes of the storages of ``tensors`` not counted yet (they become known)."""
         total = 0
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            tensor = _local(tensor)
+            if tensor.numel() == 0:
                 continue
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in self._known:
@@ -227,3 +236,9 @@ class ComponentMeter:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (Megatron-FSDP's parameters and optimizer state), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor

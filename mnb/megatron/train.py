@@ -96,6 +96,7 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
     if tc.fp8 and not fp8_supported():
         raise ValueError("fp8 needs Transformer Engine and a Hopper-or-newer GPU on every rank")
     config = model.transformer_config
+    strategy = _fsdp_strategy(model)
     if model.wrapped is not None:
         if (model.precision, model.use_distributed_optimizer) != (precision, tc.use_distributed_optimizer):
             raise ValueError(
@@ -107,17 +108,23 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
         config.bf16 = tc.bf16
         config.pipeline_dtype = torch.bfloat16 if tc.bf16 else torch.float32
         modules = [Float16Module(config, c) if tc.bf16 else c for c in model.chunks]
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=tc.use_distributed_optimizer,
-        )
-        model.wrapped = [
-            DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
-            for i, m in enumerate(modules)
-        ]
-        for wrapped in model.wrapped:
-            wrapped.broadcast_params()
+        if strategy is not None:  # Megatron-FSDP (mnb.megatron.fsdp); pp is 1, so one chunk
+            from mnb.megatron import fsdp
+
+            model.wrapped = [fsdp.wrap(config, m, strategy, device_of()) for m in modules]
+        else:
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=tc.use_distributed_optimizer,
+            )
+            model.wrapped = [
+                DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
+                for i, m in enumerate(modules)
+            ]
+        if strategy is None:  # FSDP's broadcast_params broadcasts DTensors (no sharding rule for it);
+            for wrapped in model.wrapped:  # mnb's initial weights are the same on every dp rank anyway
+                wrapped.broadcast_params()
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=tc.lr,
@@ -128,7 +135,7 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
             clip_grad=tc.clip_grad,
             bf16=tc.bf16,
             params_dtype=torch.float32,
-            use_distributed_optimizer=tc.use_distributed_optimizer,
+            use_distributed_optimizer=tc.use_distributed_optimizer or strategy is not None,
         )
         model.optimizer = get_megatron_optimizer(opt_config, model.wrapped)
         model.precision, model.use_distributed_optimizer = precision, tc.use_distributed_optimizer
@@ -144,6 +151,32 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
         for group in opt.param_groups:
             group["betas"] = (tc.adam_beta1, tc.adam_beta2)
         _use_fused_adam(getattr(opt, "optimizer", None))
+
+
+def _fsdp_strategy(model: MegatronModel) -> str | None:
+    """The Megatron-FSDP strategy ``model`` trains with: the one it was wrapped with, else the layout's.
+
+    ``--fsdp`` changes no process group, so a model built before a cell changed only ``--fsdp``
+    is still alive: it is wrapped by its first ``mnb.train``, under that cell's ``fsdp``, and a
+    later cell asking for another wrapping gets an error instead of a silent mix.  Under FSDP the
+    optimizer is always Megatron's distributed one (``use_distributed_optimizer`` is implied).
+    """
+    import dataclasses
+
+    layout = _layout.current_layout()
+    wanted = layout.fsdp if layout is not None else None
+    if model.wrapped is not None:
+        if (model.parallel.fsdp or None) != wanted:
+            raise ValueError(
+                f"this model is wrapped with fsdp={model.parallel.fsdp!r} but the cell runs with fsdp={wanted!r}; "
+                f"run it under the same --fsdp, or build a new model (mnb.gpt) or save and load it"
+            )
+        return wanted
+    if wanted is not None and model.user_model:
+        raise ValueError(f"--fsdp ({wanted}) wraps models built by mnb.gpt / mnb.from_hf; "
+                         "your own module trains with Megatron DDP: drop --fsdp")
+    model.parallel = dataclasses.replace(model.parallel, fsdp=wanted)
+    return wanted
 
 
 def _use_fused_adam(inner) -> None:
