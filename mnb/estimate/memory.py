@@ -44,7 +44,9 @@ from ._inputs import num_microbatches as resolve_microbatches
 from .activations import LayerShape, full_layer_bytes, layer_activation_bytes, norm_extra_bytes
 from .params import stage_params
 from .pipeline import in_flight
-from .sharding import gathered_params, level_name, sharded_components, unsharded_bytes_per_param
+from .sharding import (
+    ADAM_STATE_BYTES, MAIN_WEIGHT_BYTES, gathered_params, level_name, sharded_components, unsharded_bytes_per_param,
+)
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "other")
 """Component names, in stacking order (``other`` includes the logits)."""
@@ -161,16 +163,22 @@ def bytes_per_param(
     """Weight / gradient / optimizer bytes per parameter, the sharded ones divided by ``dp``.
 
     bf16: 2 + 4 + 12 = 18 (6 + 12/dp with the distributed optimizer); fp32:
-    4 + 4 + 8 = 16 (8 + 8/dp).  ``fsdp`` (a :attr:`ParallelConfig.fsdp` level) shards more:
-    ``optim`` 2 + 4 + 12/dp, ``optim_grads`` 2 + 16/dp, ``optim_grads_params`` 18/dp
-    (:mod:`mnb.estimate.sharding`; ZeRO-3's transiently gathered layers are not per parameter).
+    4 + 4 + 8 = 16 (8 + 8/dp).  ``fsdp`` (a :attr:`ParallelConfig.fsdp` level) shards more
+    (:mod:`mnb.estimate.sharding`): bf16 ``optim`` 2 + 4 + 12/dp, ``optim_grads`` 2 + 16/dp,
+    ``optim_grads_params`` 18/dp, where Megatron-FSDP's fp32 main weights (4/dp) count as
+    weights, not optimizer state; in fp32 training they are a copy DDP does not have (+4/dp).
+    ZeRO-3's gathered layers are not per parameter (:attr:`StageMemory.gathered_weights_bytes`).
 
         >>> bytes_per_param(TrainConfig(bf16=True), 4, fsdp="optim_grads")
-        {'weights': 2, 'gradients': 1.0, 'optimizer': 3.0}
+        {'weights': 3.0, 'gradients': 1.0, 'optimizer': 2.0}
     """
     shard = sharded_components(ParallelConfig(fsdp=fsdp), train)
     full = unsharded_bytes_per_param(train, grad_bytes)
-    return {k: v / dp if k in shard else v for k, v in full.items()}
+    out = {k: v / dp if k in shard else v for k, v in full.items()}
+    if fsdp:  # Megatron-FSDP keeps the fp32 main weights in its own (sharded) weight buffer
+        out["weights"] += MAIN_WEIGHT_BYTES / dp
+        out["optimizer"] = ADAM_STATE_BYTES / dp
+    return out
 
 
 def memory(

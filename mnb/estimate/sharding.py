@@ -12,11 +12,15 @@ level                         bytes per param      collectives per step (buffer 
 ============================  ==================  ================================================
 DDP                           w + g + o            all-reduce P*g
 distributed optimizer         w + g + o/n          reduce-scatter P*g, all-gather P*w
-fsdp ``optim`` (ZeRO-1)       w + g + o/n          reduce-scatter P*g, all-gather P*w
-fsdp ``optim_grads`` (ZeRO-2) w + (g + o)/n        reduce-scatter m*P*g, all-gather P*w
-fsdp ``optim_grads_params``   (w + g + o)/n        reduce-scatter m*P*g, all-gather 2*m*P*w
+fsdp ``optim`` (ZeRO-1)       w + g + o'/n         reduce-scatter P*g, all-gather P*w
+fsdp ``optim_grads`` (ZeRO-2) w + (g + o')/n       reduce-scatter m*P*g, all-gather P*w
+fsdp ``optim_grads_params``   (w + g + o')/n       reduce-scatter m*P*g, all-gather 2*m*P*w
 (ZeRO-3)                      + gathered layers
 ============================  ==================  ================================================
+
+o' = 4 + 8: Megatron-FSDP keeps fp32 main weights (sharded, counted with the weights) and
+Adam's m and v; in bf16 that is the distributed optimizer's 12, in fp32 training 4 more than
+its 8 (the main weights are a copy of their own there).
 
 With sharded gradients Megatron-FSDP reduce-scatters in every microbatch's
 backward (``grad_reduce_every_bprop`` in megatron_fsdp.py: no full gradient
@@ -52,6 +56,12 @@ from mnb.config import FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig
 from ._inputs import as_model, as_parallel, as_train
 from ._inputs import num_microbatches as resolve_microbatches
 from .params import layer_params, stage_params
+
+MAIN_WEIGHT_BYTES = 4
+"""Megatron-FSDP's main weights: fp32 (``megatron_fsdp_main_params_dtype``'s default), sharded, in its
+weight buffer beside the model's compute weights -- also when training in fp32."""
+ADAM_STATE_BYTES = 8
+"""Adam's m and v in fp32: the optimizer state proper once the main weights live in FSDP's buffer."""
 
 GATHERED_LAYERS = 2
 """Layers whose parameters a ZeRO-3 rank holds gathered at once: the one computing and the next (prefetched)."""

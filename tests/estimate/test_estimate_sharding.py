@@ -23,12 +23,13 @@ def test_bytes_per_param_of_each_level():
     assert est.bytes_per_param(bf16, 4) == {"weights": 2, "gradients": 4, "optimizer": 12}  # DDP: 18
     dist = est.bytes_per_param(TrainConfig(bf16=True, use_distributed_optimizer=True), 4)
     assert dist == {"weights": 2, "gradients": 4, "optimizer": 3}  # 6 + 12/4 = 9
-    assert est.bytes_per_param(bf16, 4, fsdp="optim") == dist
-    assert est.bytes_per_param(bf16, 4, fsdp="optim_grads") == {"weights": 2, "gradients": 1, "optimizer": 3}
-    assert est.bytes_per_param(bf16, 4, fsdp="optim_grads_params") == {"weights": 0.5, "gradients": 1,
-                                                                       "optimizer": 3}  # 18 / 4
-    # fp32: 4 + 4 + 8 (Adam m, v), ZeRO-3 over 2 ranks: 8
-    assert sum(est.bytes_per_param(fp32, 2, fsdp="optim_grads_params").values()) == 8
+    # Megatron-FSDP: the fp32 main weights (4/4) sit in its weight buffer, Adam's m, v (8/4) in the optimizer
+    assert est.bytes_per_param(bf16, 4, fsdp="optim") == {"weights": 3, "gradients": 4, "optimizer": 2}
+    assert est.bytes_per_param(bf16, 4, fsdp="optim_grads") == {"weights": 3, "gradients": 1, "optimizer": 2}
+    assert est.bytes_per_param(bf16, 4, fsdp="optim_grads_params") == {"weights": 1.5, "gradients": 1,
+                                                                       "optimizer": 2}  # 18 / 4
+    # fp32: DDP 4 + 4 + 8 (Adam m, v); FSDP's main weights are a copy of their own: ZeRO-3 over 2: 20 / 2
+    assert sum(est.bytes_per_param(fp32, 2, fsdp="optim_grads_params").values()) == 10
 
 
 def test_memory_per_component_of_each_level():
@@ -37,10 +38,10 @@ def test_memory_per_component_of_each_level():
     assert got[None].params == P
     expected = {  # (weights, gradients, optimizer) bytes on one of 2 ranks
         None: (4 * P, 4 * P, 8 * P),
-        "optim": (4 * P, 4 * P, 4 * P),
-        "optim_grads": (4 * P, 2 * P, 4 * P),
-        # ZeRO-3 holds two layers and the parameters outside the layers gathered beside its shard
-        "optim_grads_params": (2 * P + 4 * (2 * LAYER + OUTSIDE), 2 * P, 4 * P),
+        "optim": (4 * P + 2 * P, 4 * P, 4 * P),  # + the fp32 main weights' half
+        "optim_grads": (4 * P + 2 * P, 2 * P, 4 * P),
+        # ZeRO-3 holds two layers and the parameters outside the layers gathered beside its shards
+        "optim_grads_params": (2 * P + 2 * P + 4 * (2 * LAYER + OUTSIDE), 2 * P, 4 * P),
     }
     for level, (w, g, o) in expected.items():
         s = got[level]
@@ -50,7 +51,7 @@ def test_memory_per_component_of_each_level():
     assert got["optim_grads"].gathered_weights_bytes == 0
     # a group of one shards nothing and gathers nothing
     one = est.memory("tiny", ParallelConfig(dp=1, fsdp="optim_grads_params"), TrainConfig(global_batch_size=2))
-    assert one.stages[0].weights_bytes == 4 * P and one.stages[0].gathered_weights_bytes == 0
+    assert one.stages[0].weights_bytes == 8 * P and one.stages[0].gathered_weights_bytes == 0
 
 
 def test_collective_volumes_of_each_level():
