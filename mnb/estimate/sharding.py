@@ -14,7 +14,7 @@ DDP                           w + g + o            all-reduce P*g
 distributed optimizer         w + g + o/n          reduce-scatter P*g, all-gather P*w
 fsdp ``optim`` (ZeRO-1)       w + g + o'/n         reduce-scatter P*g, all-gather P*w
 fsdp ``optim_grads`` (ZeRO-2) w + (g + o')/n       reduce-scatter m*P*g, all-gather P*w
-fsdp ``optim_grads_params``   (w + g + o')/n       reduce-scatter m*P*g, all-gather 2*m*P*w
+fsdp ``optim_grads_params``   (w + g + o')/n       reduce-scatter m*P*g, all-gather (2*m*P_L + P_E)*w
 (ZeRO-3)                      + gathered layers
 ============================  ==================  ================================================
 
@@ -28,10 +28,12 @@ is kept to accumulate into), so m microbatches move m times the gradients;
 without, once, after the last microbatch.  ZeRO-3 gathers each FSDP unit (a
 ``TransformerLayer``, Megatron's default units) before its forward and again
 before its backward, and frees it after each: every microbatch moves the
-parameters twice, and a rank holds, beside its shards, the gathered
+layers' parameters (P_L) twice, and a rank holds, beside its shards, the gathered
 parameters of ``gathered_layers`` layers (the one computing and the one
-prefetched) plus those outside any unit (embedding, output layer, final norm),
-which stay gathered for the step.  The optimizer step updates the shards in
+prefetched) plus those outside any unit (P_E: embedding, output layer, final
+norm), which are gathered once per step and stay gathered (counted on CPU
+ranks: 2*m*layers + 1 all-gathers per step, 2 microbatches of tiny: 16 of a
+layer's bucket and 1 of the rest).  The optimizer step updates the shards in
 place; the lower levels all-gather the updated parameters once per step.
 
 Buffer bytes are the full (gathered) size each collective covers; a ring over
@@ -43,7 +45,8 @@ n ranks sends (n-1)/n of it per rank for a reduce-scatter or all-gather and
     ...                TrainConfig(global_batch_size=4))
     >>> t.level, t.group_size, t.num_microbatches
     ('optim_grads_params', 2, 2)
-    >>> t.all_gather_bytes == 2 * 2 * t.params * 4   # 2 gathers per microbatch, fp32 weights
+    >>> outside = 2 * 512 * 64 + 64   # embedding, output layer, final norm: gathered once
+    >>> t.all_gather_bytes == (2 * 2 * (t.params - outside) + outside) * 4   # fp32 weights
     True
 """
 
@@ -189,8 +192,10 @@ def dp_traffic(
             rs, ag, calls = grads, weights, {"reduce_scatter": 1, "all_gather": 1}
         elif level == "optim_grads":
             rs, ag, calls = m * grads, weights, {"reduce_scatter": m, "all_gather": 1}
-        else:
-            rs, ag, calls = m * grads, 2 * m * weights, {"reduce_scatter": m, "all_gather": 2 * m}
+        else:  # each layer before its forward and its backward; the rest (embedding, output layer) once
+            outside = max(stage_params(model, parallel, r).embedding for r in range(parallel.pp))
+            ag = (2 * m * (p - outside) + outside) * bpp["weights"]
+            rs, calls = m * grads, {"reduce_scatter": m, "all_gather": 2 * m + 1}
     return DataParallelTraffic(
         level=level, group_size=n, params=p, num_microbatches=m,
         all_reduce_bytes=ar, reduce_scatter_bytes=rs, all_gather_bytes=ag, calls=calls,

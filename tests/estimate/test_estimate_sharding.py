@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import mnb.estimate as est
-from mnb.config import ParallelConfig, TrainConfig
+from mnb.config import ParallelConfig, TrainConfig, load_preset
 from mnb.estimate import hardware
 from mnb.units import GIB
 
@@ -65,17 +65,22 @@ def test_collective_volumes_of_each_level():
     assert t["distributed optimizer"].as_dict() == {"reduce_scatter": g, "all_gather": w}
     assert t["optim"].as_dict() == {"reduce_scatter": g, "all_gather": w}
     assert t["optim_grads"].as_dict() == {"reduce_scatter": m * g, "all_gather": w}  # reduced every microbatch
-    assert t["optim_grads_params"].as_dict() == {"reduce_scatter": m * g, "all_gather": 2 * m * w}
-    assert t["optim_grads_params"].calls == {"reduce_scatter": m, "all_gather": 2 * m}
+    # ZeRO-3: every layer before its forward and before its backward, what is outside the layers once
+    layers_w, outside_w = 4 * 4 * LAYER, 4 * OUTSIDE
+    assert t["optim_grads_params"].as_dict() == {"reduce_scatter": m * g,
+                                                 "all_gather": 2 * m * layers_w + outside_w}
+    assert t["optim_grads_params"].calls == {"reduce_scatter": m, "all_gather": 2 * m + 1}
     # a ring over 2 ranks sends half of a reduce-scatter / all-gather buffer, all of an all-reduce one
     assert t[None].sent_bytes() == g
-    assert t["optim_grads_params"].sent_bytes("all_gather") == m * w
-    assert t["optim_grads_params"].sent_bytes() == m * g / 2 + m * w
+    assert t["optim_grads_params"].sent_bytes("all_gather") == (2 * m * layers_w + outside_w) / 2
+    assert t["optim_grads_params"].sent_bytes() == m * g / 2 + (2 * m * layers_w + outside_w) / 2
     with pytest.raises(ValueError, match="kind must be one of"):
         t[None].sent_bytes("broadcast")
     bf16 = est.dp_traffic("llama-8b", ParallelConfig(fsdp="optim_grads_params"),
                           TrainConfig(bf16=True, global_batch_size=16), gpus=8)
-    assert bf16.all_gather_bytes == 2 * 2 * bf16.params * 2  # 2 microbatches, 2 gathers each, bf16
+    llama_outside = est.stage_params(load_preset("llama-8b"), ParallelConfig(), 0).embedding
+    # 2 microbatches, 2 gathers of every layer each, bf16
+    assert bf16.all_gather_bytes == (2 * 2 * (bf16.params - llama_outside) + llama_outside) * 2
     alone = est.dp_traffic("tiny", ParallelConfig(dp=1, fsdp="optim_grads_params"), TrainConfig())
     assert alone.sent_bytes() == 0 and alone.as_dict() == {}
 
