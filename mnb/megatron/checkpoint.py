@@ -312,10 +312,16 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     """
     from megatron.core import dist_checkpointing
 
+    from mnb.megatron import fsdp
+
     dist = _dist()
     model = _current_model() if model is None else model
     chunks = _chunks(model)
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    sharded = fsdp.sharded_chunks(model)
+    if sharded and optimizer is not None:
+        fsdp.warn_optimizer_not_saved()
+        optimizer = None
     if step is None:
         step = getattr(model, "steps_done", None)
     path = Path(path).absolute()
@@ -330,13 +336,14 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
         tmp.mkdir()
     dist.barrier()
 
-    state = _model_sharded_state_dict(chunks)
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False,
-                                                         metadata=dict(OPTIMIZER_METADATA))
-    state["mnb_rng"] = _rng_sharded_object(_rng_state())
-    with cuda_calls_on_cpu():
-        dist_checkpointing.save(state, str(tmp))  # ends with a barrier
+    with fsdp.whole_parameters(sharded):  # Megatron-FSDP's dp shards gathered: the same layout-free tensors
+        state = _model_sharded_state_dict(chunks)
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False,
+                                                             metadata=dict(OPTIMIZER_METADATA))
+        state["mnb_rng"] = _rng_sharded_object(_rng_state())
+        with cuda_calls_on_cpu():
+            dist_checkpointing.save(state, str(tmp))  # ends with a barrier
     meta = {
         "format": FORMAT_VERSION, "step": step, "layout": _layout(),
         "num_chunks": len(chunks), "optimizer": optimizer is not None,
@@ -481,6 +488,9 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     found, meta = _locate(Path(path).absolute())
     t0 = time.perf_counter()
     _check_same_shape(meta, model)
+    from mnb.megatron import fsdp
+
+    fsdp.check_load(model, bool(load_optimizer and meta.get("optimizer")))
     if optimizer is None and load_optimizer and meta.get("optimizer"):
         optimizer = _ensure_optimizer(model, meta)
 

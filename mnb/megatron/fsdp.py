@@ -20,6 +20,8 @@ What is needed around Megatron (megatron-core 0.16.1 and 0.19.2 both ship it):
   package megatron-core does not depend on: where einops is missing, :func:`_dp_tp_mesh`
   (the same arrangement, ranks ordered dp*cp x ep x tp, with the same consistency checks)
   takes its place;
+- megatron-core 0.16.1's adapter tests ``isinstance(module, (TELinear,))`` with tp > 1, and
+  ``TELinear`` is a ``MagicMock`` without Transformer Engine: :class:`_NoTELinear` stands in;
 - on CPU ranks, :mod:`mnb.megatron.cpu` makes Megatron's ``torch.device("cuda:...")`` and
   ``DeviceMesh(... "cuda")`` the CPU's, so the DTensor shards stay on the CPU.
 
@@ -29,6 +31,7 @@ dimension).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -52,7 +55,18 @@ def _adapter():
         )
     if not getattr(mcore_fsdp_adapter, "HAVE_EINOPS", False):
         mcore_fsdp_adapter._get_dp_tp_mesh = _dp_tp_mesh
+    if "TELinear" in vars(mcore_fsdp_adapter) and not isinstance(mcore_fsdp_adapter.TELinear, type):
+        mcore_fsdp_adapter.TELinear = _NoTELinear
     return mcore_fsdp_adapter
+
+
+class _NoTELinear:
+    """Stands for Transformer Engine's ``TELinear`` where TE is absent: no module is one.
+
+    megatron-core 0.16.1's adapter asks ``isinstance(module, (TELinear,))`` for every
+    parameter when tp > 1, and without TE ``megatron.core.extensions.transformer_engine``
+    leaves ``TELinear`` a ``MagicMock`` (a TypeError: not a type).
+    """
 
 
 def _dp_tp_mesh(dp_cp_group, tp_group, ep_size: int = 1) -> torch.Tensor:
@@ -127,3 +141,121 @@ def buffer_tensors(wrapped: Any) -> dict[str, list[torch.Tensor]]:
             if isinstance(data, torch.Tensor):
                 out[kind].append(data)
     return out
+
+
+@contextlib.contextmanager
+def whole_parameters(wrapped_chunks: list):
+    """Inside: the chunks' own modules hold whole (this tp rank's) parameters, gathered over dp.
+
+    Megatron-FSDP keeps each parameter as a dp-sharded DTensor (``optimizer_named_parameters``
+    of its ``ParamAndGradBuffer``) and swaps them into the module before the optimizer step and
+    before any ``state_dict`` (a pre-hook).  A layout-free checkpoint (:mod:`mnb.megatron.checkpoint`)
+    needs Megatron's ``sharded_state_dict`` of plain tensors instead: each shard is gathered
+    (:func:`_gather_rows`), cast to the module's own dtype, placed in the
+    module's raw parameters, and the hook is told the parameters are already in place; on the way
+    out the module's parameters are what they were.  A collective: every rank of the pool.
+    """
+    restore = []
+    try:
+        for wrapped in wrapped_chunks:
+            if not is_fsdp(wrapped):
+                continue
+            inner = wrapped.module  # MegatronFSDP
+            was_distributed = inner.is_param_fsdp_distributed
+            kept = {name: raw.data for name, raw in inner.raw_param.items()}
+            restore.append((inner, was_distributed, kept))
+            sharded = dict(inner.param_and_grad_buffer.optimizer_named_parameters)
+            for name, raw in inner.raw_param.items():
+                whole = _gather_rows(sharded[name])
+                if tuple(whole.shape) != tuple(raw.shape):
+                    raise RuntimeError(f"Megatron-FSDP gathered {name} as {tuple(whole.shape)}, the module "
+                                       f"holds {tuple(raw.shape)}: this megatron-core's sharding is not dp-only")
+                raw.data = whole.to(raw.dtype)
+            inner._replace_param_with_raw_if_needed()
+            inner.is_param_fsdp_distributed = True  # the state_dict pre-hook leaves the whole ones in place
+        yield
+    finally:
+        for inner, was_distributed, kept in reversed(restore):
+            for name, raw in inner.raw_param.items():
+                raw.data = kept[name]
+            inner.is_param_fsdp_distributed = False  # the truth: the raw parameters are installed
+            if was_distributed:
+                inner._replace_param_with_distributed_if_needed()
+
+
+def sharded_chunks(model: Any) -> list:
+    """The Megatron-FSDP chunks of an mnb model once trained (else ``[]``)."""
+    return [w for w in getattr(model, "wrapped", None) or [] if is_fsdp(w)]
+
+
+OPTIMIZER_NOT_SAVED = (
+    "mnb.save: the optimizer state of a Megatron-FSDP model is not saved (Megatron's only optimizer format "
+    "under FSDP is torch DCP's fsdp_dtensor, not the layout-free dist_checkpointing format): the checkpoint "
+    "holds the weights and the progress; mnb.load continues them with a fresh optimizer, under any layout"
+)
+
+
+def warn_optimizer_not_saved() -> None:
+    """The warning, once per pool (rank 0)."""
+    import warnings
+
+    if torch.distributed.get_rank() == 0:
+        warnings.warn(OPTIMIZER_NOT_SAVED, stacklevel=3)
+
+
+def check_load(model: Any, wants_optimizer: bool) -> None:
+    """Refuse, before any collective, what ``mnb.load`` cannot do under Megatron-FSDP.
+
+    A model FSDP already wrapped holds DTensor shards its ``load_state_dict`` cannot fill in
+    place; a model about to be wrapped (the cell's ``--fsdp``) cannot take a checkpoint's
+    optimizer state (see :data:`OPTIMIZER_NOT_SAVED`).
+    """
+    from mnb.megatron import layout
+
+    if sharded_chunks(model):
+        raise ValueError(
+            f"mnb.load into a model Megatron-FSDP already wraps (fsdp={model.parallel.fsdp!r}, trained): "
+            "build a new one (mnb.gpt) under --fsdp and load into it before its first mnb.train"
+        )
+    current = layout.current_layout()
+    if wants_optimizer and current is not None and current.fsdp is not None and not getattr(model, "user_model", True):
+        raise ValueError(
+            f"under --fsdp {current.fsdp} the checkpoint's optimizer state cannot be loaded (Megatron-FSDP's "
+            "optimizer takes only its own fsdp_dtensor format): mnb.load(path, model, load_optimizer=False) "
+            "loads the weights and the progress, and training continues with a fresh optimizer"
+        )
+
+
+DP_DIM = "dp_cp"
+"""The mesh dimension Megatron-FSDP's adapter shards over (its tp dimension only describes tp's split)."""
+
+
+def _gather_rows(dtensor: Any) -> torch.Tensor:
+    """This tp rank's whole tensor of a Megatron-FSDP DTensor: its rows gathered over the dp mesh dimension.
+
+    Megatron-FSDP cuts each (tp-local) parameter at flat-buffer boundaries, so dp ranks hold
+    different numbers of rows (possibly none).  Megatron's own ``gather_uneven_dtensor_to_full_tensor``
+    all-gathers tensors of different sizes, which gloo refuses; here each rank's rows are padded
+    to the largest count, all-gathered over that mesh dimension's group, and cut back.
+    """
+    from torch.distributed.tensor import Shard
+
+    local = dtensor.to_local()
+    names = list(dtensor.device_mesh.mesh_dim_names or ())
+    dims = [names.index(DP_DIM)] if DP_DIM in names else \
+        [i for i, p in enumerate(dtensor.placements) if isinstance(p, Shard)]
+    if not dims or not isinstance(dtensor.placements[dims[0]], Shard):
+        return local
+    if len(dims) > 1 or dtensor.placements[dims[0]].dim != 0:
+        raise RuntimeError(f"Megatron-FSDP parameter sharded as {dtensor.placements}: mnb gathers dim-0 dp shards only")
+    group = dtensor.device_mesh.get_group(dims[0])
+    dist = torch.distributed
+    rows = torch.tensor([local.shape[0]], dtype=torch.long, device=local.device)
+    counts = [torch.zeros_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, rows, group=group)
+    counts = [int(c) for c in counts]
+    padded = local.new_zeros((max(counts), *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([piece[:n] for piece, n in zip(pieces, counts)])
