@@ -14,6 +14,7 @@ field names (``_bytes``, ``_flops``, ``_s``)::
     est.mfu("llama-7b", train, step_time_s=6.0, num_gpus=8, gpu="h200")
     est.plan("llama-7b", gpus=8, gpu="h200", seq=4096, gbs=128)[0].describe()
     est.step_time("llama-7b", ParallelConfig(), train, gpus=8, gpu="h200").explain()  # where the time goes
+    est.dp_traffic("llama-7b", ParallelConfig(fsdp="optim_grads_params"), train, gpus=8).as_dict()  # ZeRO-3's collectives
 
 Sources are cited in each module: Korthikanti et al. 2022 (activations),
 Megatron-LM theoretical_memory_usage.py and training.py (bytes per parameter,
@@ -31,12 +32,14 @@ from .memory import COMPONENTS, MemoryEstimate, StageMemory, bytes_per_param, me
 from .params import StageParams, layer_params, stage_params
 from .pipeline import bubble, bubble_time_ratio, in_flight, simulate_schedule, timeline_bubble, warmup_microbatches
 from .plan import Plan, PlanRow, format_plan, plan
+from .sharding import DataParallelTraffic, dp_traffic
 from .explain import Explanation
 from .timing import StepTimeEstimate, step_time
 
 __all__ = [
     "COMPONENTS",
     "DEVICES",
+    "DataParallelTraffic",
     "Device",
     "Explanation",
     "MemoryEstimate",
@@ -48,6 +51,7 @@ __all__ = [
     "bubble",
     "bubble_time_ratio",
     "bytes_per_param",
+    "dp_traffic",
     "flops",
     "flops_per_token",
     "format_plan",

@@ -7,7 +7,9 @@ Sources:
   weights + Adam m + v (12 B): 18 B/param; the distributed optimizer shards the
   12 B over the data-parallel ranks: 6 + 12/dp (Megatron-LM
   theoretical_memory_usage.py; Rajbhandari et al. 2020, ZeRO stage 1).  fp32
-  training: 4 + 4 + 8 = 16 B/param (8 + 8/dp sharded).
+  training: 4 + 4 + 8 = 16 B/param (8 + 8/dp sharded).  Megatron-FSDP's levels
+  (``ParallelConfig.fsdp``) shard gradients and parameters too, and ZeRO-3 holds
+  a few layers gathered: :mod:`mnb.estimate.sharding`.
 - Activations: :mod:`mnb.estimate.activations` (Korthikanti et al. 2022) times
   the microbatches a stage holds in flight (:func:`mnb.estimate.pipeline.in_flight`:
   1F1B stage r holds min(pp - r, m); interleaving's factor 1 + (pp-1)/(pp*vpp)).
@@ -42,6 +44,9 @@ from ._inputs import num_microbatches as resolve_microbatches
 from .activations import LayerShape, full_layer_bytes, layer_activation_bytes, norm_extra_bytes
 from .params import stage_params
 from .pipeline import in_flight
+from .sharding import (
+    ADAM_STATE_BYTES, MAIN_WEIGHT_BYTES, gathered_params, level_name, sharded_components, unsharded_bytes_per_param,
+)
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "other")
 """Component names, in stacking order (``other`` includes the logits)."""
@@ -61,6 +66,9 @@ class StageMemory:
     gradients_bytes: float
     optimizer_bytes: float
     activations_bytes: float
+    gathered_weights_bytes: float = 0.0
+    """Part of ``weights_bytes``: parameters ZeRO-3 (``fsdp="optim_grads_params"``) holds gathered beside
+    its shards (:func:`mnb.estimate.sharding.gathered_params`)."""
     recomputed_bytes: float = 0.0
     """Part of ``activations_bytes``: the layer full recompute rematerialises during its
     backward (held only then, not between forward and backward)."""
@@ -149,20 +157,28 @@ class MemoryEstimate:
         return self.summary()
 
 
-def bytes_per_param(train: TrainConfig, dp: int = 1, *, grad_bytes: int | None = None) -> dict[str, float]:
-    """Weight / gradient / optimizer bytes per parameter (optimizer sharded over ``dp``).
+def bytes_per_param(
+    train: TrainConfig, dp: int = 1, *, grad_bytes: int | None = None, fsdp: str | None = None
+) -> dict[str, float]:
+    """Weight / gradient / optimizer bytes per parameter, the sharded ones divided by ``dp``.
 
     bf16: 2 + 4 + 12 = 18 (6 + 12/dp with the distributed optimizer); fp32:
-    4 + 4 + 8 = 16 (8 + 8/dp).
+    4 + 4 + 8 = 16 (8 + 8/dp).  ``fsdp`` (a :attr:`ParallelConfig.fsdp` level) shards more
+    (:mod:`mnb.estimate.sharding`): bf16 ``optim`` 2 + 4 + 12/dp, ``optim_grads`` 2 + 16/dp,
+    ``optim_grads_params`` 18/dp, where Megatron-FSDP's fp32 main weights (4/dp) count as
+    weights, not optimizer state; in fp32 training they are a copy DDP does not have (+4/dp).
+    ZeRO-3's gathered layers are not per parameter (:attr:`StageMemory.gathered_weights_bytes`).
+
+        >>> bytes_per_param(TrainConfig(bf16=True), 4, fsdp="optim_grads")
+        {'weights': 3.0, 'gradients': 1.0, 'optimizer': 2.0}
     """
-    if train.bf16 or train.fp8:
-        weight, grad, optim = 2, 4, 12
-    else:
-        weight, grad, optim = 4, 4, 8
-    if grad_bytes is not None:
-        grad = grad_bytes
-    shard = dp if train.use_distributed_optimizer else 1
-    return {"weights": weight, "gradients": grad, "optimizer": optim / shard}
+    shard = sharded_components(ParallelConfig(fsdp=fsdp), train)
+    full = unsharded_bytes_per_param(train, grad_bytes)
+    out = {k: v / dp if k in shard else v for k, v in full.items()}
+    if fsdp:  # Megatron-FSDP keeps the fp32 main weights in its own (sharded) weight buffer
+        out["weights"] += MAIN_WEIGHT_BYTES / dp
+        out["optimizer"] = ADAM_STATE_BYTES / dp
+    return out
 
 
 def memory(
@@ -226,8 +242,9 @@ def memory(
     vocab = padded_vocab_size(model, tp)
     v = parallel.vpp
     sp_div = tp if sp else 1
-    dense_bpp = bytes_per_param(train, dp * cp, grad_bytes=grad_bytes)
-    expert_bpp = bytes_per_param(train, max(dp * cp // ep, 1), grad_bytes=grad_bytes)
+    dense_bpp = bytes_per_param(train, dp * cp, grad_bytes=grad_bytes, fsdp=parallel.fsdp)
+    expert_bpp = bytes_per_param(train, max(dp * cp // ep, 1), grad_bytes=grad_bytes, fsdp=parallel.fsdp)
+    full_weight = unsharded_bytes_per_param(train)["weights"]
 
     stages = []
     for stage in range(pp):
@@ -242,6 +259,8 @@ def memory(
             acts += mbs_in_flight * s_local * b * 8 * 2  # int64 token and position ids
             if dropout(model, "hidden_dropout") > 0:
                 acts += mbs_in_flight * s_local * b * h / sp_div  # embedding dropout mask
+        # ZeRO-3: the layers being computed and prefetched, and the parameters outside the units, gathered
+        gathered = gathered_params(model, parallel, stage) * full_weight if dp * cp > 1 else 0.0
         logits = 0.0
         if stage == pp - 1:
             acts += 2 * s_local * b * h * e / sp_div + norm_extra_bytes(shape, h)  # final norm, output layer input
@@ -256,7 +275,9 @@ def memory(
                 num_layers=params.num_layers,
                 params=params.total,
                 in_flight_microbatches=chunks,
-                weights_bytes=params.dense * dense_bpp["weights"] + params.expert * expert_bpp["weights"],
+                weights_bytes=params.dense * dense_bpp["weights"] + params.expert * expert_bpp["weights"]
+                + gathered,
+                gathered_weights_bytes=gathered,
                 gradients_bytes=params.dense * dense_bpp["gradients"] + params.expert * expert_bpp["gradients"],
                 optimizer_bytes=params.dense * dense_bpp["optimizer"] + params.expert * expert_bpp["optimizer"],
                 activations_bytes=acts,
@@ -285,6 +306,7 @@ def memory(
             "attention_dropout": dropout(model, "attention_dropout"),
             "padded_vocab_size": vocab,
             "bytes_per_param": dense_bpp,
+            "sharding": level_name(parallel, train),
             "overhead_fraction": overhead_fraction,
         },
     )

@@ -10,7 +10,9 @@ the layers; tp*pp*cp divides the GPUs, cp a power of two that splits the sequenc
 into 2*cp chunks; sequence parallel is on when tp > 1;
 the distributed optimizer is on when dp*cp > 1 (Megatron shards it over both); vpp in ``vpps`` where layers
 split evenly and m >= pp; ep (MoE) divides the experts and dp*cp; recompute
-in ``recomputes``.  Rows are sorted: fitting layouts first, then by predicted
+in ``recomputes``; Megatron-FSDP's levels in ``fsdps`` where dp*cp > 1 (with one rank
+in the group they shard nothing; ``optim`` is left out by default: it keeps and moves
+what the distributed optimizer does) and ParallelConfig accepts the layout (not with pp > 1: Megatron-FSDP's device mesh has no pipeline dimension).  Rows are sorted: fitting layouts first, then by predicted
 step time, then by memory.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
+from mnb.config import FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
 from mnb.units import Text, format_bytes, format_percent, format_seconds
 
 from . import hardware
@@ -56,7 +58,7 @@ class PlanRow:
 
     def describe(self) -> str:
         extra = [] if self.recompute == "none" else [f"recompute={self.recompute}"]
-        if self.use_distributed_optimizer:
+        if self.use_distributed_optimizer and not self.parallel.fsdp:
             extra.append("dist-opt")
         return " ".join([self.parallel.describe(), *extra])
 
@@ -118,6 +120,7 @@ def plan(
     cps: Iterable[int] | None = None,
     eps: Iterable[int] | None = None,
     recomputes: Sequence[str] = ("none", "selective", "full"),
+    fsdps: Sequence[str | None] = (None, "optim_grads", "optim_grads_params"),
     gpus_per_node: int = 8,
     capacity_bytes: int | None = None,
     achievable_fraction: float | None = None,
@@ -132,7 +135,8 @@ def plan(
     is that of mnb's all-gather attention, see :mod:`mnb.estimate.activations`).
     Step times come from :func:`mnb.estimate.step_time`'s shape-aware model
     (``gpu``'s calibration, :mod:`mnb.estimate.hardware`); ``achievable_fraction``
-    switches to its first-order model.
+    switches to its first-order model.  ``fsdps``: the sharding levels tried (None: Megatron
+    DDP with the distributed optimizer; see :mod:`mnb.estimate.sharding`).
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
@@ -156,6 +160,10 @@ def plan(
     ]
     cp_choices = list(cps) if cps is not None else [c for c in divisors(gpus) if c <= MAX_CP and c & (c - 1) == 0]
     vpp_choices = list(dict.fromkeys(as_vpp(v) for v in vpps))  # None (accepted) is 1: no interleaving
+    fsdp_choices = list(dict.fromkeys(fsdps))
+    for level in fsdp_choices:
+        if level is not None and level not in FSDP_STRATEGIES:
+            raise ValueError(f"fsdps: {level!r} is not a sharding level; choose from None, {', '.join(FSDP_STRATEGIES)}")
     ep_choices = list(eps) if eps is not None else (
         divisors(model.num_moe_experts) if model.is_moe else [1]
     )
@@ -176,19 +184,22 @@ def plan(
                     for ep in ep_choices:
                         if (dp * cp) % ep:
                             continue
-                        parallel = ParallelConfig(
-                            tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, sequence_parallel=tp > 1
-                        )
-                        try:
-                            model.check_parallel(parallel)
-                        except ValueError:
-                            continue
-                        for recompute in recomputes:
-                            t = replace(
-                                base, micro_batch_size=mbs, global_batch_size=gbs,
-                                recompute=recompute, use_distributed_optimizer=dp * cp > 1,
-                            )
-                            rows.append(_row(model, parallel, t, gpu, capacity, gpus_per_node, achievable_fraction))
+                        for fsdp in fsdp_choices if dp * cp > 1 else [None]:
+                            try:  # ParallelConfig refuses the combinations mnb's --fsdp refuses
+                                parallel = ParallelConfig(
+                                    tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, dp=dp, sequence_parallel=tp > 1,
+                                    fsdp=fsdp,
+                                )
+                                model.check_parallel(parallel)
+                            except ValueError:
+                                continue
+                            for recompute in recomputes:
+                                t = replace(
+                                    base, micro_batch_size=mbs, global_batch_size=gbs,
+                                    recompute=recompute, use_distributed_optimizer=dp * cp > 1,
+                                )
+                                rows.append(_row(model, parallel, t, gpu, capacity, gpus_per_node,
+                                                 achievable_fraction))
     if not rows:
         raise ValueError(
             f"no valid layout for {model.name} on {gpus} GPUs with gbs({gbs}), mbs({mbs}): "

@@ -16,7 +16,10 @@ gradient accumulation) plus the communication Megatron does not hide:
 - pp: one activation forward and one gradient backward per microbatch and
   virtual chunk;
 - dp (per step): the gradient all-reduce, or reduce-scatter + parameter
-  all-gather with the distributed optimizer.  ``overlap_grad_reduce`` hides the
+  all-gather with the distributed optimizer; Megatron-FSDP's levels
+  (``ParallelConfig.fsdp``) reduce-scatter every microbatch once gradients are
+  sharded and ZeRO-3 gathers the parameters before each forward and backward
+  (volumes: :func:`mnb.estimate.sharding.dp_traffic`).  ``overlap_grad_reduce`` hides the
   reduce behind the last microbatch's backward, ``overlap_param_gather`` the
   gather behind the first microbatch's forward (Megatron's
   DistributedDataParallelConfig flags of those names); the rest is exposed.
@@ -53,7 +56,7 @@ from .explain import Explanation
 from .flops import flops, hardware_flops
 from .kernels import StageWork, stage_work
 from .memory import bytes_per_param
-from .params import stage_params
+from .sharding import dp_traffic, sharded_components
 from .pipeline import bubble_time_ratio
 
 
@@ -120,7 +123,7 @@ class StepTimeEstimate:
         rows += [("pipeline bubble", self.bubble_s), ("optimizer step", self.optimizer_s),
                  ("tp communication (exposed)", self.tp_comm_s), ("cp communication", self.cp_comm_s),
                  ("ep all-to-all", self.ep_comm_s), ("pp send/recv", self.pp_comm_s),
-                 ("dp gradient reduce (exposed)", self.dp_comm_s)]
+                 ("dp collectives (exposed)", self.dp_comm_s)]
         return Explanation(
             rows=tuple((name, s) for name, s in rows if s > 0 or name in ("pipeline bubble",)),
             hidden=tuple((n, s) for n, s in self.hidden_comm if s > 0),
@@ -229,20 +232,25 @@ def step_time(
         nbytes = 2 * m * v * act / (tp if parallel.sequence_parallel else 1)
         pp_s = nbytes / _bandwidth(dev, tp * cp * dp, pp, gpus_per_node)
     dp_s = dp_hidden = 0.0
-    params = max(stage_params(model, parallel, r).total for r in range(pp))
+    traffic = dp_traffic(model, parallel, train, num_microbatches=m, grad_bytes=grad_bytes)
+    params = traffic.params
     n = dp * cp
     if n > 1:
         bw = _bandwidth(dev, tp, n, gpus_per_node)
-        if train.use_distributed_optimizer:
-            reduce_s = (n - 1) / n * params * bpp["gradients"] / bw
-            gather_s = (n - 1) / n * params * bpp["weights"] / bw
+        reduce_s = (traffic.sent_bytes("reduce_scatter") + traffic.sent_bytes("all_reduce")) / bw
+        gather_s = traffic.sent_bytes("all_gather") / bw
+        # what each collective can hide behind: the backward of the microbatches it follows (the
+        # last one, or every one when fsdp reduces per microbatch), the forward(s) a gather precedes
+        reduce_calls = traffic.calls.get("reduce_scatter", traffic.calls.get("all_reduce", 0))
+        if parallel.fsdp == "optim_grads_params":
+            gather_window = m * (w.forward_s + w.backward_s)
         else:
-            reduce_s, gather_s = 2 * (n - 1) / n * params * bpp["gradients"] / bw, 0.0
-        exposed_reduce = max(0.0, reduce_s - w.backward_s) if overlap_grad_reduce else reduce_s
-        exposed_gather = max(0.0, gather_s - w.forward_s) if overlap_param_gather else gather_s
+            gather_window = w.forward_s
+        exposed_reduce = max(0.0, reduce_s - reduce_calls * w.backward_s) if overlap_grad_reduce else reduce_s
+        exposed_gather = max(0.0, gather_s - gather_window) if overlap_param_gather else gather_s
         dp_s = exposed_reduce + exposed_gather
         dp_hidden = reduce_s + gather_s - dp_s
-    shard = n if train.use_distributed_optimizer else 1
+    shard = n if "optimizer" in sharded_components(parallel, train) else 1
     optimizer_s = params / shard * (30 if e == 2 else 28) / (dev.hbm_bytes_per_s * dev.memory_efficiency)
 
     parts = (("GEMM", m * w.gemm_s), ("core attention", m * w.attention_s),
@@ -308,13 +316,7 @@ def _first_order(model, parallel, train, m, gpu, peak_flops, achievable_fraction
         pp_s = nbytes / _link(dev, tp * cp * dp, pp, gpus_per_node)
     dp_s = 0.0
     if dp * cp > 1:
-        params = max(stage_params(model, parallel, r).total for r in range(pp))
-        bpp = bytes_per_param(train)
-        n = dp * cp
-        if train.use_distributed_optimizer:
-            nbytes = (n - 1) / n * params * (bpp["gradients"] + bpp["weights"])
-        else:
-            nbytes = 2 * (n - 1) / n * params * bpp["gradients"]
+        nbytes = dp_traffic(model, parallel, train, num_microbatches=m).sent_bytes()
         dp_s = nbytes / _link(dev, tp, dp * cp, gpus_per_node)
     return StepTimeEstimate(
         compute_s=compute,

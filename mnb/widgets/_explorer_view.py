@@ -31,7 +31,7 @@ _LABELS = {
     "num_layers": "layers", "hidden_size": "hidden", "num_attention_heads": "heads",
     "num_query_groups": "query groups", "ffn_hidden_size": "ffn hidden", "seq_length": "seq length",
     "gpu": "GPU", "gpus": "GPUs", "micro_batch_size": "micro batch", "global_batch_size": "global batch",
-    "recompute": "recompute", "sequence_parallel": "sequence parallel",
+    "recompute": "recompute", "sequence_parallel": "sequence parallel", "fsdp": "fsdp",
     "use_distributed_optimizer": "distributed optimizer", "bf16": "bf16", "run_steps": "steps",
     "model": "model",
 }
@@ -93,6 +93,10 @@ class ExplorerView:
             c[axis].add_class(f"mnb-{axis}")
             c[f"{axis}_why"] = widgets.HTML()
         c["recompute"] = widgets.Dropdown(options=["none", "selective", "full"], value=shown.value("recompute"))
+        c["fsdp"] = widgets.Dropdown(options=[("none (DDP)", None), ("optim (ZeRO-1)", "optim"),
+                                              ("optim_grads (ZeRO-2)", "optim_grads"),
+                                              ("optim_grads_params (ZeRO-3)", "optim_grads_params")],
+                                     value=shown.value("fsdp"))
         for name in ("sequence_parallel", "use_distributed_optimizer", "bf16"):
             c[name] = widgets.Checkbox(value=shown.value(name), indent=False)
         for name, control in list(c.items()):
@@ -135,7 +139,7 @@ class ExplorerView:
             box("Model", ["model", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                           "ffn_hidden_size", "seq_length"]),
             box("Hardware", ["gpu", "gpus"]),
-            widgets.VBox([widgets.HTML("<b>Layout</b>"), *layout_rows, c["sequence_parallel"]]),
+            widgets.VBox([widgets.HTML("<b>Layout</b>"), *layout_rows, c["sequence_parallel"], c["fsdp"]]),
             box("Batch and memory", ["micro_batch_size", "global_batch_size", "recompute",
                                      "use_distributed_optimizer", "bf16"]),
             widgets.VBox([widgets.HTML("<b>Measure</b>"), c["run_steps"], c["run"]]),
@@ -234,9 +238,17 @@ def summary_html(p: dict[str, Any], m: dict[str, Any], error: str = "") -> str:
                 f" on the pool; memory from {html.escape(str(m.get('memory_source')))}"
                 + ("; MFU n/a (no peak)" if m.get("mfu") is None else "") + "</div>")
     peak = f"<div style='font-size:11px;color:#555'>MFU vs {html.escape(p.get('peak_source', ''))}</div>"
+    if p.get("dp_collectives_bytes"):
+        peak += f"<div class='mnb-dp-comm' style='font-size:11px;color:#555'>{html.escape(_dp_line(p))}</div>"
     if p.get("rough"):
         peak += f"<div class='mnb-rough' style='font-size:11px;color:#a60'>{html.escape(p['rough'])}</div>"
     return f"{head}<table style='font-size:12px'>{header}{cells}</table>{note}{peak}{_explain_html(p)}"
+
+
+def _dp_line(p: dict) -> str:
+    """The sharding level and its data-parallel collectives per step (full buffer sizes)."""
+    parts = ", ".join(f"{kind.replace('_', '-')} {format_bytes(n)}" for kind, n in p["dp_collectives_bytes"].items())
+    return f"data parallel ({p['sharding']}) per step: {parts}"
 
 
 def _explain_html(p: dict) -> str:
@@ -262,6 +274,8 @@ def summary_text(model: str, gpus: int, gpu: str, p: dict[str, Any], m: dict[str
                  f"{p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} (vs {p.get('peak_source', '?')})")
     if p.get("rough"):
         lines.append(f"  {p['rough']}")
+    if p.get("dp_collectives_bytes"):
+        lines.append(f"  {_dp_line(p)}")
     if p.get("explain"):
         lines.append("  where the predicted step goes: " + ", ".join(
             f"{name} {_fmt(sec, 's')} ({sec / p['step_time_s']:.0%})" for name, sec in p["explain"]))

@@ -79,6 +79,7 @@ class Settings:
     cp: int = _PAR.cp
     ep: int = _PAR.ep
     sequence_parallel: bool = _PAR.sequence_parallel
+    fsdp: Literal["optim", "optim_grads", "optim_grads_params"] | None = _PAR.fsdp
     micro_batch_size: int = _TRAIN.micro_batch_size
     global_batch_size: int = _TRAIN.global_batch_size or 0
     recompute: Literal["none", "selective", "full"] = _TRAIN.recompute
@@ -109,7 +110,7 @@ class Settings:
 
     def layout_sizes(self) -> dict[str, Any]:
         """The ParallelConfig fields (dp left to the world size), unchecked."""
-        return {name: getattr(self, name) for name in (*AXES, "sequence_parallel")}
+        return {name: getattr(self, name) for name in (*AXES, "sequence_parallel", "fsdp")}
 
     def parallel_config(self) -> ParallelConfig:
         """The layout (dp left to the world size); ValueError when the sizes contradict each other."""
@@ -309,6 +310,8 @@ class Predictions:
     """What MFU is measured against."""
     rough: str = ""
     """Why the time predictions are only rough, where they are (CPU ranks); empty elsewhere."""
+    dp_traffic: est.DataParallelTraffic | None = None
+    """The data-parallel collectives of one step (what the sharding level moves)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The numbers as plain data (the explorer's ``predicted`` trait)."""
@@ -332,6 +335,8 @@ class Predictions:
             "explain": [[name, seconds] for name, seconds in time.explain().rows],
             "peak_source": self.peak_source,
             "rough": self.rough,
+            "sharding": self.dp_traffic.level if self.dp_traffic else "",
+            "dp_collectives_bytes": self.dp_traffic.as_dict() if self.dp_traffic else {},
         }
 
 
@@ -443,4 +448,4 @@ def predict(model: ModelConfig, settings: Settings, *, cpu_peak_flops: float | N
     return Predictions(layout=resolved, num_microbatches=m,
                        global_batch_size=m * train.micro_batch_size * (resolved.dp or 1),
                        memory=mem, step_time=time, bubble=est.bubble(resolved, m), peak_source=source,
-                       rough=CPU_ROUGH if on_cpu else "")
+                       rough=CPU_ROUGH if on_cpu else "", dp_traffic=est.dp_traffic(model, resolved, train))

@@ -39,7 +39,7 @@ from typing import Any
 import ipywidgets as widgets
 from traitlets import Bool, Bytes, Dict, Enum, Int, TraitError, Unicode, observe, validate
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig
+from mnb.config import FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig
 from mnb.controller.registry import measured_cpu_peak_flops
 
 from . import _explorer_view as view
@@ -74,6 +74,9 @@ class Explorer(widgets.VBox):
     cp = Int(_DEFAULT.cp, help="Context-parallel size.").tag(sync=True)
     ep = Int(_DEFAULT.ep, help="Expert-parallel size (MoE models).").tag(sync=True)
     sequence_parallel = Bool(_DEFAULT.sequence_parallel, help="Megatron sequence parallelism (tp > 1).").tag(sync=True)
+    fsdp = Enum(FSDP_STRATEGIES, _DEFAULT.fsdp, allow_none=True,
+                help="Megatron-FSDP sharding over dp: None (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
+                     "optim_grads_params (ZeRO-3).").tag(sync=True)
     # ----- batch and memory savers -------------------------------------------------
     micro_batch_size = Int(_DEFAULT.micro_batch_size, help="Micro batch size b.").tag(sync=True)
     global_batch_size = Int(_DEFAULT.global_batch_size,

@@ -5,7 +5,7 @@
     result = mnb.sweep([ParallelConfig(tp=2), {"pp": 2, "vpp": 2}], steps=3)
 
 A grid is a dict of lists over :class:`mnb.config.ParallelConfig` fields
-(tp, pp, vpp, cp, ep, sequence_parallel) and the per-run
+(tp, pp, vpp, cp, ep, sequence_parallel, fsdp) and the per-run
 :class:`mnb.config.TrainConfig` fields (micro_batch_size, global_batch_size,
 recompute, use_distributed_optimizer, bf16); its points run in
 ``itertools.product`` order.  Each layout is checked against the config

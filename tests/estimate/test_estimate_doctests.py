@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["hardware", "memory", "flops", "pipeline", "plan"])
+@pytest.mark.parametrize("name", ["hardware", "memory", "flops", "pipeline", "plan", "sharding"])
 def test_docstring_examples(name):
     module = importlib.import_module(f"mnb.estimate.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

@@ -105,7 +105,7 @@ def test_explain_sums_to_the_step_and_names_every_part():
     assert sum(parts.values()) == pytest.approx(t.total_s)
     for name in ("GEMM", "core attention", "elementwise and norms", "recompute", "gradient accumulation",
                  "pipeline bubble", "optimizer step", "tp communication (exposed)", "pp send/recv",
-                 "dp gradient reduce (exposed)"):
+                 "dp collectives (exposed)"):
         assert parts[name] > 0, name
     assert parts["recompute"] < parts["GEMM"]
     text = str(ex)

@@ -204,3 +204,28 @@ def test_the_view_shows_derived_settings_and_calls_back_without_an_explorer():
     gpu = derive(Settings(model="tiny", gpus=8, gpu="h200"))
     view.sync(Shown(gpu, run_steps=3))
     assert not gpu.predictions.rough and "mnb-rough" not in c["summary"].value and c["gpus"].value == 8
+
+
+def test_fsdp_level_shards_and_shows_its_collectives(llama):
+    llama.tp, llama.pp, llama.cp = 1, 1, 1
+    base = dict(llama.predicted["components"])
+    assert llama.predicted["dp_collectives_bytes"].keys() == {"all_reduce"}  # DDP
+    llama.fsdp = "optim_grads_params"
+    zero3 = llama.predicted
+    assert zero3["layout"].endswith("fsdp:optim_grads_params") and zero3["sharding"] == "optim_grads_params"
+    assert zero3["components"]["gradients"] == pytest.approx(base["gradients"] / 8)
+    # the bf16 and fp32 main-weight shards ((2 + 4) / 8 B per 2 B of weights), plus the gathered layers
+    assert 3 * base["weights"] / 8 < zero3["components"]["weights"] < base["weights"]
+    assert zero3["dp_collectives_bytes"].keys() == {"reduce_scatter", "all_gather"}
+    assert llama.controls["fsdp"].value == "optim_grads_params"
+    assert "all-gather" in llama.summary()
+    with pytest.raises(TraitError):
+        llama.fsdp = "zero3"
+    with pytest.raises(TraitError, match=r"does not combine with pp\(2\)"):  # Megatron-FSDP has no pp
+        llama.pp = 2
+    llama.controls["fsdp"].value = None  # the page's dropdown writes the trait back
+    assert llama.fsdp is None and llama.predicted["components"] == base
+    llama.pp = 2
+    llama.fsdp = "optim_grads"  # the explorer moves what the level rules out, saying why
+    assert llama.pp == 1 and "does not combine with pp(2)" in llama.status
+    llama.fsdp = None

@@ -18,12 +18,13 @@ pytestmark = pytest.mark.slow
 
 def test_sweep_of_layouts_collects_measurements_and_failures(cpu_pool, capsys):
     result = sweep({"tp": [1, 2], "pp": [1, 2]}, steps=3, model="tiny", global_batch_size=8, pool=cpu_pool)
-    extra = sweep([{"pp": 2, "vpp": 2}, {"cp": 2}, {"tp": 1, "micro_batch_size": 3}], steps=3, model="tiny",
-                  global_batch_size=8, pool=cpu_pool)
+    extra = sweep([{"pp": 2, "vpp": 2}, {"cp": 2}, {"tp": 1, "micro_batch_size": 3}, {"fsdp": "optim_grads_params"},
+                   {"pp": 2, "fsdp": "optim"}], steps=3, model="tiny", global_batch_size=8, pool=cpu_pool)
     by_label = {r.label: r for r in result.rows + extra.rows}
     ran = [r for r in result.rows + extra.rows if r.ok]
     # cp runs without Transformer Engine too (mnb's all-gather attention)
-    assert {r.label for r in ran} == {"tp1 pp1 dp2", "tp1 pp2 dp1", "tp2 pp1 dp1", "tp1 pp2 vpp2 dp1", "tp1 pp1 cp2 dp1"}
+    assert {r.label for r in ran} == {"tp1 pp1 dp2", "tp1 pp2 dp1", "tp2 pp1 dp1", "tp1 pp2 vpp2 dp1", "tp1 pp1 cp2 dp1",
+                                      "tp1 pp1 dp2 fsdp:optim_grads_params"}  # ZeRO-3 (Megatron-FSDP)
     for row in ran:
         assert row.peak_memory_bytes > 0 and row.tokens_per_s > 0 and row.step_time_s > 0
         assert 0 < row.mfu < 1  # CPU: against the ranks' measured GEMM peak
@@ -31,6 +32,8 @@ def test_sweep_of_layouts_collects_measurements_and_failures(cpu_pool, capsys):
     assert by_label["tp1 pp2 dp1"].theoretical_bubble == pytest.approx(1 / 9)  # (p-1)/(m+p-1), m = 8
     invalid = by_label["tp2 pp2 dp?"]
     assert invalid.status == "invalid" and "does not divide world size 2" in invalid.reason
+    no_pp = by_label["pp=2, fsdp=optim"]  # refused before any rank is touched
+    assert no_pp.status == "invalid" and "does not combine with pp(2)" in no_pp.reason
     batch = by_label["tp1 pp1 dp2 mbs3"]
     assert batch.status == "invalid" and "global_batch_size(8) is not divisible" in batch.reason
 
