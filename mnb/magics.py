@@ -49,7 +49,6 @@ import re
 import shlex
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from IPython.core.error import UsageError

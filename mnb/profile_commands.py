@@ -14,7 +14,8 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from mnb.profiles import Profile, delete_profile, last_profile, list_profiles, parse_steps, set_last_profile
+from mnb.config import parse_steps
+from mnb.profiles import Profile, delete_profile, last_profile, list_profiles, set_last_profile
 
 
 def profile_request(args: argparse.Namespace, pool: Any, parse_ranks: Any) -> dict[str, Any] | None:

@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mnb.config import parse_steps  # noqa: F401 - re-exported: the rank side reads it from mnb.config
 
 MAX_TRACE_BYTES = 300 * 2**20
 """Per-rank traces larger than this in all are not merged (nor read into the kernel)."""
