@@ -19,6 +19,14 @@ from typing import Any
 from jupyter_client.manager import start_new_kernel
 
 
+@dataclass(frozen=True)
+class Late:
+    """An answer typed ``after_s`` seconds after the input box opened."""
+
+    text: str
+    after_s: float
+
+
 @dataclass
 class CellResult:
     text: str = ""
@@ -71,6 +79,9 @@ class Kernel:
             answer = into.answers.pop(0) if into.answers else "\x04"
             if answer is None:  # Kernel -> Interrupt while the input box waits
                 self.interrupt()
+            elif isinstance(answer, Late):  # a user who thinks before typing
+                time.sleep(answer.after_s)
+                self.client.input(answer.text)
             else:
                 self.client.input(answer)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import alive_pids
-from tests.kernel_client import Kernel
+from tests.kernel_client import Kernel, Late
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +93,14 @@ def test_two_ranks_at_one_breakpoint_are_served_in_rank_order_and_quit_ends_the_
     assert stopped.prompts == [(f"{R1} never answered: ", False)]
     assert "usable 0" in kernel.ok("%%megatron\nprint('usable', rank)")  # the pool is usable
 
+
+
+def test_time_spent_typing_does_not_count_against_the_timeout(kernel):
+    """The wait is the user's: a 2-s cell timeout must not fire while rank 1's input box waits 4 s."""
+    result = kernel.execute("%%megatron --tp 2 --timeout 2\nif rank == 1:\n    answer = input('ready? ')\n"
+                            "    print('got', answer)\nprint('done', rank)", answers=[Late("yes", 4.0)])
+    assert not result.errors, traceback_text(result)
+    assert f"{R1} got yes" in result.text and "done 0" in result.text and "done 1" in result.text
 
 def test_input_without_stdin_fails_at_once_on_that_rank(kernel):
     result = kernel.execute("%%megatron --tp 2\nif rank == 1:\n    input('name? ')\nprint('fine', rank)", timeout=120)
