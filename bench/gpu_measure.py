@@ -71,3 +71,25 @@ class Rows:
         self.rows.setdefault(section, []).append(row)
         (self.out / self.name).write_text(json.dumps(self.rows, indent=1, default=str))
 
+
+def standby_ready(pool, timeout_s: float = 300) -> None:
+    """Wait until the pool's standby has finished launching (ready for go, failed, or none)."""
+    deadline = time.monotonic() + timeout_s
+    while (pool.standby_status() or {}).get("state") == "launching" and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def timed_restart(pool, kill_cell: str) -> tuple[float, str]:
+    """Kill a rank by ``kill_cell`` once the standby is ready; the seconds from that cell's return to
+    the next cell done (the automatic restart), and the pool's start note (did it adopt the standby?)."""
+    from mnb.errors import PoolError
+
+    standby_ready(pool)
+    try:
+        pool.run(kill_cell, timeout=120)
+    except PoolError:
+        pass
+    began = time.perf_counter()
+    pool.run("x = rank")
+    return time.perf_counter() - began, pool.start_note
+

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from gpu_measure import Rows, plain_torchrun  # noqa: E402
+from gpu_measure import Rows, plain_torchrun, timed_restart  # noqa: E402
 
 MODEL = "mnb.gpt('llama-1b', num_layers=8, seq_length=2048{extra})"
 FIRST_CELL = "model = {model}\nmnb.train(model, steps=1, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)"
@@ -49,12 +49,6 @@ def parked_ready(timeout_s: float = 300) -> dict:
             return status
         time.sleep(0.05)
     raise TimeoutError("the load-time standby was not ready")
-
-
-def pool_standby_ready(pool, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (pool.standby_status() or {}).get("state") == "launching" and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def main() -> None:
@@ -76,7 +70,6 @@ def main() -> None:
     import mnb
     from mnb.controller import Pool, load_standby
     from mnb.controller import standby as standbys
-    from mnb.errors import PoolError
 
     pool = None
     try:  # 1. load, start and first cell back to back
@@ -108,15 +101,9 @@ def main() -> None:
     except Exception:
         bench.add("fresh", {"error": traceback.format_exc()[-2000:]})
     try:  # 2. restart with standby
-        pool_standby_ready(pool)
-        try:
-            pool.run(KILL, timeout=120)
-        except PoolError:
-            pass
-        t = time.perf_counter()
-        pool.run("x = rank")
+        restart_s, note = timed_restart(pool, KILL)
         bench.add("restart", {"run": "automatic restart -> next cell done, standby waiting for go",
-                              "restart_to_next_cell_s": round(time.perf_counter() - t, 2), "note": pool.start_note})
+                              "restart_to_next_cell_s": round(restart_s, 2), "note": note})
     except Exception:
         bench.add("restart", {"error": traceback.format_exc()[-2000:]})
     finally:

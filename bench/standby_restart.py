@@ -20,15 +20,10 @@ import json
 import statistics
 import time
 
+from gpu_measure import standby_ready, timed_restart
 from mnb.controller import Pool
-from mnb.errors import PoolError
 
 KILL = "import os, signal\nif rank == world_size - 1: os.kill(os.getpid(), signal.SIGKILL)\nimport time; time.sleep(60)"
-
-
-def standby_ready(pool: Pool) -> None:
-    while (pool.standby_status() or {}).get("state") == "launching":
-        time.sleep(0.05)
 
 
 def one(mode: str, n: int, device: str) -> dict:
@@ -36,14 +31,7 @@ def one(mode: str, n: int, device: str) -> dict:
     pool = Pool.start(n, device=device, standby=mode, timeout=300)
     start_s = time.perf_counter() - t
     try:
-        standby_ready(pool)
-        try:
-            pool.run(KILL, timeout=120)
-        except PoolError:
-            pass
-        t = time.perf_counter()
-        pool.run("x = rank")
-        restart_s, restart_note = time.perf_counter() - t, pool.start_note
+        restart_s, restart_note = timed_restart(pool, KILL)
         standby_ready(pool)
     finally:
         pool.stop()

@@ -211,16 +211,20 @@ class _CudaShim(types.ModuleType):
         return getattr(_REAL_TORCH.cuda, name)
 
 
-class _MegatronDevice(type):
-    """``torch.device`` as Megatron code sees it on a CPU rank: CUDA spellings make the CPU device.
+class _CpuDevice(type):
+    """``torch.device`` as code on a CPU rank sees it: CUDA spellings make the CPU device.
 
-    Megatron-FSDP compares its device against ``torch.device(f"cuda:{current_device()}")``
-    and asks process groups for their backend by ``torch.device("cuda", current_device())``.
+    Two views use it: Megatron's (Megatron-FSDP compares its device against
+    ``torch.device(f"cuda:{current_device()}")`` and asks process groups for their backend by
+    ``torch.device("cuda", current_device())``) and a torchrun script's, which also notes the
+    redirection for the run's one-line summary (the class's ``noted`` text).
     """
 
     def __call__(cls, *args: Any, **kwargs: Any):
         if args and isinstance(args[0], str) and args[0].startswith("cuda") or \
                 str(kwargs.get("type", "")).startswith("cuda"):
+            if getattr(cls, "noted", None):
+                note(cls.noted)
             return _REAL_TORCH.device("cpu")
         return _REAL_TORCH.device(*args, **kwargs)
 
@@ -277,7 +281,7 @@ def _make_torch_proxy() -> types.ModuleType:
     overrides: dict[str, Any] = {name: _factory(getattr(torch, name)) for name in FACTORIES}
     overrides["cuda"] = _CudaShim()
     overrides["autocast"] = _autocast
-    overrides["device"] = _MegatronDevice("device", (), {"__doc__": "Megatron's torch.device on a CPU rank"})
+    overrides["device"] = _CpuDevice("device", (), {"__doc__": "Megatron's torch.device on a CPU rank"})
     proxy.__dict__.update(overrides)
     proxy.__dict__["__getattr__"] = lambda name: getattr(_REAL_TORCH, name)
     proxy.__dict__["__mnb_cpu_proxy__"] = True
@@ -348,23 +352,6 @@ def _caller_is_megatron(depth: int = 2) -> bool:
     return _is_megatron(frame.f_globals.get("__name__", ""))
 
 
-class _DeviceType(type):
-    """``torch.device`` as a CPU-mode script sees it: CUDA spellings make the CPU device."""
-
-    def __call__(cls, *args: Any, **kwargs: Any):
-        if args and isinstance(args[0], str) and args[0].startswith("cuda") or \
-                str(kwargs.get("type", "")).startswith("cuda"):
-            note("torch.device('cuda')")
-            return _REAL_TORCH.device("cpu")
-        return _REAL_TORCH.device(*args, **kwargs)
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _REAL_TORCH.device)
-
-    def __subclasscheck__(cls, sub: Any) -> bool:
-        return issubclass(sub, _REAL_TORCH.device)
-
-
 def script_torch() -> types.ModuleType:
     """The ``torch`` a torchrun script's own lines see on a CPU rank: the real torch (with the
     GPU idioms of :mod:`mnb.megatron.gpu_idioms` redirected while it runs), except that
@@ -372,7 +359,8 @@ def script_torch() -> types.ModuleType:
     hold on the CPU."""
     view = types.ModuleType("torch", "A torchrun script's view of torch on a CPU rank (mnb.megatron.cpu).")
     view.__dict__["__getattr__"] = lambda name: getattr(_REAL_TORCH, name)
-    view.__dict__["device"] = _DeviceType("device", (), {"__doc__": "CPU-mode torch.device"})
+    view.__dict__["device"] = _CpuDevice("device", (), {"__doc__": "CPU-mode torch.device",
+                                                        "noted": "torch.device('cuda')"})
     view.__dict__["__mnb_cpu_proxy__"] = True
     return view
 
