@@ -26,15 +26,15 @@ With sharded gradients Megatron-FSDP reduce-scatters in every microbatch's
 backward (``grad_reduce_every_bprop`` in megatron_fsdp.py: no full gradient
 is kept to accumulate into), so m microbatches move m times the gradients;
 without, once, after the last microbatch.  ZeRO-3 gathers each FSDP unit (a
-``TransformerLayer``, Megatron's default units) before its forward and again
-before its backward, and frees it after each: every microbatch moves the
-layers' parameters (P_L) twice, and a rank holds, beside its shards, the gathered
-parameters of ``gathered_layers`` layers (the one computing and the one
-prefetched) plus those outside any unit (P_E: embedding, output layer, final
-norm), which are gathered once per step and stay gathered (counted on CPU
-ranks: 2*m*layers + 1 all-gathers per step, 2 microbatches of tiny: 16 of a
-layer's bucket and 1 of the rest).  The optimizer step updates the shards in
-place; the lower levels all-gather the updated parameters once per step.
+``TransformerLayer``, Megatron's default units) before its forward and frees it after; what a
+rank holds gathered beside its shards is set by Megatron-FSDP's prefetch (:func:`gathered_layers`):
+at the start of backward, where the activations peak, most often every layer.  The parameters
+outside any unit (P_E: embedding, output layer, final norm) are gathered once per step and stay
+gathered.  Counted on CPU ranks: 2*m*layers + 1 all-gathers per step (2 microbatches of tiny: 16
+of a layer's bucket and 1 of the rest): the optimizer step gathers everything, each forward
+gathers the layers (they are released after their forward) and the final norm's pre-forward
+gathers them again for the backward.  The optimizer step updates the shards in place; the lower
+levels all-gather the updated parameters once per step.
 
 Buffer bytes are the full (gathered) size each collective covers; a ring over
 n ranks sends (n-1)/n of it per rank for a reduce-scatter or all-gather and
@@ -66,8 +66,10 @@ weight buffer beside the model's compute weights -- also when training in fp32."
 ADAM_STATE_BYTES = 8
 """Adam's m and v in fp32: the optimizer state proper once the main weights live in FSDP's buffer."""
 
-GATHERED_LAYERS = 2
-"""Layers whose parameters a ZeRO-3 rank holds gathered at once: the one computing and the next (prefetched)."""
+AG_PREFETCH_FLOOR = 1_000_000_000
+"""Megatron-FSDP's ``suggested_communication_unit_size`` when the config leaves it None (mnb does): twice
+the mean unit's elements, raised to at least this (``max(1_000_000_000, ...)`` under the comment "Cap to
+1B elements", megatron_fsdp.py in 0.16.1 and 0.19.2).  Half of it is the all-gather prefetch budget."""
 
 
 def unsharded_bytes_per_param(train: TrainConfig, grad_bytes: int | None = None) -> dict[str, int]:
@@ -100,18 +102,43 @@ def level_name(parallel: ParallelConfig, train: TrainConfig) -> str:
     return "distributed optimizer" if train.use_distributed_optimizer else "ddp"
 
 
-def gathered_params(model: ModelConfig, parallel: ParallelConfig, stage: int = 0,
-                    gathered_layers: int = GATHERED_LAYERS) -> int:
+def gathered_layers(model: ModelConfig, parallel: ParallelConfig, stage: int = 0) -> int:
+    """Transformer layers a ZeRO-3 rank holds gathered at the start of backward (0 below ZeRO-3).
+
+    Megatron-FSDP's prefetch (``AllGatherPipeline.all_gather_params``): a gather also fetches the
+    next buckets, in forward or backward order, while what it added is below the budget
+    ``suggested_AG_prefetch_size`` = ``max(`` :data:`AG_PREFETCH_FLOOR` ``, 2 * unit) // 2`` elements
+    (``unit``: a layer's parameters on this rank), so ``k = ceil(budget / unit)`` layers beyond the
+    one asked for.  Each unit is released after its forward (``_post_forward``), but the final
+    norm and the output layer are outside the units: their pre-forward gathers the first bucket
+    (the parameters outside the units) and prefetches from layer 1 on, so layers 1..k stay
+    gathered until their own backward.  The last layer's pre-backward gathers it and prefetches
+    the k before it.  At that moment every microbatch activation is still held: 2k + 1 layers, at
+    most the stage's (every layer of a model whose layers are below 500M parameters per rank;
+    llama-8b on one tp rank: k = 3, 7 layers).  Measured on CPU ranks (tests/megatron/test_memory.py).
+    """
+    if parallel.fsdp != "optim_grads_params":
+        return 0
+    layers = stage_params(model, parallel, stage).num_layers
+    unit = sum(layer_params(model, parallel.tp, parallel.ep))
+    if layers == 0 or unit == 0:
+        return 0
+    budget = max(AG_PREFETCH_FLOOR, 2 * unit) // 2
+    ahead = -(-budget // unit)
+    return min(layers, 2 * ahead + 1)
+
+
+def gathered_params(model: ModelConfig, parallel: ParallelConfig, stage: int = 0) -> int:
     """Parameters a ZeRO-3 rank of ``stage`` holds gathered beside its shards (0 below ZeRO-3).
 
-    ``gathered_layers`` transformer layers (at most the stage's) plus the parameters outside
-    the FSDP units (embedding, output layer, final norm on this stage).
+    :func:`gathered_layers` transformer layers plus the parameters outside the FSDP units
+    (embedding, output layer, final norm on this stage).
     """
     if parallel.fsdp != "optim_grads_params":
         return 0
     params = stage_params(model, parallel, stage)
     dense, expert = layer_params(model, parallel.tp, parallel.ep)
-    return min(gathered_layers, params.num_layers) * (dense + expert) + params.embedding
+    return gathered_layers(model, parallel, stage) * (dense + expert) + params.embedding
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -143,6 +143,27 @@ def buffer_tensors(wrapped: Any) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def gathered_storages(wrapped: Any) -> list:
+    """The storages of the all-gather buckets an FSDP chunk holds gathered now (ZeRO-3's unsharded
+    weights; none below ZeRO-3, where the model weight buffer is whole).
+
+    Megatron-FSDP allocates each bucket from its buffer's ``temporary_bucket_allocator`` and frees it
+    by resizing the storage to 0 bytes (``_free_storage``), keeping the ``Bucket``: a freed one has no
+    bytes.  A resized storage moves, so these are read anew at each moment asked.
+    """
+    out = []
+    buffer = getattr(wrapped, "param_and_grad_buffer", None)
+    for group in getattr(buffer, "parameter_groups", None) or []:
+        weights = getattr(group, "model_weight_buffer", None)
+        if weights is None or not getattr(weights, "is_data_distributed", False):
+            continue
+        bucket = getattr(weights.temporary_bucket_allocator, "buckets", {}).get(weights.bucket_index.bucket_id)
+        data = getattr(bucket, "data", None)
+        if isinstance(data, torch.Tensor) and data.untyped_storage().nbytes():
+            out.append(data.untyped_storage())
+    return out
+
+
 @contextlib.contextmanager
 def whole_parameters(wrapped_chunks: list):
     """Inside: the chunks' own modules hold whole (this tp rank's) parameters, gathered over dp.

@@ -103,14 +103,19 @@ class ComponentMeter:
     """What a rank holds, by component, counted from the tensors themselves (any device).
 
     - ``weights``: the storages of the model's parameters (bf16 copies, or the
-      distributed optimizer's contiguous parameter buffer);
+      distributed optimizer's contiguous parameter buffer); under Megatron-FSDP its sharded
+      buffers, and for ZeRO-3 the all-gather buckets held at once while the activations peak
+      (the most held during each counted backward, when every microbatch activation is still
+      held; :func:`mnb.megatron.fsdp.gathered_storages`), not at the moment of counting: the
+      optimizer step gathers every bucket, whatever the prefetch holds at the peak;
     - ``gradients``: Megatron DDP's gradient buffers (``main_grad`` lives there);
     - ``optimizer``: every tensor the optimizer holds that is neither of those
       (fp32 master weights, Adam's moments; sharded by the distributed optimizer),
       but Adam's 0-dim step counters;
     - ``activations``: what autograd saves for backward, caught with
       ``torch.autograd.graph.saved_tensors_hooks`` while each microbatch's forward
-      (and loss) runs, storages counted once, parameters left out.  A
+      (and loss) runs, storages counted once, parameters (and ZeRO-3's gathered
+      buckets) left out.  A
       microbatch's bytes are held until its backward ends; ``activations`` is the
       largest sum held at once (the microbatches in flight of the schedule).
 
@@ -137,6 +142,11 @@ class ComponentMeter:
         """Called with the activation bytes held whenever they change (``--profile --memory``)."""
         self.always_count = False
         """Count saved tensors in every step, not the first ``COUNTED_STEPS`` (profiled steps)."""
+        self._gathering: list = []
+        """The ZeRO-3 chunks (Megatron-FSDP) whose gathered buckets come and go within a step."""
+        self._gathered_at_count = 0
+        self.gathered_peak_bytes: int | None = None
+        """The most ZeRO-3 bucket bytes held at once while activations were held (None: not sampled)."""
 
     def count_static(self, model, optimizers: list) -> None:
         """Weights, gradient buffers and the optimizer's tensors of a prepared model (DDP + optimizer).
@@ -150,6 +160,10 @@ class ComponentMeter:
         # Megatron-FSDP: this rank's shards live in its ParamAndGradBuffer (parameters are DTensors)
         sharded = [fsdp.buffer_tensors(w) for w in model.wrapped or [] if fsdp.is_fsdp(w)]
         weights = self._add(t for found in sharded for t in found["weights"])
+        # ZeRO-3: the parameters are views of all-gather buckets, counted where the activations peak
+        self._gathering = [w for w in model.wrapped or [] if fsdp.is_fsdp(w)
+                           and w.ddp_config.data_parallel_sharding_strategy == "optim_grads_params"]
+        self._gathered_at_count = self._add_storages(s for w in self._gathering for s in fsdp.gathered_storages(w))
         weights += self._add(p for chunk in model.chunks for p in chunk.parameters())
         buffers = [b for ddp in model.wrapped or [] if not fsdp.is_fsdp(ddp)
                    for b in (*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", []))]
@@ -165,6 +179,33 @@ class ComponentMeter:
                       if not (isinstance(t, torch.Tensor) and t.dim() == 0)]
         optimizer = self._add(state)
         self.static_bytes = {"weights": weights, "gradients": gradients, "optimizer": optimizer}
+
+    def weights_bytes(self) -> int:
+        """``weights``: the static storages, and ZeRO-3's buckets held at the activations' peak
+        (those held when counted, where no forward or backward was sampled)."""
+        if not self._gathering:
+            return self.static_bytes["weights"]
+        gathered = self.gathered_peak_bytes if self.gathered_peak_bytes is not None else self._gathered_at_count
+        return self.static_bytes["weights"] + gathered
+
+    def _gathered_now(self) -> dict[int, int]:
+        """{data pointer: bytes} of the ZeRO-3 buckets gathered at this moment."""
+        from mnb.megatron import fsdp
+
+        return {s.data_ptr(): s.nbytes() for w in self._gathering for s in fsdp.gathered_storages(w)}
+
+    def _sample_gathered(self) -> None:
+        held = sum(self._gathered_now().values())
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes or 0, held)
+
+    def _add_storages(self, storages) -> int:
+        """Bytes of ``storages`` not counted yet (they become known)."""
+        total = 0
+        for storage in storages:
+            if storage.data_ptr() not in self._known:
+                self._known.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
 
     def _add(self, tensors) -> int:
         """Bytes of the storages of ``tensors`` not counted yet (they become known)."""
@@ -189,7 +230,7 @@ class ComponentMeter:
         if self.steps_begun > self.COUNTED_STEPS and not self.always_count:
             return
         self._saving = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack if self._gathering else _unpack)
         self._hooks.__enter__()
 
     def forward_stopped(self, key: object) -> None:
@@ -200,6 +241,8 @@ class ComponentMeter:
         saved = sum(self._saving.values())
         self._saving = None
         self._held[key] = saved
+        if self._gathering:
+            self._sample_gathered()
         self.microbatch_peak_bytes = max(self.microbatch_peak_bytes, saved)
         self.activations_peak_bytes = max(self.activations_peak_bytes, sum(self._held.values()))
         if self.observer is not None:
@@ -214,12 +257,17 @@ class ComponentMeter:
         if self._saving is not None and tensor.numel():
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr and ptr not in self._known:
+            if ptr and ptr not in self._known and not (self._gathering and ptr in self._gathered_now()):
                 self._saving[ptr] = storage.nbytes()
         # Detached: a saved output kept as itself would hold its own grad_fn, a cycle through
         # autograd's C++ nodes that Python's collector cannot break.  Backward breaks it; a
         # forward that raised (out of memory) left every saved tensor allocated for good.
         return tensor.detach()
+
+    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In a counted backward (ZeRO-3 only): note the buckets gathered at this moment."""
+        self._sample_gathered()
+        return tensor
 
     def end_run(self) -> None:
         """After the steps, also after a step that raised: no hook left on autograd's stack
@@ -232,9 +280,10 @@ class ComponentMeter:
         self._held.clear()
 
     def summary(self, allocator_peak_bytes: int | None) -> dict[str, int | str]:
-        counted = sum(self.static_bytes.values()) + self.activations_peak_bytes
+        static = {**self.static_bytes, "weights": self.weights_bytes()}
+        counted = sum(static.values()) + self.activations_peak_bytes
         return {
-            **self.static_bytes,
+            **static,
             "activations": self.activations_peak_bytes,
             "activations_per_microbatch": self.microbatch_peak_bytes,
             "peak": int(allocator_peak_bytes) if allocator_peak_bytes else counted,

@@ -114,7 +114,9 @@ class Session:
     def _memory_meta(self) -> dict[str, Any] | None:
         if not self.memory:
             return None
-        static = dict(self._components.static_bytes) if self._components is not None else {}
+        static = {}
+        if self._components is not None:  # ZeRO-3's weights: its shards and the buckets gathered at the peak
+            static = {**self._components.static_bytes, "weights": self._components.weights_bytes()}
         return {"samples": self.memory_samples, "static": static, "snapshot": self.snapshot,
                 "allocated": self.allocated, "source": "cuda" if self._cuda() else "counted tensors"}
 

@@ -40,18 +40,33 @@ def test_memory_per_component_of_each_level():
         None: (4 * P, 4 * P, 8 * P),
         "optim": (4 * P + 2 * P, 4 * P, 4 * P),  # + the fp32 main weights' half
         "optim_grads": (4 * P + 2 * P, 2 * P, 4 * P),
-        # ZeRO-3 holds two layers and the parameters outside the layers gathered beside its shards
-        "optim_grads_params": (2 * P + 2 * P + 4 * (2 * LAYER + OUTSIDE), 2 * P, 4 * P),
+        # ZeRO-3 holds, beside its shards, every layer of tiny and the parameters outside the layers gathered
+        "optim_grads_params": (2 * P + 2 * P + 4 * (4 * LAYER + OUTSIDE), 2 * P, 4 * P),
     }
     for level, (w, g, o) in expected.items():
         s = got[level]
         assert (s.weights_bytes, s.gradients_bytes, s.optimizer_bytes) == (w, g, o), level
         assert s.activations_bytes == got[None].activations_bytes  # sharding leaves activations alone
-    assert got["optim_grads_params"].gathered_weights_bytes == 4 * (2 * LAYER + OUTSIDE)
+    assert got["optim_grads_params"].gathered_weights_bytes == 4 * P
     assert got["optim_grads"].gathered_weights_bytes == 0
     # a group of one shards nothing and gathers nothing
     one = est.memory("tiny", ParallelConfig(dp=1, fsdp="optim_grads_params"), TrainConfig(global_batch_size=2))
     assert one.stages[0].weights_bytes == 8 * P and one.stages[0].gathered_weights_bytes == 0
+
+
+def test_zero3_gathers_what_megatron_fsdp_prefetches():
+    """Megatron-FSDP's prefetch budget is max(1e9, 2 * layer) // 2 elements: 2k + 1 layers gathered at the
+    start of backward, k = ceil(budget / layer) (mnb.estimate.sharding.gathered_layers)."""
+    from mnb.estimate.sharding import gathered_layers
+
+    def held(preset, tp):
+        return gathered_layers(load_preset(preset), ParallelConfig(dp=2, tp=tp, fsdp="optim_grads_params"))
+
+    assert held("tiny", 1) == 4  # all of its 4 layers: 46,208 parameters each, far below the budget
+    assert held("llama-8b", 1) == 7  # 218,112,000 a layer: k = 3
+    assert held("llama-8b", 8) == 32  # 27,271,168 a layer on one of 8 tp ranks: every layer
+    assert held("llama-70b", 1) == 3  # 855,654,400 a layer: the budget is the layer itself, k = 1
+    assert gathered_layers(load_preset("tiny"), ParallelConfig(dp=2, fsdp="optim_grads")) == 0
 
 
 def test_collective_volumes_of_each_level():
