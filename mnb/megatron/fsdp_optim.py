@@ -133,10 +133,8 @@ def _local_state(dtensor: Any, state: dict, key: str, name: str) -> torch.Tensor
     return value.to_local() if hasattr(value, "to_local") else value
 
 
-def _local_rows(whole: torch.Tensor, dtensor: Any) -> torch.Tensor:
-    """This dp rank's rows of ``whole``, as Megatron-FSDP cut ``dtensor`` (a collective over dp)."""
-    local = dtensor.to_local()
-    start = fsdp.row_offset(dtensor)
+def _local_rows(whole: torch.Tensor, local: torch.Tensor, start: int) -> torch.Tensor:
+    """This dp rank's rows of ``whole``: the ``local`` shard's, from row ``start``."""
     return whole.reshape(-1, *local.shape[1:])[start: start + local.shape[0]] if local.dim() else whole
 
 
@@ -162,7 +160,8 @@ def load(optimizer, loaded: Any, wrapped_chunks: list) -> None:
                     tensors = part["param_state"][index]
                     index += 1
                     local = dtensor.to_local()
-                    rows = {key: _local_rows(tensors[key], dtensor) for key in STATES}  # collectives
+                    start = fsdp.row_offset(dtensor)  # a collective over dp: before any rank skips
+                    rows = {key: _local_rows(tensors[key], local, start) for key in STATES}
                     if not local.numel():
                         continue  # no rows here (and no Adam state)
                     state = inner.state[dtensor]
