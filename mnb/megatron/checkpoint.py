@@ -540,6 +540,10 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     # the next mnb.train starts a schedule as a first call does).
     schedule_loaded = use_optimizer and hasattr(model, "scheduler") and schedule.restore(
         model, meta.get("schedule"), getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if use_optimizer and getattr(model, "use_distributed_optimizer", False) and hasattr(model, "train_settings"):
+        # the next mnb.train keeps the optimizer the state went into (an FSDP checkpoint's train calls
+        # never named it: under --fsdp it is implied)
+        model.train_settings.setdefault("use_distributed_optimizer", True)
     dist.barrier()
     logger.info("loaded %s (step %s) in %.2f s", found, meta.get("step"), time.perf_counter() - t0)
     return LoadResult({**meta, "path": str(found), "optimizer_loaded": use_optimizer, "rng_loaded": use_rng,

@@ -91,14 +91,14 @@ out['load_into_wrapped'] = refused(lambda: mnb.load({str(ck)!r}, m3))
 _info = mnb.load({ck!r}, {name})
 _adam = {{float(s['step']) for o in getattr({name}.optimizer, 'chained_optimizers', [{name}.optimizer])
           for s in o.optimizer.state.values() if 'step' in s}}
-_r = mnb.train({name}, steps={steps}, {train}{extra})
+_r = mnb.train({name}, steps={steps}, {train})
 out[{key!r}] = dict(step=_info['step'], optimizer_loaded=_info['optimizer_loaded'], adam_steps=sorted(_adam),
                     loss=[s['loss'] for s in _r['steps']])
 """
-    pool.run(load_cell.format(name="t", ck=str(ck), key="loaded tp2 pp2", train=TRAIN, steps=NEXT - 1,
-                              extra=", use_distributed_optimizer=True") + f"mnb.save({str(ddp_ck)!r} + '-distopt', t)",
+    pool.run(load_cell.format(name="t", ck=str(ck), key="loaded tp2 pp2", train=TRAIN, steps=NEXT - 1)
+             + f"mnb.save({str(ddp_ck)!r} + '-distopt', t)",
              layout=ParallelConfig(tp=2, pp=2), quiet=True)
-    pool.run(load_cell.format(name="f", ck=str(ddp_ck) + "-distopt", key="loaded fsdp4", train=TRAIN, steps=1, extra="")
+    pool.run(load_cell.format(name="f", ck=str(ddp_ck) + "-distopt", key="loaded fsdp4", train=TRAIN, steps=1)
              + f"g = mnb.gpt('tiny')\nout['optimizer_under_fsdp'] = refused(lambda: mnb.load({str(ddp_ck)!r}, g))\n"
              f"out['weights_under_fsdp'] = mnb.load({str(ddp_ck)!r}, g, load_optimizer=False)['step']",
              layout=ParallelConfig(fsdp="optim_grads_params"), quiet=True)
