@@ -319,9 +319,6 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     chunks = _chunks(model)
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     sharded = fsdp.sharded_chunks(model)
-    if sharded and optimizer is not None:
-        fsdp.warn_optimizer_not_saved()
-        optimizer = None
     if step is None:
         step = getattr(model, "steps_done", None)
     path = Path(path).absolute()
@@ -339,8 +336,7 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     with fsdp.whole_parameters(sharded):  # Megatron-FSDP's dp shards gathered: the same layout-free tensors
         state = _model_sharded_state_dict(chunks)
         if optimizer is not None:
-            state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False,
-                                                             metadata=dict(OPTIMIZER_METADATA))
+            state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, sharded, is_loading=False)
         state["mnb_rng"] = _rng_sharded_object(_rng_state())
         with cuda_calls_on_cpu():
             dist_checkpointing.save(state, str(tmp))  # ends with a barrier
@@ -366,6 +362,16 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     dist.barrier()
     logger.info("saved %s (step %s) in %.2f s", path, step, time.perf_counter() - t0)
     return path
+
+
+def _optimizer_sharded_state_dict(optimizer, model_state: dict, sharded: list, *, is_loading: bool) -> dict:
+    """The optimizer's part of the checkpoint: Megatron's own, or for Megatron-FSDP chunks the
+    same ``fully_reshardable`` form built from FSDP's dp shards (:mod:`mnb.megatron.fsdp_optim`)."""
+    if sharded:
+        from mnb.megatron import fsdp_optim
+
+        return fsdp_optim.sharded_state_dict(optimizer, model_state, sharded, is_loading=is_loading)
+    return optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
 
 
 def _model_config(model) -> dict | None:
@@ -490,31 +496,37 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     _check_same_shape(meta, model)
     from mnb.megatron import fsdp
 
-    fsdp.check_load(model, bool(load_optimizer and meta.get("optimizer")))
+    fsdp.check_load(model, meta, bool(load_optimizer and meta.get("optimizer")))
     if optimizer is None and load_optimizer and meta.get("optimizer"):
-        optimizer = _ensure_optimizer(model, meta)
-
-    state = _model_sharded_state_dict(chunks)
+        optimizer = _ensure_optimizer(model, meta)  # under --fsdp: wrapped by Megatron-FSDP now
     use_optimizer = bool(load_optimizer and optimizer is not None and meta.get("optimizer"))
+    sharded = fsdp.sharded_chunks(model) if use_optimizer else []
     if use_optimizer:
         _check_same_optimizer(meta, optimizer)
         init_empty_optimizer_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
-                                                         metadata=dict(OPTIMIZER_METADATA))
     saved = meta.get("layout")
     if saved is not None:
         saved = {**saved, "vpp": saved.get("vpp") or 1}  # saves before vpp was always an int wrote None
-    same_layout = saved == _layout()
-    use_rng = bool(load_rng and same_layout)
-    if use_rng:
-        state["mnb_rng"] = _rng_sharded_object(None)
+    use_rng = bool(load_rng and saved == _layout())
     # Megatron's "unexpected" = requested but absent from the checkpoint.
     strictness = StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED
-    with cuda_calls_on_cpu():
-        loaded = dist_checkpointing.load(state, str(found), strict=strictness)
-    for key, chunk in zip(_model_keys(len(chunks)), chunks):
-        chunk.load_state_dict(loaded[key], strict=strict)
-    if use_optimizer:
+    # Megatron-FSDP (an optimizer to load into a model wrapped just now): the raw parameters,
+    # whole, are what the model keys describe; its optimizer state is placed after (fsdp_optim.load).
+    with fsdp.whole_parameters(sharded):
+        state = _model_sharded_state_dict(chunks)
+        if use_optimizer:
+            state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, sharded, is_loading=True)
+        if use_rng:
+            state["mnb_rng"] = _rng_sharded_object(None)
+        with cuda_calls_on_cpu():
+            loaded = dist_checkpointing.load(state, str(found), strict=strictness)
+        for key, chunk in zip(_model_keys(len(chunks)), chunks):
+            chunk.load_state_dict(loaded[key], strict=strict)
+    if sharded:
+        from mnb.megatron import fsdp_optim
+
+        fsdp_optim.load(optimizer, loaded["optimizer"], sharded)  # main weights, then compute weights, too
+    elif use_optimizer:
         with torch_adam_step_fixes(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
@@ -528,6 +540,10 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     # the next mnb.train starts a schedule as a first call does).
     schedule_loaded = use_optimizer and hasattr(model, "scheduler") and schedule.restore(
         model, meta.get("schedule"), getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if use_optimizer and getattr(model, "use_distributed_optimizer", False) and hasattr(model, "train_settings"):
+        # the next mnb.train keeps the optimizer the state went into (an FSDP checkpoint's train calls
+        # never named it: under --fsdp it is implied)
+        model.train_settings.setdefault("use_distributed_optimizer", True)
     dist.barrier()
     logger.info("loaded %s (step %s) in %.2f s", found, meta.get("step"), time.perf_counter() - t0)
     return LoadResult({**meta, "path": str(found), "optimizer_loaded": use_optimizer, "rng_loaded": use_rng,

@@ -222,27 +222,13 @@ def ready_for_direct_forward(model: Any) -> None:
         wrapped.module._replace_param_with_raw_if_needed()
 
 
-OPTIMIZER_NOT_SAVED = (
-    "mnb.save: the optimizer state of a Megatron-FSDP model is not saved (Megatron's only optimizer format "
-    "under FSDP is torch DCP's fsdp_dtensor, not the layout-free dist_checkpointing format): the checkpoint "
-    "holds the weights and the progress; mnb.load continues them with a fresh optimizer, under any layout"
-)
-
-
-def warn_optimizer_not_saved() -> None:
-    """The warning, once per pool (rank 0)."""
-    import warnings
-
-    if torch.distributed.get_rank() == 0:
-        warnings.warn(OPTIMIZER_NOT_SAVED, stacklevel=3)
-
-
-def check_load(model: Any, wants_optimizer: bool) -> None:
+def check_load(model: Any, meta: dict, wants_optimizer: bool) -> None:
     """Refuse, before any collective, what ``mnb.load`` cannot do under Megatron-FSDP.
 
     A model FSDP already wrapped holds DTensor shards its ``load_state_dict`` cannot fill in
-    place; a model about to be wrapped (the cell's ``--fsdp``) cannot take a checkpoint's
-    optimizer state (see :data:`OPTIMIZER_NOT_SAVED`).
+    place; a model about to be wrapped (the cell's ``--fsdp``) trains with Megatron's distributed
+    optimizer, so it takes only a distributed optimizer's state (saved under ``--fsdp`` or with
+    ``use_distributed_optimizer=True``; :mod:`mnb.megatron.fsdp_optim`).
     """
     from mnb.megatron import layout
 
@@ -252,10 +238,12 @@ def check_load(model: Any, wants_optimizer: bool) -> None:
             "build a new one (mnb.gpt) under --fsdp and load into it before its first mnb.train"
         )
     current = layout.current_layout()
-    if wants_optimizer and current is not None and current.fsdp is not None and not getattr(model, "user_model", True):
+    saved = (meta.get("optimizer_config") or {}).get("use_distributed_optimizer")
+    if wants_optimizer and current is not None and current.fsdp is not None and saved is False:
         raise ValueError(
-            f"under --fsdp {current.fsdp} the checkpoint's optimizer state cannot be loaded (Megatron-FSDP's "
-            "optimizer takes only its own fsdp_dtensor format): mnb.load(path, model, load_optimizer=False) "
+            f"under --fsdp {current.fsdp} the optimizer is Megatron's distributed one, and the checkpoint's "
+            "optimizer state was saved with use_distributed_optimizer=False: save it from a model trained with "
+            "use_distributed_optimizer=True (or under --fsdp), or mnb.load(path, model, load_optimizer=False) "
             "loads the weights and the progress, and training continues with a fresh optimizer"
         )
 
@@ -264,13 +252,11 @@ DP_DIM = "dp_cp"
 """The mesh dimension Megatron-FSDP's adapter shards over (its tp dimension only describes tp's split)."""
 
 
-def _gather_rows(dtensor: Any) -> torch.Tensor:
-    """This tp rank's whole tensor of a Megatron-FSDP DTensor: its rows gathered over the dp mesh dimension.
+def _row_counts(dtensor: Any) -> tuple[Any, list[int], int] | None:
+    """(dp group, rows each dp rank holds, this rank's index) of a Megatron-FSDP DTensor; None if whole.
 
     Megatron-FSDP cuts each (tp-local) parameter at flat-buffer boundaries, so dp ranks hold
-    different numbers of rows (possibly none).  Megatron's own ``gather_uneven_dtensor_to_full_tensor``
-    all-gathers tensors of different sizes, which gloo refuses; here each rank's rows are padded
-    to the largest count, all-gathered over that mesh dimension's group, and cut back.
+    different numbers of rows (possibly none).  A collective over the dp group.
     """
     from torch.distributed.tensor import Shard
 
@@ -279,17 +265,38 @@ def _gather_rows(dtensor: Any) -> torch.Tensor:
     dims = [names.index(DP_DIM)] if DP_DIM in names else \
         [i for i, p in enumerate(dtensor.placements) if isinstance(p, Shard)]
     if not dims or not isinstance(dtensor.placements[dims[0]], Shard):
-        return local
+        return None
     if len(dims) > 1 or dtensor.placements[dims[0]].dim != 0:
         raise RuntimeError(f"Megatron-FSDP parameter sharded as {dtensor.placements}: mnb gathers dim-0 dp shards only")
     group = dtensor.device_mesh.get_group(dims[0])
     dist = torch.distributed
-    rows = torch.tensor([local.shape[0]], dtype=torch.long, device=local.device)
+    rows = torch.tensor([local.shape[0] if local.dim() else 0], dtype=torch.long, device=local.device)
     counts = [torch.zeros_like(rows) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, rows, group=group)
-    counts = [int(c) for c in counts]
+    return group, [int(c) for c in counts], dist.get_rank(group)
+
+
+def row_offset(dtensor: Any) -> int:
+    """The first row of the (tp-local) whole tensor this dp rank's shard of ``dtensor`` holds."""
+    found = _row_counts(dtensor)
+    return 0 if found is None else sum(found[1][: found[2]])
+
+
+def _gather_rows(dtensor: Any, local: torch.Tensor | None = None) -> torch.Tensor:
+    """This tp rank's whole tensor of a Megatron-FSDP DTensor: its rows gathered over the dp mesh dimension.
+
+    ``local``: another tensor cut as ``dtensor`` is (an Adam moment of it), gathered instead.
+    Megatron's own ``gather_uneven_dtensor_to_full_tensor`` all-gathers tensors of different
+    sizes, which gloo refuses; here each rank's rows are padded to the largest count,
+    all-gathered over that mesh dimension's group, and cut back.
+    """
+    local = dtensor.to_local() if local is None else local
+    found = _row_counts(dtensor)
+    if found is None:
+        return local
+    group, counts, _ = found
     padded = local.new_zeros((max(counts), *local.shape[1:]))
     padded[: local.shape[0]] = local
     pieces = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(pieces, padded.contiguous(), group=group)
+    torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
     return torch.cat([piece[:n] for piece, n in zip(pieces, counts)])

@@ -97,12 +97,13 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
         raise ValueError("fp8 needs Transformer Engine and a Hopper-or-newer GPU on every rank")
     config = model.transformer_config
     strategy = _fsdp_strategy(model)
+    distributed = tc.use_distributed_optimizer or strategy is not None  # implied by Megatron-FSDP
     if model.wrapped is not None:
-        if (model.precision, model.use_distributed_optimizer) != (precision, tc.use_distributed_optimizer):
+        if (model.precision, model.use_distributed_optimizer) != (precision, distributed):
             raise ValueError(
                 f"this model trains in {model.precision} with use_distributed_optimizer="
                 f"{model.use_distributed_optimizer}; to change to {precision} / "
-                f"{tc.use_distributed_optimizer} build a new model (mnb.gpt) or save and load it"
+                f"{distributed} build a new model (mnb.gpt) or save and load it"
             )
     else:
         config.bf16 = tc.bf16
@@ -135,10 +136,10 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
             clip_grad=tc.clip_grad,
             bf16=tc.bf16,
             params_dtype=torch.float32,
-            use_distributed_optimizer=tc.use_distributed_optimizer or strategy is not None,
+            use_distributed_optimizer=distributed,
         )
         model.optimizer = get_megatron_optimizer(opt_config, model.wrapped)
-        model.precision, model.use_distributed_optimizer = precision, tc.use_distributed_optimizer
+        model.precision, model.use_distributed_optimizer = precision, distributed
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = model.optimizer.scale_loss
         no_sync = [w.no_sync for w in model.wrapped]

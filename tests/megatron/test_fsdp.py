@@ -8,10 +8,11 @@ what they left:
   layout in the run record, and the memory by component (gradients and optimizer state
   halved where the strategy shards them over dp = 2);
 - ``mnb.logits``/``mnb.generate`` of the FSDP model against the DDP model's;
-- a checkpoint saved under fsdp2·tp2 loads under tp2·pp2 (Megatron DDP) and under fsdp4 (dp4):
-  the first next loss is the saved model's own next loss, and the two continue alike;
+- a checkpoint saved under fsdp2·tp2 loads, optimizer state included, under tp2·pp2 (Megatron DDP,
+  distributed optimizer), whose own checkpoint loads under fsdp4 (dp4): the next losses are the
+  saved run's own;
 - what is refused, with what to do instead: ``--fsdp optim`` on CPU ranks (by the magic, and by
-  ``mnb.train``), training a DDP model under ``--fsdp``, loading into a model FSDP already wraps, loading optimizer state under ``--fsdp``.
+  ``mnb.train``), training a DDP model under ``--fsdp``, loading into a model FSDP already wraps, loading a non-distributed optimizer's state under ``--fsdp``.
 
 Refusals made before any rank is touched (``--pp`` with ``--fsdp``, unknown strategies) are
 tested in tests/test_magics.py.
@@ -29,6 +30,8 @@ from mnb.config import FSDP_OPTIM_ON_CPU, ParallelConfig
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+NEXT = 3
+"""Steps after the save: the saved run's own continuation, against the loaded ones'."""
 TRAIN = "micro_batch_size=1, global_batch_size=4, lr=1e-3, data='mock'"
 STRATEGIES = ("optim_grads_params", "optim_grads")
 """``optim`` is refused on CPU ranks (mnb.config.FSDP_OPTIM_ON_CPU: its gradients are not DDP's on gloo)."""
@@ -72,7 +75,7 @@ out['logits_diff'] = float((mnb.logits(m3, ids) - mnb.logits(ref, ids)).abs().ma
 out['generated'] = [str(mnb.generate(m, [[1, 2, 3]], max_new_tokens=5)) for m in (m3, ref)]
 out['ddp_model_under_fsdp'] = refused(lambda: mnb.train(ref, steps=1))
 mnb.save({str(ck)!r}, m3)
-out['next'] = mnb.train(m3, steps=1)['steps'][0]['loss']
+out['next'] = [s['loss'] for s in mnb.train(m3, steps={NEXT})['steps']]
 out['load_into_wrapped'] = refused(lambda: mnb.load({str(ck)!r}, m3))
 """)
     for strategy in STRATEGIES[1:]:
@@ -82,15 +85,20 @@ out['load_into_wrapped'] = refused(lambda: mnb.load({str(ck)!r}, m3))
         shell.run_cell_magic("megatron", "--tp 2 --fsdp optim", "print('never runs')")
     pool.run("m = mnb.gpt('tiny')\nout['optim'] = refused(lambda: mnb.train(m, steps=1, " + TRAIN + "))",
              layout=ParallelConfig(tp=2, fsdp="optim"), quiet=True)
+    # fsdp2 -> tp2*pp2 (distributed optimizer): NEXT - 1 steps, saved, then -> fsdp4 for the last one
     load_cell = """
 {name} = mnb.gpt('tiny')
 _info = mnb.load({ck!r}, {name})
-_r = mnb.train({name}, steps=2, {train})
-out[{key!r}] = dict(step=_info['step'], optimizer_loaded=_info['optimizer_loaded'], loss=[s['loss'] for s in _r['steps']])
+_adam = {{float(s['step']) for o in getattr({name}.optimizer, 'chained_optimizers', [{name}.optimizer])
+          for s in o.optimizer.state.values() if 'step' in s}}
+_r = mnb.train({name}, steps={steps}, {train})
+out[{key!r}] = dict(step=_info['step'], optimizer_loaded=_info['optimizer_loaded'], adam_steps=sorted(_adam),
+                    loss=[s['loss'] for s in _r['steps']])
 """
-    pool.run(load_cell.format(name="t", ck=str(ck), key="loaded tp2 pp2", train=TRAIN),
+    pool.run(load_cell.format(name="t", ck=str(ck), key="loaded tp2 pp2", train=TRAIN, steps=NEXT - 1)
+             + f"mnb.save({str(ddp_ck)!r} + '-distopt', t)",
              layout=ParallelConfig(tp=2, pp=2), quiet=True)
-    pool.run(load_cell.format(name="f", ck=str(ck), key="loaded fsdp4", train=TRAIN)
+    pool.run(load_cell.format(name="f", ck=str(ddp_ck) + "-distopt", key="loaded fsdp4", train=TRAIN, steps=1)
              + f"g = mnb.gpt('tiny')\nout['optimizer_under_fsdp'] = refused(lambda: mnb.load({str(ddp_ck)!r}, g))\n"
              f"out['weights_under_fsdp'] = mnb.load({str(ddp_ck)!r}, g, load_optimizer=False)['step']",
              layout=ParallelConfig(fsdp="optim_grads_params"), quiet=True)
@@ -118,12 +126,15 @@ def test_logits_and_generate_of_an_fsdp_model_are_the_ddp_model_s(runs):
 
 
 def test_a_checkpoint_saved_under_fsdp_loads_under_tp2_pp2_and_under_fsdp4(runs):
+    """With its optimizer state: the next losses are the saved run's own, not only the first one
+    (a fresh Adam would take other steps from the second on), both ways: fsdp2 -> tp2*pp2's
+    distributed optimizer, whose checkpoint -> fsdp4."""
     tp2pp2, fsdp4 = runs["loaded tp2 pp2"], runs["loaded fsdp4"]
-    for loaded in (tp2pp2, fsdp4):
-        assert loaded["step"] == STEPS and loaded["optimizer_loaded"] is False
-        # the first loss after loading is the saved model's own next loss (same weights, same samples)
-        assert loaded["loss"][0] == pytest.approx(runs["next"], rel=1e-5)
-    torch.testing.assert_close(torch.tensor(fsdp4["loss"]), torch.tensor(tp2pp2["loss"]), rtol=1e-4, atol=0)
+    assert (tp2pp2["step"], fsdp4["step"]) == (STEPS, STEPS + NEXT - 1)
+    assert tp2pp2["optimizer_loaded"] is fsdp4["optimizer_loaded"] is True
+    assert (tp2pp2["adam_steps"], fsdp4["adam_steps"]) == ([STEPS], [STEPS + NEXT - 1])  # Adam's own count
+    torch.testing.assert_close(torch.tensor(tp2pp2["loss"] + fsdp4["loss"]), torch.tensor(runs["next"]),
+                               rtol=1e-5, atol=0)
 
 
 def test_what_fsdp_cannot_do_is_refused_with_what_to_do(runs):
