@@ -140,7 +140,6 @@ def _local_rows(whole: torch.Tensor, local: torch.Tensor, start: int) -> torch.T
 
 def load(optimizer, loaded: Any, wrapped_chunks: list) -> None:
     """Put what :func:`sharded_state_dict` (``is_loading=True``) read into Megatron-FSDP's Adam."""
-    raw_of = _raw_of(wrapped_chunks)
     subs = _subs(optimizer)
     parts = [loaded] if len(subs) == 1 else [loaded[i] for i in range(len(subs))]
     for sub, part in zip(subs, parts):
