@@ -68,7 +68,7 @@ def runs(module_pool, shell, tmp_path_factory) -> dict:
     pool.run("out = {}\n" + REFUSED + TRAIN_CELL.format(name="ref", key="ddp", steps=STEPS, train=TRAIN)
              + f"mnb.save({str(ddp_ck)!r}, ref)", layout=tp2, quiet=True)
     # through the magic, as a notebook does: --tp 2 --fsdp (bare: optim_grads_params)
-    shell.run_cell_magic("megatron", "--tp 2 --fsdp", TRAIN_CELL.format(
+    shell.run_cell_magic("megatron", "--tp 2 --fsdp --timeout 240", TRAIN_CELL.format(
         name="m3", key="optim_grads_params", steps=STEPS, train=TRAIN) + f"""
 ids = [[1, 2, 3, 4, 5, 6, 7, 8]]
 out['logits_diff'] = float((mnb.logits(m3, ids) - mnb.logits(ref, ids)).abs().max())
