@@ -67,7 +67,6 @@ def test_step_time_parts():
 
     train = TrainConfig(bf16=True, global_batch_size=128, use_distributed_optimizer=True)
     t = est.step_time("llama-7b", ParallelConfig(pp=2), train, gpus=8, gpu="h200", achievable_fraction=0.5)
-    flops = est.flops("llama-7b", train)
     assert t.compute_s == pytest.approx(est.flops("llama-7b", train, causal=True) / (8 * 989e12 * 0.5))
     assert t.bubble_s == pytest.approx(t.compute_s * 1 / 32)  # (p-1)/m with m = 128/4
     assert t.tp_comm_s == 0 and t.dp_comm_s > 0 and t.pp_comm_s > 0
