@@ -80,7 +80,14 @@ MAX_MESSAGE_BYTES = 256 * MIB
 
 EXITS_DIR_ENV = "MNB_EXITS_DIR"
 """The folder (set by the controller's launcher) where torchrun's agent, ``mnb.worker.agent``,
-records how failed ranks ended: the one other thing besides messages that crosses the sides."""
+records how failed ranks ended, and where each rank's Python fault handler writes its stacks when
+it crashes (:func:`fault_file`): the one other thing besides messages that crosses the sides."""
+
+
+def fault_file(exits_dir: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` writes every thread's Python stack if a signal kills it (SIGSEGV, SIGABRT...):
+    a crashed process sends no message, so the controller reads this file for its death report."""
+    return Path(exits_dir) / f"fault-rank{rank}.txt"
 
 CONTROLLER_TYPES = frozenset(
     {"execute", "push", "pull", "status", "stacks", "interrupt", "heartbeat", "shutdown", "go", "input_reply"}

@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 
 from mnb.config import cache_dir
-from mnb.protocol import EXITS_DIR_ENV
+from mnb.protocol import EXITS_DIR_ENV, fault_file
 from mnb.timeouts import DEATH_REPORT_WAIT_S, TEARDOWN_GRACE_S
 from mnb.units import GIB, MIB
 
@@ -262,6 +262,21 @@ class Launcher:
             for rank, failure in data.items():
                 found[int(rank)] = describe_exit(int(failure["exitcode"])) + f" (pid {failure['pid']})"
         return found
+
+    def fault_report(self, rank: int) -> tuple[Path, str]:
+        """(path, text) of what ``rank``'s fault handler wrote when a signal killed it (mnb.worker.faults),
+        copied beside the pool's log where the restart leaves it; empty text when it wrote nothing (a
+        SIGKILL, a remote host's rank)."""
+        try:
+            text = fault_file(self.spec.exits_dir, rank).read_text(errors="replace")
+        except OSError:
+            return Path(), ""
+        kept = self.spec.log_file.parent / f"crash-rank{rank}.txt"  # the exits folder is emptied at the restart
+        try:
+            kept.write_text(text)
+        except OSError:
+            pass
+        return kept, text
 
     def describe(self) -> str | None:
         """A line on how the ranks were launched, where there is more to say than the rank table."""

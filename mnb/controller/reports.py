@@ -92,3 +92,62 @@ def death_lines(deaths: dict[int, str], labels: Labels) -> tuple[list[str], list
     lines = [f"rank {r} ({labels[r]}) died: {why}" for r, why in ordered if r in labels]
     first = [r for r, why in ordered if "torn down" not in why] or sorted(deaths)
     return lines, first
+
+
+FAULT_FRAMES = 8
+"""Frames of a crashed thread shown in the death report (the fault file keeps them all)."""
+
+
+def fault_lines(text: str, cell_code: str | None = None) -> list[str]:
+    """The death report's view of a fault file (Python's faulthandler output, :mod:`mnb.worker.faults`).
+
+    The fatal error, then the thread the signal arrived on and, when that is another one (a C++
+    thread of a communication library has no Python frames), the thread that ran the cell: most
+    recent call first, ``FAULT_FRAMES`` of them, the cell's own lines with their source from
+    ``cell_code``.  ``[]`` when the file holds no fault.
+    """
+    fatal, threads = "", []  # threads: (is_current, frames)
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Fatal Python error"):
+            fatal = stripped
+        elif stripped.endswith("(most recent call first):") and "hread" in stripped:
+            threads.append((stripped.startswith("Current thread"), []))
+        elif threads and line.startswith("  ") and stripped:
+            threads[-1][1].append(stripped)
+    if not fatal and not threads:
+        return []
+    source = (cell_code or "").splitlines()
+
+    def shown(frames: list[str]) -> list[str]:
+        cell = [i for i, f in enumerate(frames) if '"<cell-' in f]
+        if cell:  # what lies below the cell is mnb's own rank loop
+            frames = frames[: cell[-1] + 1]
+        out = []
+        for frame in frames[:FAULT_FRAMES]:
+            where = frame.removeprefix("File ").replace('"', "")
+            if where.startswith("<cell-") and ", line " in where:
+                number = where.split(", line ", 1)[1].split()[0]
+                if number.isdigit() and 0 < int(number) <= len(source):
+                    where += f": {source[int(number) - 1].strip()}"
+            out.append(f"    {where}")
+        if len(frames) > FAULT_FRAMES:
+            out.append(f"    ... {len(frames) - FAULT_FRAMES} more")
+        return out
+
+    def runs_cell(frames: list[str]) -> bool:
+        return any('"<cell-' in f or "mnb/worker/script.py" in f for f in frames)
+
+    lines = [f"  {fatal}"] if fatal else []
+    current = next((frames for is_current, frames in threads if is_current), None)
+    cell = next((frames for _, frames in threads if runs_cell(frames)), None)
+    if current is not None:
+        python = [f for f in current if f != "<no Python frame>"]
+        if python:
+            lines += ["  in the thread that crashed, most recent call first:"] + shown(python)
+        else:
+            lines.append("  the thread that crashed has no Python frames (a C/C++ thread: a communication "
+                         "library's, a native extension's)")
+    if cell is not None and cell is not current:
+        lines += ["  the thread running the cell was at, most recent call first:"] + shown(cell)
+    return lines

@@ -122,7 +122,7 @@ class Requests:
         outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
         errors, values = self._absorb(outcome)
         self._keep_failure(targets, errors, died=outcome.died)
-        self._raise_for(outcome, targets, errors)
+        self._raise_for(outcome, targets, errors, code=code)
         return values
 
     def _keep_failure(self, targets: list[int], errors: list[RankError], died: bool = False) -> None:
@@ -370,12 +370,14 @@ class Requests:
         self._raise_for(outcome, targets, [])
         return dict(sorted(outcome.replies.items()))
 
-    def _raise_for(self, outcome: Outcome, targets: list[int], errors: list[RankError]) -> None:
-        """Turn an outcome into the one error the notebook shows, after the repair part acted on it."""
+    def _raise_for(self, outcome: Outcome, targets: list[int], errors: list[RankError],
+                   code: str | None = None) -> None:
+        """Turn an outcome into the one error the notebook shows, after the repair part acted on it.
+        ``code``: the cell's, so that a crash report can quote the line a rank died on."""
         if outcome.cancelled:
             raise PoolError(outcome.cancelled)
         if outcome.died:
-            raise self._died_error(outcome)
+            raise self._died_error(outcome, code)
         note = self._repair.after(outcome, self.layout)
         if outcome.error is not None:
             raise outcome.error
@@ -394,8 +396,9 @@ class Requests:
         return RankError(rank=rank, ename=reply.get("ename", "Error"), evalue=reply.get("evalue", ""),
                          traceback=reply.get("traceback", ""), label=self.ranks[rank].label(self.layout.as_dict()))
 
-    def _died_error(self, outcome: Outcome) -> RankDiedError:
-        """Say how each rank ended (the first failure first), then let the repair part replace the processes."""
+    def _died_error(self, outcome: Outcome, code: str | None = None) -> RankDiedError:
+        """Say how each rank ended (the first failure first) and, for a rank a signal killed, the Python
+        line it crashed on; then let the repair part replace the processes."""
         generation = self._repair.generation
         deaths = generation.launcher.deaths(DEATH_REPORT_WAIT_S)
         now, beats = time.monotonic(), generation.transport.last_heartbeat
@@ -404,6 +407,12 @@ class Requests:
                 deaths.setdefault(rank, f"no heartbeat for {REMOTE_RANK_SILENCE_S:.0f} s (host {info.host})")
         deaths = deaths or {r: "stopped with torchrun" for r in generation.ranks}
         lines, first = reports.death_lines(deaths, self._labels())
+        for rank in first:
+            if "killed by signal" in deaths.get(rank, ""):
+                path, found = generation.launcher.fault_report(rank)
+                crash = reports.fault_lines(found, code)
+                if crash:
+                    lines += [f"rank {rank}'s Python stack at the crash (faulthandler; every thread in {path}):", *crash]
         lines.append(self._repair.after(outcome, self.layout, died=first))
         if self.spec.nnodes > 1:
             lines.append(f"torchrun log: {self.spec.log_file}")

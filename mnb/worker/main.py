@@ -37,6 +37,7 @@ from mnb.protocol import ConnectionInfo, Message
 from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures
 from mnb.worker.channel import Channel
 from mnb.worker.executor import describe_exception, portable, release_frames, run_cell
+from mnb.worker.faults import record_fatal_stacks
 from mnb.worker import stdin
 
 log = logging.getLogger("mnb.worker")
@@ -570,6 +571,7 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s mnb rank {os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
     )
     _die_with_parent()
+    record_fatal_stacks(int(os.environ.get("RANK", "0")))
     rank = Rank(ConnectionInfo.read(args.connect), args.device)
     try:
         rank.start()

@@ -170,6 +170,10 @@ def test_segfault_is_reported_with_its_signal(tmp_path):
         with pytest.raises(RankDiedError) as died:
             pool.run("import ctypes, time\nif rank == 0:\n    ctypes.string_at(0)\ntime.sleep(60)")
         assert "SIGSEGV" in died.value.deaths[0]
+        report = str(died.value)  # the line it crashed on, from its fault handler (a crash sends no message)
+        assert "rank 0's Python stack at the crash" in report and "Fatal Python error: Segmentation fault" in report
+        assert "in string_at" in report
+        assert "<cell-" in report and ", line 3 in <module>: ctypes.string_at(0)" in report
         assert pool.run("rank") == {0: 0, 1: 1}
     finally:
         pids = pool.pids()
