@@ -141,13 +141,12 @@ def fault_lines(text: str, cell_code: str | None = None) -> list[str]:
     lines = [f"  {fatal}"] if fatal else []
     current = next((frames for is_current, frames in threads if is_current), None)
     cell = next((frames for _, frames in threads if runs_cell(frames)), None)
-    if current is not None:
-        python = [f for f in current if f != "<no Python frame>"]
-        if python:
-            lines += ["  in the thread that crashed, most recent call first:"] + shown(python)
-        else:
-            lines.append("  the thread that crashed has no Python frames (a C/C++ thread: a communication "
-                         "library's, a native extension's)")
+    python = [f for f in current or [] if f != "<no Python frame>"]
+    if python:
+        lines += ["  in the thread that crashed, most recent call first:"] + shown(python)
+    elif threads:  # faulthandler marks no thread current when the signal came on one Python never ran
+        lines.append("  the thread that crashed runs no Python (a C/C++ thread: gloo's or NCCL's, a native "
+                     "extension's)")
     if cell is not None and cell is not current:
         lines += ["  the thread running the cell was at, most recent call first:"] + shown(cell)
     return lines
