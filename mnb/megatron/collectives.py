@@ -76,10 +76,12 @@ class _Call:
 
 
 class _Group:
-    __slots__ = ("group", "calls", "last", "sent", "received", "pending", "__weakref__")
+    __slots__ = ("group", "calls", "last", "sent", "received", "pending", "synchronous", "__weakref__")
 
     def __init__(self, group) -> None:
         self.group = weakref.ref(group)
+        self.synchronous = False
+        """Collectives on this group finish before the call returns (:func:`complete_before_return`)."""
         self.calls = 0
         self.last = ""
         self.sent: dict[int, int] = {}
@@ -100,6 +102,22 @@ def install() -> None:
             continue
         _installed[method] = vars(cls).get(method, original)  # the descriptor itself, for uninstall
         setattr(cls, method, _counted(op, original))
+
+
+def complete_before_return(group) -> None:
+    """From now on every collective on ``group`` (gloo) has finished when its call returns, ``async_op=True`` too.
+
+    Why: gloo runs an asynchronous collective on its own worker threads, reading and writing the
+    tensors while the caller goes on; Megatron-FSDP keeps several all-gathers in flight on the dp
+    group and resizes bucket storages around them, and on gloo ranks that crashed one rank in a few
+    hundred ZeRO-3 steps (SIGABRT/SIGSEGV with the main thread in a coalesced reduce-scatter or in the
+    loss: heap corruption).  Waiting at once gives the same results in the same order (collectives on a
+    group pair up by their order, which does not change); only the overlap, which CPU ranks cannot
+    use, is gone.  Point-to-point calls stay asynchronous (a send waited before its receive is posted
+    could deadlock).  Counting must be installed (:func:`install`, idempotent) for this to act.
+    """
+    install()
+    _state(group).synchronous = True
 
 
 def uninstall() -> None:
@@ -139,6 +157,8 @@ def _counted(op: str, original):
         pending.append(record)
         try:
             work = original(self, *args, **kwargs)
+            if work is not None and state.synchronous and not p2p:
+                work.wait()
         finally:
             record.returned = True
         if work is not None:

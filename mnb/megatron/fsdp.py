@@ -23,7 +23,10 @@ What is needed around Megatron (megatron-core 0.16.1 and 0.19.2 both ship it):
 - megatron-core 0.16.1's adapter tests ``isinstance(module, (TELinear,))`` with tp > 1, and
   ``TELinear`` is a ``MagicMock`` without Transformer Engine: :class:`_NoTELinear` stands in;
 - on CPU ranks, :mod:`mnb.megatron.cpu` makes Megatron's ``torch.device("cuda:...")`` and
-  ``DeviceMesh(... "cuda")`` the CPU's, so the DTensor shards stay on the CPU.
+  ``DeviceMesh(... "cuda")`` the CPU's, so the DTensor shards stay on the CPU;
+- on CPU ranks (gloo) every collective of the FSDP buffers' groups finishes before it returns and
+  none is coalesced (:func:`_one_by_one`): gloo's asynchronous and coalesced collectives, kept in
+  flight by Megatron-FSDP around storages it resizes, crashed a rank every few hundred ZeRO-3 steps.
 
 pp > 1 is refused in :class:`mnb.config.ParallelConfig` (the adapter's mesh has no pipeline
 dimension).
@@ -119,7 +122,58 @@ def ddp_config(strategy: str, *, grad_reduce_in_fp32: bool = True) -> Any:
 def wrap(config: Any, module: torch.nn.Module, strategy: str, device: torch.device) -> torch.nn.Module:
     """``module`` wrapped with Megatron-Core's ``FullyShardedDataParallel`` (one chunk: pp is 1)."""
     adapter = _adapter()
-    return adapter.FullyShardedDataParallel(config, ddp_config(strategy), module, device=device)
+    on_gloo = device.type == "cpu"
+    if on_gloo:
+        _uncoalesced_on_gloo()
+    wrapped = adapter.FullyShardedDataParallel(config, ddp_config(strategy), module, device=device)
+    if on_gloo:
+        from mnb.megatron import collectives
+
+        for group in _buffer_groups(wrapped):
+            collectives.complete_before_return(group)
+    return wrapped
+
+
+def _buffer_groups(wrapped: Any) -> list:
+    """The process groups Megatron-FSDP's buffers gather and reduce over (dp*cp; the experts' own for MoE)."""
+    found = {}
+    buffer = getattr(wrapped.module, "param_and_grad_buffer", None)
+    for group in getattr(buffer, "parameter_groups", None) or []:
+        for name in ("model_weight_buffer", "main_weight_buffer", "main_grad_buffer", "transpose_weight_buffer",
+                     "hsdp_wbuf", "hsdp_gbuf"):
+            pg = getattr(getattr(group, name, None), "data_parallel_group", None)
+            if pg is not None:
+                found[id(pg)] = pg
+    return list(found.values())
+
+
+class _Finished:
+    """What :func:`_one_by_one` hands Megatron-FSDP as a coalesced batch's work: its calls already finished."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _one_by_one(group=None, device=None, async_ops: bool = False):
+    """torch's ``_coalescing_manager`` as Megatron-FSDP sees it on gloo ranks: no coalescing, each call on
+    its own and finished when it returns (``group`` made synchronous: :func:`mnb.megatron.collectives.
+    complete_before_return`).  gloo's coalesced all-gather and reduce-scatter never run, and no work is
+    left in flight for Megatron to wait on through the batch's handle (:class:`_Finished`)."""
+    from mnb.megatron import collectives
+
+    collectives.complete_before_return(group if group is not None else torch.distributed.group.WORLD)
+    yield _Finished()
+
+
+def _uncoalesced_on_gloo() -> None:
+    """Point Megatron-FSDP's ``_coalescing_manager`` at :func:`_one_by_one` (CPU ranks only: gloo)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+
+    param_and_grad_buffer._coalescing_manager = _one_by_one
 
 
 def is_fsdp(wrapped: Any) -> bool:
