@@ -158,7 +158,9 @@ HEAVY = ("torch", "megatron", "transformer_engine", "apex")
 """Third-party packages the notebook kernel never imports (tests/test_no_torch.py checks a real import)."""
 
 LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
-    ("mnb.controller", "never", ("mnb.exports", "mnb.widgets", "mnb.magics"),
+    ("mnb.controller", "never", ("mnb.exports", "mnb.widgets", "mnb.magics", "mnb.magic_parsers", "mnb.magic_help",
+                                 "mnb.pool_commands", "mnb.run_commands", "mnb.debug_commands", "mnb.plan_commands",
+                                 "mnb.profile_commands"),
      "the pool is driven by the magics, widgets and export, never the other way"),
     ("mnb.megatron", "never", ("mnb.worker",), "the worker installs its event sink in mnb.megatron.events"),
     ("mnb.estimate", "only", ("mnb.estimate", "mnb.config", "mnb.units", "mnb.model_source", "mnb.hf_config"),

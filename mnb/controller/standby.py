@@ -5,7 +5,7 @@ in importing torch and Megatron-Core.  Once a pool is ready (and again after eac
 adoption) :class:`Standby` launches torchrun for the same size, device, GPUs and
 environment in the background, with ``MNB_STANDBY=1``: each rank imports torch and
 Megatron-Core, sends ``standby`` and waits for a signed ``go`` before CUDA or any
-process group (``mnb/worker/main.py``).  ``Repair`` adopts it through :meth:`Standby.adopt`
+process group (``mnb/worker/boot.py``).  ``Repair`` adopts it through :meth:`Standby.adopt`
 (``go``, then every hello, as a normal start) and wraps it in a ``Generation``.
 
 A standby whose settings no longer match (size, device, GPUs, ``--ip``, threads, the
@@ -44,7 +44,7 @@ from mnb.units import GIB
 log = logging.getLogger(__name__)
 
 STANDBY_ENV = "MNB_STANDBY"
-"""Set to 1 in a standby generation's environment (``mnb.worker.main.STANDBY_ENV``)."""
+"""Set to 1 in a standby generation's environment (``mnb.worker.boot.STANDBY_ENV``)."""
 MODES = ("off", "on", "auto")
 VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 """Environment variables that change on their own and say nothing about the ranks."""

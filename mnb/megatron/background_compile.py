@@ -14,7 +14,7 @@ while compiling".
 Compiling in a thread beside training is safe in torch 2.x: Dynamo's frame hook is per thread
 (the main thread's eager ops are never traced), compiles are serialised by Dynamo's own
 ``compile_lock`` and one warm-up runs at a time (``fusions._warm_lock``; the pool's own
-background compile of the GPU presets, ``mnb/worker/main.py``, counts: a model whose kernels it
+background compile of the GPU presets, ``mnb/worker/boot.py``, counts: a model whose kernels it
 compiled switches as soon as they are there).  The warm-up's tensors are private (its own
 generator, its own autograd graph); its kernels share the training's CUDA stream, so they only
 delay it a little.  Outside ``mnb.train`` (``mnb.logits``, ``mnb.generate``) each call uses the

@@ -42,7 +42,7 @@ COMPILE_ON_CPU = False
 """Tests only: compile on CPU ranks too (Inductor's C++ backend), to exercise the GPU path."""
 
 _warm_lock = threading.Lock()
-"""One warm-up at a time: the pool's background compile and a model's own (mnb.worker.main)."""
+"""One warm-up at a time: the pool's background compile and a model's own (mnb.worker.boot)."""
 
 
 run_eager: "Callable[[], bool] | None" = None

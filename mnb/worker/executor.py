@@ -72,7 +72,7 @@ def release_frames(exc: BaseException) -> None:
     A failed training step's frames hold its activations, the model and its optimizer; any
     library that keeps the exception (a logger, a retry helper) would keep all of that alive
     through the next cell.  The traceback text is already taken; only ``%mnb debug`` reads
-    these frames again, until the rank's next cell (``mnb.worker.main`` releases them then).  (The 137 GiB an H200 kept after an out-of-memory error had another
+    these frames again, until the rank's next cell (``mnb.worker.debugging`` releases them then).  (The 137 GiB an H200 kept after an out-of-memory error had another
     cause, fixed in ``mnb.megatron.memory``: this alone did not release it.)
     """
     seen: set[int] = set()
@@ -110,7 +110,7 @@ def _debugger_files() -> set[str]:
     import sys
 
     files = {bdb.__file__, cmd.__file__, pdb.__file__}
-    for name in ("mnb.worker.stdin", "mnb.worker.main"):
+    for name in ("mnb.worker.stdin", "mnb.worker.debugging", "mnb.worker.main"):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None):
             files.add(module.__file__)

@@ -13,107 +13,31 @@ copied there; it holds the pool's secret)::
 
 The rank initialises torch.distributed (NCCL on GPUs, gloo on CPU, where the
 CPU redirection of Megatron's CUDA calls is installed), sets Megatron's
-default layout, says hello, and then runs cells until told to shut down.
+default layout, says hello (``mnb/worker/boot.py``), and then runs cells until told to
+shut down.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
-import re
-import signal
 import socket
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 from mnb.worker.startup import StartClock  # first: its import time is when the rank's own code began
 from mnb.worker import sandbox  # noqa: F401  (second: it records the rank's original sys.path)
 from mnb.protocol import ConnectionInfo, Message
+from mnb.worker import boot, debugging, stdin
 from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures
 from mnb.worker.channel import Channel
-from mnb.worker.executor import describe_exception, portable, release_frames, run_cell
+from mnb.worker.executor import describe_exception, portable, run_cell
 from mnb.worker.faults import record_fatal_stacks
-from mnb.worker import stdin
 
 log = logging.getLogger("mnb.worker")
-
-STANDBY_ENV = "MNB_STANDBY"
-"""Set to 1 by the controller for a standby generation (``mnb/controller/standby.py``)."""
-
-# Known third-party notices that Megatron-Core and torch raise while importing,
-# building models or loading checkpoints, on every rank; they say nothing a
-# notebook user can act on (mnb already chose the torch fallbacks).  They go to
-# the pool's log (this rank's real stderr, which torchrun writes to
-# ``mnb.pool().spec.log_file``), not to the cell; ``%mnb start --verbose``
-# (MNB_VERBOSE=1 in the ranks' environment) shows them in the cells.  Every
-# other warning reaches the cell's output as usual.  Patterns match the start of
-# the message, case-insensitively (as ``warnings.filterwarnings`` does).
-QUIET_WARNINGS = (
-    # the TE / apex fallback notices (Megatron's optimizer, clip_grads, FSDP, norms)
-    r"(Transformer Engine and )?Apex (is|are) not installed",
-    r"(MimoModelConfig|MimoModel|ModalitySubmodules) is experimental",
-    r"full scope is deprecated",
-    # (on CUDA ranks mnb sets CUDA_DEVICE_MAX_CONNECTIONS=1; on CPU ranks it means nothing)
-    r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment "
-    r"variable CUDA_DEVICE_MAX_CONNECTIONS",
-    # torch 2.13 deprecates the collectives Megatron-Core's tensor and sequence parallelism call
-    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-    # torch inside Megatron's dist_checkpointing (mnb.save / mnb.load)
-    r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to load in a single process",
-    r"`load_state_dict` is deprecated and will be removed",
-    r"Please use DTensor instead and we are deprecating ShardedTensor",
-    # torch's checkpoint API on Megatron 0.19's positional call (mnb.load)
-    r"The argument order of (load|save) has been changed",
-)
-
-
-def verbose_warnings() -> bool:
-    """Whether ``%mnb start --verbose`` asked for every warning in the cells (``MNB_VERBOSE=1``)."""
-    return os.environ.get("MNB_VERBOSE", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def route_warnings(rank: int, verbose: bool) -> None:
-    """Send the known notices (:data:`QUIET_WARNINGS`) to the pool's log, or with ``verbose`` to the cell.
-
-    Each is shown once per place it is raised (Python's "default" action; this
-    also undoes the "ignore" filters Megatron's helpers or mnb's CPU mode set).
-    Idempotent: call it again after code that adds its own filters.
-    """
-    for pattern in QUIET_WARNINGS:
-        warnings.filterwarnings("default", message=pattern)
-    if verbose or getattr(warnings.showwarning, "_mnb_routed", False):
-        return
-    quiet = re.compile("|".join(f"(?:{pattern})" for pattern in QUIET_WARNINGS), re.IGNORECASE)
-    show = warnings.showwarning
-
-    def showwarning(message, category, filename, lineno, file=None, line=None):  # warnings' signature
-        log_file = sys.__stderr__
-        if file is not None or log_file is None or not quiet.match(str(message)):
-            return show(message, category, filename, lineno, file, line)
-        try:
-            log_file.write(f"mnb rank {rank} (to the log; %mnb start --verbose shows it in cells): "
-                           + warnings.formatwarning(message, category, filename, lineno, line))
-            log_file.flush()
-        except (OSError, ValueError):  # the log is gone: the rank is ending anyway
-            pass
-        return None
-
-    showwarning._mnb_routed = True  # type: ignore[attr-defined]
-    warnings.showwarning = showwarning
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this rank when its torchrun agent dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 class Rank:
@@ -141,130 +65,8 @@ class Rank:
 
     # -------------------------------------------------------------- start
     def start(self) -> None:
-        clock = self.clock
-        verbose = verbose_warnings()
-        route_warnings(self.rank, verbose)
-        with clock.stage("torch import"):
-            import torch
-            import torch.distributed as dist
-
-        if os.environ.get(STANDBY_ENV) == "1":
-            self._stand_by()
-        megatron_import = None
-        if self.device_kind == "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError("--device cuda but torch sees no CUDA device on this host")
-            # Megatron-Core's import is seconds of Python; CUDA's and NCCL's initialisation are
-            # seconds in C: one overlaps the other.
-            megatron_import = _InThread("Megatron-Core import", clock, _import_megatron)
-            with clock.stage("CUDA init"):
-                torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-            backend = "nccl"
-        else:
-            from mnb.megatron import cpu
-
-            with clock.stage("Megatron-Core import and CPU redirection"):
-                cpu.install()
-            route_warnings(self.rank, verbose)  # cpu.install() ignores the apex notices: log or show them
-            from mnb.megatron import collectives
-
-            collectives.install()  # gloo: mnb counts collectives (NCCL ranks have the Flight Recorder)
-            self.device = torch.device("cpu")
-            backend = "gloo"
-        kwargs: dict[str, Any] = {"backend": backend}
-        if backend == "nccl":
-            kwargs["device_id"] = self.device
-        with clock.stage(f"process group ({backend})"):
-            dist.init_process_group(**kwargs)
-        self.backend = backend
-        if megatron_import is not None:
-            megatron_import.result()
-
-        with clock.stage("mnb: layout and recording"):
-            from megatron.core import parallel_state
-
-            from mnb.config import ParallelConfig
-            from mnb.megatron import autorecord, events, layout
-
-            layout.apply_layout(ParallelConfig())
-            autorecord.install()  # a cell's or script's own get_forward_backward_func calls are measured
-        self.layout = layout.current_layout().as_dict()
-        events.set_sink(self._send_event)
-        self.cell_id: str | None = None
-
-        import mnb
-
-        self.namespace.update(
-            rank=self.rank,
-            world_size=self.world_size,
-            local_rank=self.local_rank,
-            device=self.device,
-            torch=torch,
-            dist=dist,
-            ps=parallel_state,
-            mnb=mnb,
-            display=self.display,
-        )
-        self.channel.send(
-            Message(
-                "hello",
-                header={
-                    "rank": self.rank,
-                    "world_size": self.world_size,
-                    "local_rank": self.local_rank,
-                    "node_rank": self.node_rank,
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "device": str(self.device),
-                    "device_name": self._device_name(),
-                    "backend": backend,
-                    "coords": layout.coordinates(),
-                    "layout": self.layout,
-                    "torch": torch.__version__,
-                    "megatron": _megatron_version(),
-                    "startup": clock.as_header(),
-                },
-            )
-        )
-        if self.device.type == "cuda":
-            _warm_fused_kernels_in_background(self.device)
-
-    def _stand_by(self) -> None:
-        """A standby rank: Megatron-Core imported, then wait for ``go`` before CUDA or any process group.
-
-        The controller launched this rank ahead of need (``mnb/controller/standby.py``); until
-        ``go`` it holds host memory only.  The channel's I/O thread watches the controller
-        as for any rank, so a standby whose kernel died exits on its own.
-        """
-        with self.clock.stage("standby: Megatron-Core import"):
-            if self.device_kind == "cuda":
-                _import_megatron()  # pure Python: no CUDA call
-            else:
-                from mnb.megatron import cpu
-
-                cpu.install()
-                _import_megatron()  # what the first model needs, ahead of the go
-        self.channel.send(Message("standby", header={"rank": self.rank, "pid": os.getpid(),
-                                                     "host": socket.gethostname()}))
-        with self.clock.stage("standby: waiting for go"):
-            while True:
-                try:
-                    message = self.channel.inbox.get()
-                except KeyboardInterrupt:
-                    continue
-                if message.type == "go":
-                    break
-                if message.type == "shutdown":
-                    self.channel.close()
-                    os._exit(0)
-
-    def _device_name(self) -> str:
-        import torch
-
-        if self.device.type == "cuda":
-            return torch.cuda.get_device_name(self.device)
-        return "cpu"
+        """Get the rank ready and say hello (``mnb/worker/boot.py``)."""
+        boot.start(self)
 
     # ------------------------------------------------------------- helpers
     def status(self) -> dict[str, Any]:
@@ -291,7 +93,7 @@ class Rank:
                 Message("display", header={"rank": self.rank, "cell": self.cell_id}, payload=mime_bundle(obj))
             )
 
-    def _send_event(self, kind: str, payload: dict[str, Any]) -> None:
+    def send_event(self, kind: str, payload: dict[str, Any]) -> None:
         if kind == "run_record":  # records travel with the cell's reply
             return
         self.channel.send(
@@ -335,32 +137,11 @@ class Rank:
         self.channel.busy.set()
         self.fd_capture.cell_id = message.id
         if message.get("post_mortem"):  # %mnb debug: the kept failure stays for another look
-            self._post_mortem(message)
+            debugging.post_mortem(self, message)
             return
-        if self.last_failure is not None:  # the next cell: the failed one's frames (and tensors) go
-            release_frames(self.last_failure)
-            self.last_failure = None
+        debugging.forget_failure(self)  # the next cell: the failed one's frames (and tensors) go
         with stdin.forwarded(self.channel, self.rank, message.id, message.get("debug_ranks")):
             self._execute(message)
-
-    def _post_mortem(self, message: Message) -> None:
-        """pdb on the frame where this rank's last cell failed, through the notebook's stdin."""
-        from mnb.megatron import layout
-
-        failure, outcome = self.last_failure, None
-        if failure is not None:
-            print(f"post-mortem of {type(failure).__name__}: {failure}", flush=True)
-            with stdin.forwarded(self.channel, self.rank, message.id, None):
-                try:
-                    stdin.post_mortem(failure, skip_file=sys.modules[run_cell.__module__].__file__)
-                except BaseException as exc:  # no stdin, an interrupt: the request's error
-                    outcome = describe_exception(exc)
-        self.fd_capture.drain()
-        self.fd_capture.cell_id = None
-        self.channel.busy.clear()
-        error = {"ename": outcome.ename, "evalue": outcome.evalue, "traceback": outcome.traceback} if outcome else {}
-        self.channel.reply(message, payload={"value": None, "records": []}, ok=outcome is None,
-                           kept=failure is not None, coords=layout.coordinates(), layout=self.layout, **error)
 
     def _execute(self, message: Message) -> None:
         from mnb.megatron import events, layout
@@ -465,30 +246,6 @@ class Rank:
         self.channel.reply(message, payload=encoded, ok=True, encoded=True)
 
 
-class _InThread:
-    """Run ``fn`` in a helper thread as one stage of the start; :meth:`result` re-raises its error."""
-
-    def __init__(self, name: str, clock: StartClock, fn):
-        import threading
-
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                with clock.stage(name):
-                    fn()
-            except BaseException as exc:  # re-raised in the main thread by result()
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name=f"mnb-{name}", daemon=True)
-        self._thread.start()
-
-    def result(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
 def _collectives_snapshot() -> Any:
     """The ``stacks`` answer's collective part: nothing before torch.distributed is imported."""
     if "torch.distributed" not in sys.modules:
@@ -498,67 +255,10 @@ def _collectives_snapshot() -> Any:
     return collectives.snapshot()
 
 
-def _import_megatron() -> None:
-    """Import what the first ``mnb.gpt``/``mnb.train`` needs from Megatron-Core (no CUDA work)."""
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.parallel_state  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-
-    import mnb.megatron.autorecord  # noqa: F401
-    import mnb.megatron.layout  # noqa: F401
-    import mnb.megatron.model  # noqa: F401
-    import mnb.megatron.train  # noqa: F401
-
-
-BACKGROUND_PRESETS = ("llama-1b", "llama-3b")
-"""Presets whose fused kernels a CUDA rank compiles in the background once it is ready."""
-
-
-def _warm_fused_kernels_in_background(device) -> None:
-    """Compile the fused kernels of mnb's GPU presets while the notebook has nothing for this rank yet.
-
-    They take seconds to compile (about 11 s with an empty Inductor cache on an H200); the
-    first ``mnb.gpt`` that arrives meanwhile waits for this compile instead of starting its own
-    (``fusions.warm_up`` holds a lock) and then compiles only what its own shapes still lack.
-    """
-    import threading
-
-    def warm() -> None:
-        try:
-            import torch
-
-            from mnb.megatron import fusions
-
-            if not fusions.compile_available():
-                return
-            from mnb.config import load_preset
-            from mnb.megatron.model import fused_shapes
-
-            torch.cuda.set_device(device)  # the current device is per thread
-            for preset in BACKGROUND_PRESETS:
-                fusions.warm_up(device, announce=False,
-                                **fused_shapes(load_preset(preset), fusions.tp_ceiling(), swiglu=True))
-        except Exception as exc:  # the first model compiles them instead; say why in the log
-            log.warning("background compile of the fused kernels failed: %s", exc)
-
-    threading.Thread(target=warm, name="mnb-fused-kernels", daemon=True).start()
-
-
 def _interrupts_deferred() -> bool:
     """Whether the main thread is in mnb.train, which stops at a step boundary (never imports Megatron)."""
     interrupts = sys.modules.get("mnb.megatron.interrupts")
     return bool(interrupts and interrupts.is_deferring())
-
-
-def _megatron_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:  # e.g. Megatron-LM on PYTHONPATH instead of the wheel
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -570,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("MNB_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s mnb rank {os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
     )
-    _die_with_parent()
+    boot.die_with_parent()
     record_fatal_stacks(int(os.environ.get("RANK", "0")))
     rank = Rank(ConnectionInfo.read(args.connect), args.device)
     try:

@@ -16,7 +16,7 @@ waits raises ``KeyboardInterrupt`` out of pdb too (pdb itself would only print
 ``--KeyboardInterrupt--`` and ask again).
 
 ``python -m mnb.worker`` installs it in ``Rank._on_execute``; ``%mnb debug`` reuses
-:func:`post_mortem` on the kept traceback (``mnb.worker.main``).
+:func:`post_mortem` on the kept traceback (``mnb.worker.debugging``).
 """
 
 from __future__ import annotations

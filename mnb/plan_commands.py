@@ -1,0 +1,72 @@
+"""``%mnb plan`` and ``%mnb export``: which layouts fit, and the launch to run one elsewhere.
+
+Kept out of :mod:`mnb.magics` (parsing and dispatch only there).  Both work without a pool
+(pure Python: ``mnb.estimate``, ``mnb.exports``); only ``%mnb plan --calibrate`` measures the
+live one.  Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from IPython.core.error import UsageError
+
+from mnb.config import ParallelConfig
+from mnb.controller import current_pool
+from mnb.magic_parsers import LAYOUT_FLAGS
+
+
+def export_command(args: argparse.Namespace) -> None:
+    from mnb.exports import export
+
+    settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
+                                              "lr", "data") if getattr(args, k) is not None}
+    named = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name, None) is not None}
+    try:
+        layout = None
+        if named:
+            layout = ParallelConfig(tp=named.get("tp", 1), pp=named.get("pp", 1),
+                                    vpp=named.get("vpp", 1), cp=named.get("cp", 1),
+                                    ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")))
+        exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
+                          layout=layout, output=args.output, sbatch_options=args.sbatch_arg, **settings)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.output:
+        then = {"slurm": f"; submit it with: sbatch {args.output}", "torchrun": f"; run it: bash {args.output}"}
+        print(f"wrote {args.output}: {args.kind} for {exported.model.name}, {exported.layout.describe()} on "
+              f"{exported.nodes} node(s) x {exported.gpus_per_node} GPU(s)" + then.get(args.kind, ""))
+    else:
+        print(exported.text, end="")
+
+
+def plan_command(args: argparse.Namespace) -> None:
+    from mnb.estimate import plan
+    from mnb.plot import plot_plan
+
+    gpu = calibrated_gpu() if args.calibrate else args.gpu
+    try:
+        rows = plan(args.model, args.gpus, gpu=gpu, seq=args.seq, mbs=args.mbs, gbs=args.gbs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    from mnb.estimate import format_plan
+
+    print(format_plan(rows[: args.top]))
+    plot_plan(rows)
+
+
+def calibrated_gpu() -> str:
+    """Measure the live pool (mnb.megatron.calibrate), register it as a device, return its name."""
+    from mnb.estimate.measured import describe, register_measurement
+
+    pool = current_pool(required=False)
+    if pool is None:
+        raise UsageError("--calibrate measures the live pool's devices: start one first "
+                         "(%mnb start -n 2 --device cuda) or drop --calibrate to plan with --gpu's table entry")
+    values = pool.run("__import__('mnb.megatron.calibrate', fromlist=['measure']).measure()", quiet=True)
+    try:
+        dev = register_measurement(values[min(values)])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(describe(dev))
+    return dev.name
