@@ -412,6 +412,10 @@ def export_parser() -> MagicArgumentParser:
         layout.add_argument(f"--{name}", type=int, default=None, metavar="N", help=f"{name} size (default: see above)")
     layout.add_argument("--sp", dest="sp", action="store_true", default=None,
                         help="sequence parallelism on (default: see above)")
+    layout.add_argument("--fsdp", nargs="?", const="optim_grads_params", default=None, choices=FSDP_STRATEGIES,
+                        metavar="{" + ",".join(FSDP_STRATEGIES) + "}",
+                        help="Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy STRATEGY; "
+                             "--fsdp alone: optim_grads_params) (default: see above)")
     return p
 
 
@@ -672,7 +676,8 @@ class MegatronMagics(Magics):
             if named:
                 layout = ParallelConfig(tp=named.get("tp", 1), pp=named.get("pp", 1),
                                         vpp=named.get("vpp", 1), cp=named.get("cp", 1),
-                                        ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")))
+                                        ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")),
+                                        fsdp=named.get("fsdp"))
             exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
                               layout=layout, output=args.output, sbatch_options=args.sbatch_arg, **settings)
         except ValueError as exc:

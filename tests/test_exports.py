@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import mnb
-from mnb.config import ParallelConfig, TrainConfig, load_preset
+from mnb.config import FSDP_STRATEGIES, ParallelConfig, TrainConfig, load_preset
 from mnb.controller import registry
 from mnb.controller.preflight import cell_settings
 from mnb.exports import export
@@ -120,6 +120,41 @@ def test_torchrun_and_slurm_exports_are_valid_bash_with_the_arguments(tmp_path):
                               env={**os.environ, "SLURM_JOB_NODELIST": "n1"})
         assert done.returncode == 0, done.stderr
         assert done.stdout.split("\n")[:-1] == list(exported.args)
+
+
+def _connections_after(script: str) -> str:
+    """CUDA_DEVICE_MAX_CONNECTIONS after bash ran a script's lines up to the launch, from a job that had it 1."""
+    probe = script.split("\ntorchrun")[0].split("\nsrun")[0] + '\necho "${CUDA_DEVICE_MAX_CONNECTIONS-unset}"\n'
+    done = subprocess.run(["bash", "-c", probe.replace("$(scontrol", "$(echo")], capture_output=True, text=True,
+                          env={**os.environ, "SLURM_JOB_NODELIST": "n1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_an_fsdp_layout_exports_megatron_fsdp_and_unsets_cuda_connections(capsys):
+    """Under --use-megatron-fsdp Megatron-LM asserts --ckpt-format fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS
+    != 1, the opposite of what tp > 1 needs without FSDP: the scripts unset it only for an FSDP layout."""
+    for strategy in FSDP_STRATEGIES:
+        e = export("torchrun", model="tiny", gpus_per_node=4, layout=ParallelConfig(tp=2, fsdp=strategy))
+        got = pairs(e.args)
+        assert (got["--data-parallel-sharding-strategy"], got["--ckpt-format"]) == (strategy, "fsdp_dtensor")
+        assert {"--use-megatron-fsdp", "--use-distributed-optimizer"} <= set(got)
+        assert e.args.count("--use-distributed-optimizer") == 1
+        assert ("--no-gradient-accumulation-fusion" in got) == (strategy != "optim")  # Megatron-LM warns for these
+        assert f"fsdp:{strategy}" in e.text.splitlines()[0] and _connections_after(e.text) == "unset"
+    slurm = export("slurm", model="moe-tiny", nodes=2, gpus_per_node=4,
+                   layout=ParallelConfig(ep=2, fsdp="optim_grads"))
+    assert "--data-parallel-sharding-strategy optim_grads" in slurm.text and _connections_after(slurm.text) == "unset"
+    plain = export("slurm", model="tiny", nodes=2, gpus_per_node=4, layout=ParallelConfig(tp=2))
+    assert _connections_after(plain.text) == "1"  # without FSDP, tp > 1 needs it 1
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    shell.run_line_magic("mnb", "export torchrun --model tiny --gpus-per-node 4 --tp 2 --fsdp")
+    out = capsys.readouterr().out
+    assert "--data-parallel-sharding-strategy optim_grads_params" in out
+    assert "tp2 pp1 dp2 fsdp:optim_grads_params" in out
+    with pytest.raises(UsageError, match=r"fsdp='optim_grads_params' does not combine with pp\(2\)"):
+        shell.run_line_magic("mnb", "export --model tiny --gpus-per-node 4 --pp 2 --fsdp")
 
 
 def test_settings_come_from_the_notebook_when_not_named(monkeypatch):
