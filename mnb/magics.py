@@ -385,6 +385,7 @@ def export_parser() -> MagicArgumentParser:
         "%mnb export torchrun --nodes 2 --gpus-per-node 8",
         "%mnb export slurm --nodes 4 --gpus-per-node 8 --gbs 256 -o train.sbatch --sbatch-arg=--partition=gpu",
         "%mnb export megatron-lm --model llama-8b --tp 4 --pp 2 --nodes 2 --gpus-per-node 8",
+        "%mnb export slurm --fsdp --tp 2 --nodes 2 --gpus-per-node 8   # --use-megatron-fsdp (ZeRO-3)",
         "%mnb export --model /models/Qwen2.5-0.5B --gpus-per-node 8   # HuggingFaceTokenizer, --add-qkv-bias, ...",
     ])
     p.add_argument("kind", nargs="?", default="megatron-lm", choices=list(KINDS), help="what to write")

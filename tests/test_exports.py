@@ -212,12 +212,24 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
         dict(model=str(checkpoint(tmp_path, "Qwen2.5-0.5B", tokenizer_ids=151665)), nodes=1, gpus_per_node=4,
              micro_batch_size=2, layout=ParallelConfig(tp=2, sequence_parallel=True)),
         dict(model=str(checkpoint(tmp_path, "gpt2")), nodes=1, gpus_per_node=2, micro_batch_size=4),
+        # Megatron-FSDP, each sharding strategy (with tp and sp, with ep, without the distributed optimizer)
+        dict(model="llama-1b", nodes=2, gpus_per_node=8, micro_batch_size=1, global_batch_size=32, bf16=True,
+             layout=ParallelConfig(tp=2, sequence_parallel=True, fsdp="optim_grads_params")),
+        dict(model="moe-tiny", nodes=1, gpus_per_node=4, micro_batch_size=1, global_batch_size=8,
+             layout=ParallelConfig(ep=2, fsdp="optim_grads")),
+        dict(model="tiny", nodes=1, gpus_per_node=2, micro_batch_size=2, use_distributed_optimizer=False,
+             layout=ParallelConfig(fsdp="optim")),
     ]
     for case in cases:
         e = export("megatron-lm", **case)
         monkeypatch.setenv("WORLD_SIZE", str(e.world_size))
         monkeypatch.setenv("RANK", "0")
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # the torchrun/slurm exports set it
+        # CUDA_DEVICE_MAX_CONNECTIONS as the torchrun script leaves it (1, or unset under FSDP)
+        connections = _connections_after(export("torchrun", **case).text)
+        if connections == "unset":
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *e.args])
         args = arguments.parse_args()
         arguments.validate_args(args)
@@ -233,7 +245,8 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
             "lr_warmup_iters", "lr_decay_iters", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "bf16",
             "recompute_granularity", "use_distributed_optimizer", "seed", "calculate_per_token_loss",
             "tokenizer_type", "tokenizer_model", "add_qkv_bias", "use_rope_scaling", "rope_scaling_factor",
-            "rotary_base", "openai_gelu")}
+            "rotary_base", "openai_gelu", "use_megatron_fsdp", "data_parallel_sharding_strategy", "ckpt_format",
+            "gradient_accumulation_fusion")}
         want = {
             "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn,
             "num_attention_heads": m.num_attention_heads,
@@ -262,7 +275,10 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
             "lr_decay_iters": max(t.schedule_length, t.warmup_steps + 1), "weight_decay": t.weight_decay,
             "clip_grad": t.clip_grad, "adam_beta1": t.adam_beta1, "adam_beta2": t.adam_beta2, "bf16": t.bf16,
             "recompute_granularity": None if t.recompute == "none" else t.recompute,
-            "use_distributed_optimizer": t.use_distributed_optimizer, "seed": t.seed,
-            "calculate_per_token_loss": True,
+            "use_distributed_optimizer": t.use_distributed_optimizer or lay.fsdp is not None, "seed": t.seed,
+            "calculate_per_token_loss": True, "use_megatron_fsdp": lay.fsdp is not None,
+            "data_parallel_sharding_strategy": lay.fsdp or "optim_grads_params",  # Megatron-LM's default otherwise
+            "ckpt_format": "fsdp_dtensor" if lay.fsdp else "torch_dist",
+            "gradient_accumulation_fusion": lay.fsdp not in ("optim_grads", "optim_grads_params"),
         }
         assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
