@@ -149,11 +149,12 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
 def _fsdp_args(strategy: str, train: TrainConfig, add) -> list[str]:
     """Megatron-LM's Megatron-FSDP arguments for ``ParallelConfig.fsdp`` and what they leave out.
 
-    What ``validate_args`` (``megatron/training/arguments.py``, megatron-core 0.16 to 0.19) does under
-    ``--use-megatron-fsdp``: forces ``--use-distributed-optimizer`` (as mnb's ranks did), asserts
-    ``--ckpt-format fsdp_dtensor`` and CUDA_DEVICE_MAX_CONNECTIONS != 1 (so the launch scripts
-    unset it: :func:`mnb.exports.connections_line`), and warns to check Transformer Engine's fused
-    gradient accumulation when gradients are sharded (mnb's ranks never fuse it: written off here).
+    What ``validate_args`` (``megatron/training/arguments.py`` of core_v0.16.1 and core_v0.19.0) does
+    under ``--use-megatron-fsdp``: asserts ``--ckpt-format fsdp_dtensor`` and CUDA_DEVICE_MAX_CONNECTIONS
+    != 1 (so the launch scripts unset it: :func:`mnb.exports.connections_line`), and warns to check
+    Transformer Engine's fused gradient accumulation when gradients are sharded (mnb's ranks never fuse
+    it: written off here).  0.19 forces the distributed optimizer (as mnb's ranks use it) and 0.16's
+    default strategy is ``no_shard``, so both are written out whatever the version's defaults.
     Megatron-FSDP itself turns on the overlapped reduce-scatter / all-gather for these strategies,
     on the ranks as on the cluster, so no overlap flag is needed.
     """
