@@ -102,7 +102,7 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     if layout.sequence_parallel and layout.tp > 1:
         add("--sequence-parallel")
     if layout.fsdp is not None:
-        notes += _fsdp_args(layout.fsdp, train, add)
+        notes += _fsdp_args(layout, train, add)
     # batch, schedule, optimizer
     add("--micro-batch-size", train.micro_batch_size)
     add("--global-batch-size", train.global_batch_size or train.micro_batch_size * layout.dp)
@@ -146,7 +146,7 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     return [str(x) for flag, value in a for x in ((flag,) if value is None else (flag, value))], notes
 
 
-def _fsdp_args(strategy: str, train: TrainConfig, add) -> list[str]:
+def _fsdp_args(layout: ParallelConfig, train: TrainConfig, add) -> list[str]:
     """Megatron-LM's Megatron-FSDP arguments for ``ParallelConfig.fsdp`` and what they leave out.
 
     What ``validate_args`` (``megatron/training/arguments.py`` of core_v0.16.1 and core_v0.19.0) does
@@ -158,6 +158,7 @@ def _fsdp_args(strategy: str, train: TrainConfig, add) -> list[str]:
     Megatron-FSDP itself turns on the overlapped reduce-scatter / all-gather for these strategies,
     on the ranks as on the cluster, so no overlap flag is needed.
     """
+    strategy = layout.fsdp
     add("--use-megatron-fsdp")
     add("--data-parallel-sharding-strategy", strategy)
     add("--use-distributed-optimizer")
@@ -173,6 +174,9 @@ def _fsdp_args(strategy: str, train: TrainConfig, add) -> list[str]:
                      "(the notebook's ranks used it too, use_distributed_optimizer=False notwithstanding)")
     notes.append("the notebook's ranks built each model whole before sharding it; for a model that fits "
                  "only sharded add --init-model-with-meta-device")
+    if layout.dp * layout.cp == 1:
+        notes.append(f"dp({layout.dp}) * cp({layout.cp}) = 1 on this target: Megatron-FSDP shards over those "
+                     "ranks, so nothing is sharded; give it more GPUs or less tp")
     return notes
 
 

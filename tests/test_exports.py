@@ -145,6 +145,8 @@ def test_an_fsdp_layout_exports_megatron_fsdp_and_unsets_cuda_connections(capsys
     slurm = export("slurm", model="moe-tiny", nodes=2, gpus_per_node=4,
                    layout=ParallelConfig(ep=2, fsdp="optim_grads"))
     assert "--data-parallel-sharding-strategy optim_grads" in slurm.text and _connections_after(slurm.text) == "unset"
+    alone = export("megatron-lm", model="tiny", gpus_per_node=2, layout=ParallelConfig(tp=2, fsdp="optim_grads"))
+    assert any("dp(1) * cp(1) = 1 on this target" in n for n in alone.notes)  # nothing to shard: said, not silent
     plain = export("slurm", model="tiny", nodes=2, gpus_per_node=4, layout=ParallelConfig(tp=2))
     assert _connections_after(plain.text) == "1"  # without FSDP, tp > 1 needs it 1
     shell = InteractiveShell.instance()
