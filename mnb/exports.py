@@ -32,9 +32,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig, batch_problem
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem
+from mnb.export_args import megatron_lm_args
 from mnb.launch_templates import render_template
-from mnb.model_source import resolve_model, tokenizer_folder, tokenizer_vocab_size
+from mnb.model_source import resolve_model, tokenizer_folder
 
 KINDS = ("megatron-lm", "torchrun", "slurm")
 """What ``%mnb export`` writes: Megatron-LM's arguments, torchrun command lines, an sbatch script."""
@@ -117,7 +118,7 @@ def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | No
     if kind == "megatron-lm":
         text = "\n".join([header, *(f"# {n}" for n in notes), format_args(args, continuation=True)]) + "\n"
     elif kind == "torchrun":
-        text = _torchrun_text(header, notes, args, nodes, gpus_per_node, model_cfg.name)
+        text = _torchrun_text(header, notes, args, nodes, gpus_per_node, model_cfg.name, connections_line(resolved))
     else:
         text = render_template("megatron-lm.sbatch", {
             "header": "\n".join([header, *(f"# {n}" for n in notes)]),
@@ -125,7 +126,7 @@ def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | No
             "nodes": nodes, "gpus_per_node": gpus_per_node,
             "sbatch_options": "\n".join(f"#SBATCH {o}" for o in (sbatch_options or [])),
             "args": format_args(args, indent="  "),
-            "rdzv_port": RDZV_PORT,
+            "rdzv_port": RDZV_PORT, "cuda_connections": connections_line(resolved),
         })
     exported = Exported(kind=kind, text=text, args=tuple(args), notes=tuple(notes), model=model_cfg,
                         train=train_cfg, layout=resolved, nodes=nodes, gpus_per_node=gpus_per_node,
@@ -198,163 +199,18 @@ def check_target(model: ModelConfig, train: TrainConfig, layout: ParallelConfig,
     return resolved
 
 
-# ------------------------------------------------------------------ Megatron-LM
-def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelConfig, *,
-                     tokenizer: str | None = None) -> tuple[list[str], list[str]]:
-    """``pretrain_gpt.py`` arguments for a resolved layout, and notes on what they cannot say.
-
-    Values mnb sets differently from Megatron-LM's defaults are written out (dropout 0,
-    per-token loss, Adam betas, weight decay), so the cluster trains what the notebook did.
-    ``tokenizer``: a Hugging Face checkpoint folder, named as ``--tokenizer-type
-    HuggingFaceTokenizer --tokenizer-model FOLDER`` (else NullTokenizer with ``--vocab-size``).
-    """
-    a: list[tuple[str, Any]] = []
-    notes: list[str] = []
-
-    def add(flag: str, value: Any = None) -> None:
-        a.append((flag, value))
-
-    # model shape
-    add("--num-layers", model.num_layers)
-    add("--hidden-size", model.hidden_size)
-    add("--ffn-hidden-size", model.ffn)
-    add("--num-attention-heads", model.num_attention_heads)
-    if model.kv_channels is not None:
-        add("--kv-channels", model.kv_channels)
-    if model.query_groups != model.num_attention_heads:
-        add("--group-query-attention")
-        add("--num-query-groups", model.query_groups)
-    add("--seq-length", model.seq_length)
-    add("--max-position-embeddings", model.max_position_embeddings)
-    add("--position-embedding-type", model.position_embedding_type)
-    if model.position_embedding_type == "rope":
-        add("--rotary-base", model.rotary_base)
-        if model.rope_scaling:  # Llama 3.x
-            add("--use-rope-scaling")
-            add("--rope-scaling-factor", model.rope_scaling_factor)
-    add("--normalization", model.normalization)
-    add("--norm-epsilon", model.layernorm_epsilon)
-    if model.gated_linear_unit and model.activation == "silu":
-        add("--swiglu")
-    elif model.activation == "gelu_tanh" and not model.gated_linear_unit:
-        add("--openai-gelu")  # GPT-2's tanh-approximated GELU
-    elif model.gated_linear_unit or model.activation != "gelu":
-        raise ValueError(f"Megatron-LM's arguments have no {'gated ' if model.gated_linear_unit else ''}"
-                         f"{model.activation} MLP (only gelu, the tanh GELU and SwiGLU); change the model's activation")
-    if not model.add_bias_linear:
-        add("--disable-bias-linear")
-        if model.add_qkv_bias:  # Qwen2
-            add("--add-qkv-bias")
-    if not model.share_embeddings_and_output_weights:
-        add("--untie-embeddings-and-output-weights")
-    add("--init-method-std", model.init_method_std)
-    if model.is_moe:
-        add("--num-experts", model.num_moe_experts)
-        add("--moe-router-topk", model.moe_router_topk)
-        add("--moe-ffn-hidden-size", model.moe_ffn)
-        add("--moe-token-dispatcher-type", "alltoall" if layout.ep > 1 else "allgather")
-    extra = {**TRANSFORMER_DEFAULTS, **model.extra}
-    for name, value in extra.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            add(flag)
-        elif value is False or value is None:
-            notes.append(f"{name}={value!r} (ModelConfig.extra) has no Megatron-LM flag written here; check "
-                         "that Megatron-LM's default matches")
-        else:
-            add(flag, value)
-    # vocabulary and data
-    if tokenizer is not None:
-        add("--tokenizer-type", "HuggingFaceTokenizer")
-        add("--tokenizer-model", tokenizer)
-        notes.append(_weights_note(model, tokenizer))
-    else:
-        add("--tokenizer-type", "NullTokenizer")
-        add("--vocab-size", model.vocab_size)
-    add("--make-vocab-size-divisible-by", 128)
-    notes += _data_args(train.data, add, tokenizer)
-    # parallelism
-    add("--tensor-model-parallel-size", layout.tp)
-    add("--pipeline-model-parallel-size", layout.pp)
-    if layout.vpp > 1:
-        add("--num-layers-per-virtual-pipeline-stage", model.num_layers // (layout.pp * layout.vpp))
-    add("--context-parallel-size", layout.cp)
-    if layout.cp > 1:
-        notes.append(f"--context-parallel-size {layout.cp}: Megatron-LM needs Transformer Engine for cp > 1 "
-                     "(its local attention asserts cp == 1); keep the default --transformer-impl "
-                     "transformer_engine")
-    add("--expert-model-parallel-size", layout.ep)
-    if layout.sequence_parallel and layout.tp > 1:
-        add("--sequence-parallel")
-    # batch, schedule, optimizer
-    add("--micro-batch-size", train.micro_batch_size)
-    add("--global-batch-size", train.global_batch_size or train.micro_batch_size * layout.dp)
-    add("--train-iters", train.schedule_length)  # the whole schedule, as the notebook's calls ran it
-    add("--optimizer", "adam")
-    add("--lr", train.lr)
-    add("--min-lr", train.min_lr)
-    add("--lr-decay-style", train.lr_decay_style)
-    add("--lr-warmup-iters", train.warmup_steps)
-    add("--lr-decay-iters", max(train.schedule_length, train.warmup_steps + 1))
-    add("--weight-decay", train.weight_decay)
-    add("--clip-grad", train.clip_grad)
-    add("--adam-beta1", train.adam_beta1)
-    add("--adam-beta2", train.adam_beta2)
-    add("--calculate-per-token-loss")
-    # precision and memory
-    if train.bf16:
-        add("--bf16")
-    if train.fp8:
-        add("--fp8-format", "hybrid")
-        notes.append("--fp8-format hybrid needs Transformer Engine and Hopper-or-newer GPUs")
-    if train.recompute == "selective":
-        add("--recompute-granularity", "selective")
-    elif train.recompute == "full":
-        add("--recompute-granularity", "full")
-        add("--recompute-method", "uniform")
-        add("--recompute-num-layers", 1)
-    if train.use_distributed_optimizer:
-        add("--use-distributed-optimizer")
-    add("--seed", train.seed)
-    add("--log-interval", train.log_every)
-    add("--eval-iters", 0)
-    if layout.tp > 1 or layout.cp > 1:
-        notes.append("Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp or cp > 1 (before Blackwell): "
-                     "export it in the job (the torchrun and slurm exports do)")
-    notes.append("the notebook's ranks used mnb's local spec (SDPA attention, torch norms); Megatron-LM "
-                 "defaults to Transformer Engine: add --transformer-impl local where TE is missing")
-    return [str(x) for flag, value in a for x in ((flag,) if value is None else (flag, value))], notes
-
-
-def _weights_note(model: ModelConfig, tokenizer: str) -> str:
-    """What the arguments say about a Hugging Face checkpoint: its shape and tokenizer, not its weights."""
-    size = tokenizer_vocab_size(tokenizer)
-    vocab = ""
-    if size is not None and size != model.vocab_size:
-        vocab = (f"; Megatron-LM sizes the embedding from the tokenizer ({size} ids, padded to a multiple of "
-                 f"128 * tp), the checkpoint has {model.vocab_size} rows")
-    return (f"model: the shape and tokenizer of the Hugging Face checkpoint {tokenizer}; pretrain_gpt.py "
-            f"starts from random weights (its weights are not converted here){vocab}")
-
-
-def _data_args(data: str, add, tokenizer: str | None = None) -> list[str]:
-    """Megatron-LM's data arguments for mnb's ``data=`` and what they leave out."""
-    reader = "the checkpoint's tokenizer" if tokenizer else "NullTokenizer (token ids as stored)"
-    if data.endswith((".bin", ".idx")) or Path(data + ".bin").is_file():
-        prefix = data[:-4] if data.endswith((".bin", ".idx")) else data
-        add("--data-path", prefix)
-        add("--split", "100,0,0")
-        return [f"data: {prefix}.bin/.idx, read with {reader}"]
-    add("--mock-data")
-    if data == "mock":
-        return ["data: synthetic tokens (--mock-data); for real data use --data-path PREFIX (a Megatron "
-                ".bin/.idx) and its tokenizer"]
-    build = f"prepare({data!r}, model.tokenizer)" if tokenizer else f"prepare({data!r})"
-    return [f"data: the notebook trained on {data!r}, which Megatron-LM cannot read: --mock-data stands in; "
-            f"build its .bin/.idx on a rank with mnb.megatron.data.{build} and pass --data-path PREFIX"]
-
-
 # ------------------------------------------------------------------ rendering
+def connections_line(layout: ParallelConfig) -> str:
+    """The launch scripts' CUDA_DEVICE_MAX_CONNECTIONS line: 1 for Megatron's TP overlap, unset under FSDP.
+
+    Megatron-LM asserts ``== "1"`` with tp or cp > 1 (before Blackwell) and ``!= "1"`` under
+    ``--use-megatron-fsdp`` (where tp/cp only warn): one line cannot serve both.
+    """
+    if layout.fsdp is not None:
+        return "unset CUDA_DEVICE_MAX_CONNECTIONS   # Megatron-LM asserts it is not 1 under --use-megatron-fsdp"
+    return "export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron-LM's own scripts set this: TP communication overlaps compute"
+
+
 def format_args(args: list[str] | tuple[str, ...], *, continuation: bool = False, indent: str = "") -> str:
     """One flag (and its value) per line, shell-quoted; ``continuation`` ends lines with `` \\``."""
     lines: list[list[str]] = []
@@ -382,7 +238,7 @@ def _count(n: int) -> str:
 
 
 def _torchrun_text(header: str, notes: list[str], args: list[str], nodes: int, gpus_per_node: int,
-                   name: str) -> str:
+                   name: str, connections: str) -> str:
     launch = [f"torchrun --standalone --nproc-per-node={gpus_per_node}"] if nodes == 1 else [
         f"torchrun --nnodes={nodes} --nproc-per-node={gpus_per_node} --rdzv-id=mnb-{name} --rdzv-backend=c10d "
         f'--rdzv-endpoint="$HEAD_NODE:${{RDZV_PORT:-{RDZV_PORT}}}"'
@@ -393,7 +249,6 @@ def _torchrun_text(header: str, notes: list[str], args: list[str], nodes: int, g
     return "\n".join([
         header, *(f"# {n}" for n in notes),
         "MEGATRON_LM=${MEGATRON_LM:-$HOME/Megatron-LM}   # a Megatron-LM checkout (pretrain_gpt.py)",
-        "export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron-LM's own scripts set this: TP communication overlaps compute",
-        "ARGS=(", format_args(args, indent="  "), ")", where,
+        connections, "ARGS=(", format_args(args, indent="  "), ")", where,
         f'{launch[0]} "$MEGATRON_LM/pretrain_gpt.py" "${{ARGS[@]}}"',
     ]) + "\n"

@@ -329,6 +329,7 @@ def export_parser() -> MagicArgumentParser:
         "%mnb export torchrun --nodes 2 --gpus-per-node 8",
         "%mnb export slurm --nodes 4 --gpus-per-node 8 --gbs 256 -o train.sbatch --sbatch-arg=--partition=gpu",
         "%mnb export megatron-lm --model llama-8b --tp 4 --pp 2 --nodes 2 --gpus-per-node 8",
+        "%mnb export slurm --fsdp --tp 2 --nodes 2 --gpus-per-node 8   # --use-megatron-fsdp (ZeRO-3)",
         "%mnb export --model /models/Qwen2.5-0.5B --gpus-per-node 8   # HuggingFaceTokenizer, --add-qkv-bias, ...",
     ])
     p.add_argument("kind", nargs="?", default="megatron-lm", choices=list(KINDS), help="what to write")
@@ -356,6 +357,10 @@ def export_parser() -> MagicArgumentParser:
         layout.add_argument(f"--{name}", type=int, default=None, metavar="N", help=f"{name} size (default: see above)")
     layout.add_argument("--sp", dest="sp", action="store_true", default=None,
                         help="sequence parallelism on (default: see above)")
+    layout.add_argument("--fsdp", nargs="?", const="optim_grads_params", default=None, choices=FSDP_STRATEGIES,
+                        metavar="{" + ",".join(FSDP_STRATEGIES) + "}",
+                        help="Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy STRATEGY; "
+                             "--fsdp alone: optim_grads_params) (default: see above)")
     return p
 
 

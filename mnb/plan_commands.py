@@ -27,7 +27,8 @@ def export_command(args: argparse.Namespace) -> None:
         if named:
             layout = ParallelConfig(tp=named.get("tp", 1), pp=named.get("pp", 1),
                                     vpp=named.get("vpp", 1), cp=named.get("cp", 1),
-                                    ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")))
+                                    ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")),
+                                    fsdp=named.get("fsdp"))
         exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
                           layout=layout, output=args.output, sbatch_options=args.sbatch_arg, **settings)
     except ValueError as exc:

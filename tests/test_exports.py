@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import mnb
-from mnb.config import ParallelConfig, TrainConfig, load_preset
+from mnb.config import FSDP_STRATEGIES, ParallelConfig, TrainConfig, load_preset
 from mnb.controller import registry
 from mnb.controller.preflight import cell_settings
 from mnb.exports import export
@@ -122,6 +122,43 @@ def test_torchrun_and_slurm_exports_are_valid_bash_with_the_arguments(tmp_path):
         assert done.stdout.split("\n")[:-1] == list(exported.args)
 
 
+def _connections_after(script: str) -> str:
+    """CUDA_DEVICE_MAX_CONNECTIONS after bash ran a script's lines up to the launch, from a job that had it 1."""
+    probe = script.split("\ntorchrun")[0].split("\nsrun")[0] + '\necho "${CUDA_DEVICE_MAX_CONNECTIONS-unset}"\n'
+    done = subprocess.run(["bash", "-c", probe.replace("$(scontrol", "$(echo")], capture_output=True, text=True,
+                          env={**os.environ, "SLURM_JOB_NODELIST": "n1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_an_fsdp_layout_exports_megatron_fsdp_and_unsets_cuda_connections(capsys):
+    """Under --use-megatron-fsdp Megatron-LM asserts --ckpt-format fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS
+    != 1, the opposite of what tp > 1 needs without FSDP: the scripts unset it only for an FSDP layout."""
+    for strategy in FSDP_STRATEGIES:
+        e = export("torchrun", model="tiny", gpus_per_node=4, layout=ParallelConfig(tp=2, fsdp=strategy))
+        got = pairs(e.args)
+        assert (got["--data-parallel-sharding-strategy"], got["--ckpt-format"]) == (strategy, "fsdp_dtensor")
+        assert {"--use-megatron-fsdp", "--use-distributed-optimizer"} <= set(got)
+        assert e.args.count("--use-distributed-optimizer") == 1
+        assert ("--no-gradient-accumulation-fusion" in got) == (strategy != "optim")  # Megatron-LM warns for these
+        assert f"fsdp:{strategy}" in e.text.splitlines()[0] and _connections_after(e.text) == "unset"
+    slurm = export("slurm", model="moe-tiny", nodes=2, gpus_per_node=4,
+                   layout=ParallelConfig(ep=2, fsdp="optim_grads"))
+    assert "--data-parallel-sharding-strategy optim_grads" in slurm.text and _connections_after(slurm.text) == "unset"
+    alone = export("megatron-lm", model="tiny", gpus_per_node=2, layout=ParallelConfig(tp=2, fsdp="optim_grads"))
+    assert any("dp(1) * cp(1) = 1 on this target" in n for n in alone.notes)  # nothing to shard: said, not silent
+    plain = export("slurm", model="tiny", nodes=2, gpus_per_node=4, layout=ParallelConfig(tp=2))
+    assert _connections_after(plain.text) == "1"  # without FSDP, tp > 1 needs it 1
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    shell.run_line_magic("mnb", "export torchrun --model tiny --gpus-per-node 4 --tp 2 --fsdp")
+    out = capsys.readouterr().out
+    assert "--data-parallel-sharding-strategy optim_grads_params" in out
+    assert "tp2 pp1 dp2 fsdp:optim_grads_params" in out
+    with pytest.raises(UsageError, match=r"fsdp='optim_grads_params' does not combine with pp\(2\)"):
+        shell.run_line_magic("mnb", "export --model tiny --gpus-per-node 4 --pp 2 --fsdp")
+
+
 def test_settings_come_from_the_notebook_when_not_named(monkeypatch):
     monkeypatch.setattr(registry, "_SETTINGS", {})
     with pytest.raises(ValueError, match="no model to export"):
@@ -177,12 +214,24 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
         dict(model=str(checkpoint(tmp_path, "Qwen2.5-0.5B", tokenizer_ids=151665)), nodes=1, gpus_per_node=4,
              micro_batch_size=2, layout=ParallelConfig(tp=2, sequence_parallel=True)),
         dict(model=str(checkpoint(tmp_path, "gpt2")), nodes=1, gpus_per_node=2, micro_batch_size=4),
+        # Megatron-FSDP, each sharding strategy (with tp and sp, with ep, without the distributed optimizer)
+        dict(model="llama-1b", nodes=2, gpus_per_node=8, micro_batch_size=1, global_batch_size=32, bf16=True,
+             layout=ParallelConfig(tp=2, sequence_parallel=True, fsdp="optim_grads_params")),
+        dict(model="moe-tiny", nodes=1, gpus_per_node=4, micro_batch_size=1, global_batch_size=8,
+             layout=ParallelConfig(ep=2, fsdp="optim_grads")),
+        dict(model="tiny", nodes=1, gpus_per_node=2, micro_batch_size=2, use_distributed_optimizer=False,
+             layout=ParallelConfig(fsdp="optim")),
     ]
     for case in cases:
         e = export("megatron-lm", **case)
         monkeypatch.setenv("WORLD_SIZE", str(e.world_size))
         monkeypatch.setenv("RANK", "0")
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # the torchrun/slurm exports set it
+        # CUDA_DEVICE_MAX_CONNECTIONS as the torchrun script leaves it (1, or unset under FSDP)
+        connections = _connections_after(export("torchrun", **case).text)
+        if connections == "unset":
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *e.args])
         args = arguments.parse_args()
         arguments.validate_args(args)
@@ -198,7 +247,8 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
             "lr_warmup_iters", "lr_decay_iters", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "bf16",
             "recompute_granularity", "use_distributed_optimizer", "seed", "calculate_per_token_loss",
             "tokenizer_type", "tokenizer_model", "add_qkv_bias", "use_rope_scaling", "rope_scaling_factor",
-            "rotary_base", "openai_gelu")}
+            "rotary_base", "openai_gelu", "use_megatron_fsdp", "data_parallel_sharding_strategy", "ckpt_format",
+            "gradient_accumulation_fusion")}
         want = {
             "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn,
             "num_attention_heads": m.num_attention_heads,
@@ -227,7 +277,10 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
             "lr_decay_iters": max(t.schedule_length, t.warmup_steps + 1), "weight_decay": t.weight_decay,
             "clip_grad": t.clip_grad, "adam_beta1": t.adam_beta1, "adam_beta2": t.adam_beta2, "bf16": t.bf16,
             "recompute_granularity": None if t.recompute == "none" else t.recompute,
-            "use_distributed_optimizer": t.use_distributed_optimizer, "seed": t.seed,
-            "calculate_per_token_loss": True,
+            "use_distributed_optimizer": t.use_distributed_optimizer or lay.fsdp is not None, "seed": t.seed,
+            "calculate_per_token_loss": True, "use_megatron_fsdp": lay.fsdp is not None,
+            "data_parallel_sharding_strategy": lay.fsdp or "optim_grads_params",  # Megatron-LM's default otherwise
+            "ckpt_format": "fsdp_dtensor" if lay.fsdp else "torch_dist",
+            "gradient_accumulation_fusion": lay.fsdp not in ("optim_grads", "optim_grads_params"),
         }
         assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
