@@ -179,9 +179,14 @@ class PoolError(RuntimeError):
     """
 
     def _render_traceback_(self) -> list[str]:
-        red, reset = "\x1b[31m", "\x1b[0m"
-        lines = str(self).splitlines() or [type(self).__name__]
-        return [f"{red}{type(self).__name__}: {lines[0]}{reset}", *lines[1:]]
+        return _message_lines(type(self).__name__, str(self))
+
+
+def _message_lines(name: str, text: str) -> list[str]:
+    """``name: first line`` in red, then the other lines: how the pool's errors show in a notebook."""
+    red, reset = "\x1b[31m", "\x1b[0m"
+    lines = text.splitlines() or [name]
+    return [f"{red}{name}: {lines[0]}{reset}", *lines[1:]]
 
 
 class RankDiedError(PoolError):
@@ -203,7 +208,7 @@ class CellTimeoutError(PoolError, TimeoutError):
         """Where each rank waited and what follows; the full stacks stay in ``.stacks`` and ``%mnb stacks``."""
         text = str(self)
         head, _, rest = text.partition("\nPython stack of")
-        lines = PoolError._render_traceback_(PoolError(head.rstrip()))
+        lines = _message_lines(type(self).__name__, head.rstrip())  # its own name: `except CellTimeoutError` is what catches it
         if rest:
             lines += [text.rstrip().splitlines()[-1], "(each rank's Python stack: error.stacks, or %mnb stacks)"]
         return lines

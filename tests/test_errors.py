@@ -74,3 +74,14 @@ def test_every_other_mnb_error_travels(travel):
     assert move(errors[6]).size_bytes == 300 * 2**20 and move(errors[8]).decoded == {"y": 1}
     assert move(errors[3]).deaths == {1: "SIGKILL"} and move(errors[7]).module == "torch"
     assert move(errors[-1])._render_traceback_() == ["KeyboardInterrupt: stopped after step 3"]
+
+
+def test_pool_errors_show_their_own_class_name():
+    """A timed-out cell reads ``CellTimeoutError: ...`` in the notebook, the name ``except`` would catch."""
+    timeout = CellTimeoutError("cell timed out after 5 s; rank(s) [0] had not finished.\n  [r0] at cell line 1\n"
+                               "Python stack of [r0]:\n  File cell, line 1\nmnb is restarting all 2 ranks")
+    lines = timeout._render_traceback_()
+    assert lines[0] == "\x1b[31mCellTimeoutError: cell timed out after 5 s; rank(s) [0] had not finished.\x1b[0m"
+    assert lines[1:] == ["  [r0] at cell line 1", "mnb is restarting all 2 ranks",
+                         "(each rank's Python stack: error.stacks, or %mnb stacks)"]
+    assert RankDiedError("rank 1 died")._render_traceback_() == ["\x1b[31mRankDiedError: rank 1 died\x1b[0m"]

@@ -113,7 +113,11 @@ class Repair:
                         raise
                     note = f"launched cold: {exc}"
                 else:
-                    self.start_note = "adopted the standby"
+                    # a standby adopted mid-import saves only what it had done: the line says so, or the
+                    # seconds read as the standby's (docs: 0.3 s) when they were mostly its imports
+                    self.start_note = "adopted the standby" + (
+                        f" (it was still importing: waited {standby.waited_s:.1f} s for it)"
+                        if standby.waited_s >= 1 else "")
                     return generation
         self.start_note = note
         return launch(self.spec, self.make_launcher, bind_ip=self.bind_ip, timeout_s=self.start_timeout_s,

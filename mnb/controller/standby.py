@@ -124,6 +124,8 @@ class Standby:
         self.launched_at = time.time()
         self.ready_s: float | None = None
         """Seconds from the launch to every rank waiting for ``go``."""
+        self.waited_s = 0.0
+        """Seconds ``adopt`` waited for the standby's imports (0 when it was already waiting for ``go``)."""
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._prepare, name="mnb-standby", daemon=True)
@@ -202,6 +204,7 @@ class Standby:
         deadline = time.monotonic() + timeout_s
         while self._thread.is_alive() and time.monotonic() < deadline and not cancelled.is_set():
             self._thread.join(0.1)
+        self.waited_s = time.perf_counter() - t0
         if not self.alive() or self.state != "waiting for go" or self.transport is None:
             why = self.status()["state"]
             self.close()

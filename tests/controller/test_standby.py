@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,7 +75,10 @@ def test_restart_after_killed_rank_adopts_the_standby(pool, capsys):
     assert rank_pids(pool) == status["pids"]  # started before the failure
     assert pool.start_note == "adopted the standby" and pool.restarts == 1
     assert pool.pull("x") == {0: 0, 1: 3}
-    assert waiting(pool)["pids"] != status["pids"]  # the next one is prepared after the adoption
+    pool.restart()  # at once, while the next standby imports: adopting it waits, and the line says so
+    assert re.fullmatch(r"adopted the standby \(it was still importing: waited \d+\.\d s for it\)",
+                        pool.start_note), pool.start_note
+    assert waiting(pool)["pids"] != status["pids"]
 
 
 def test_a_standby_that_died_is_replaced_not_adopted(pool):
