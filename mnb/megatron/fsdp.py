@@ -24,9 +24,9 @@ What is needed around Megatron (megatron-core 0.16.1 and 0.19.2 both ship it):
   ``TELinear`` is a ``MagicMock`` without Transformer Engine: :class:`_NoTELinear` stands in;
 - on CPU ranks, :mod:`mnb.megatron.cpu` makes Megatron's ``torch.device("cuda:...")`` and
   ``DeviceMesh(... "cuda")`` the CPU's, so the DTensor shards stay on the CPU;
-- a gradient buffer whose dp group is one rank (the experts' when ep = dp*cp, e.g. ``--ep 2`` on 2
-  ranks or ``--ep 4`` on 4; every buffer when dp*cp = 1) would hold twice its gradient:
-  :func:`_halve_before_single_rank_reduce` (Megatron-FSDP's own reduce then gives it back whole).
+- megatron-core 0.16's Megatron-FSDP gives a gradient buffer whose dp group is one rank (the
+  experts' when ep = dp*cp, e.g. ``--ep 2`` on 2 ranks or ``--ep 4`` on 4; every buffer when
+  dp*cp = 1) twice its gradient: :func:`_halve_before_single_rank_reduce` (0.19.2 is right).
 
 pp > 1 is refused in :class:`mnb.config.ParallelConfig` (the adapter's mesh has no pipeline
 dimension).
@@ -128,6 +128,18 @@ def wrap(config: Any, module: torch.nn.Module, strategy: str, device: torch.devi
     return wrapped
 
 
+def _adds_unsharded_buffer_to_itself() -> bool:
+    """Whether this megatron-core's Megatron-FSDP doubles a one-rank dp group's gradients.
+
+    megatron-core 0.16 does (measured on 0.16.1); 0.19 does not (0.19.2's reduce installs the
+    result in place); mnb supports no version in between.
+    """
+    import megatron.core
+
+    major_minor = tuple(int(part) for part in megatron.core.__version__.split(".")[:2])
+    return major_minor < (0, 19)
+
+
 SINGLE_RANK_SCALE = 0.5
 """Megatron-FSDP's scaling of a one-rank dp group's gradients before its reduce (see below)."""
 
@@ -135,8 +147,7 @@ SINGLE_RANK_SCALE = 0.5
 def _halve_before_single_rank_reduce(wrapped: Any) -> list[int]:
     """Make Megatron-FSDP's gradient reduce right for a buffer whose dp group is one rank.
 
-    Megatron-FSDP (megatron-core 0.16.1 and 0.19.2, ``optim_grads``/``optim_grads_params``)
-    leaves a gradient buffer unsharded when its dp group has one rank
+    Megatron-FSDP (``optim_grads``/``optim_grads_params``) leaves a gradient buffer unsharded when its dp group has one rank
     (``is_data_distributed=... and main_buf_dp_group.size() > 1``); its reduce then takes the
     bucket as a view of the buffer itself, reduce-scatters it over the one rank into a new
     tensor (a copy) and *adds* that copy to the buffer's shard (``local_grad += reduced_grad``,
@@ -152,10 +163,14 @@ def _halve_before_single_rank_reduce(wrapped: Any) -> list[int]:
     ``gradient_reduce_div_fusion`` off, so the scaling is an in-place ``mul_`` of the bucket),
     the buffer holds g/2 and the copy added to it g/2: g, exactly in fp32.  mnb's models use
     Megatron's per-token loss, whose scaling factor is otherwise None (a plain sum), so nothing
-    else is scaled.  Returns the indices of the parameter groups it scaled (for tests and logs).
+    else is scaled.  megatron-core 0.19.2 reduce-scatters such a buffer in place and adds nothing
+    (``if gbuf.is_data_distributed or custom_grad_comm_dtype``): there the halving would halve the
+    gradient, so it applies only where :func:`_adds_unsharded_buffer_to_itself`.  Returns the
+    indices of the parameter groups it scaled (for tests and logs).
     """
     buffer = wrapped.param_and_grad_buffer
-    if buffer.ddp_config.data_parallel_sharding_strategy not in ("optim_grads", "optim_grads_params"):
+    if (buffer.ddp_config.data_parallel_sharding_strategy not in ("optim_grads", "optim_grads_params")
+            or not _adds_unsharded_buffer_to_itself()):
         return []
     if buffer.ddp_config.average_in_collective or buffer.ddp_config.gradient_reduce_div_fusion:
         raise RuntimeError("Megatron-FSDP with average_in_collective or gradient_reduce_div_fusion: "
