@@ -26,7 +26,10 @@ What is needed around Megatron (megatron-core 0.16.1 and 0.19.2 both ship it):
   ``DeviceMesh(... "cuda")`` the CPU's, so the DTensor shards stay on the CPU;
 - on CPU ranks (gloo) every collective of the FSDP buffers' groups finishes before it returns and
   none is coalesced (:func:`_one_by_one`): gloo's asynchronous and coalesced collectives, kept in
-  flight by Megatron-FSDP around storages it resizes, crashed a rank every few hundred ZeRO-3 steps.
+  flight by Megatron-FSDP around storages it resizes, crashed a rank every few hundred ZeRO-3 steps;
+- megatron-core 0.16's Megatron-FSDP gives a gradient buffer whose dp group is one rank (the
+  experts' when ep = dp*cp, e.g. ``--ep 2`` on 2 ranks or ``--ep 4`` on 4; every buffer when
+  dp*cp = 1) twice its gradient: :func:`_halve_before_single_rank_reduce` (0.19.2 is right).
 
 pp > 1 is refused in :class:`mnb.config.ParallelConfig` (the adapter's mesh has no pipeline
 dimension).
@@ -116,6 +119,7 @@ def ddp_config(strategy: str, *, grad_reduce_in_fp32: bool = True) -> Any:
         use_distributed_optimizer=True,  # Megatron-FSDP's optimizer is the distributed one
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
+        gradient_reduce_div_fusion=False,  # scale in place (_halve_before_single_rank_reduce relies on it)
     )
 
 
@@ -131,6 +135,7 @@ def wrap(config: Any, module: torch.nn.Module, strategy: str, device: torch.devi
 
         for group in _buffer_groups(wrapped):
             collectives.complete_before_return(group)
+    _halve_before_single_rank_reduce(wrapped)
     return wrapped
 
 
@@ -174,6 +179,70 @@ def _uncoalesced_on_gloo() -> None:
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
 
     param_and_grad_buffer._coalescing_manager = _one_by_one
+
+
+def _adds_unsharded_buffer_to_itself() -> bool:
+    """Whether this megatron-core's Megatron-FSDP doubles a one-rank dp group's gradients.
+
+    megatron-core 0.16 does (measured on 0.16.1); 0.19 does not (0.19.2's reduce installs the
+    result in place); mnb supports no version in between.
+    """
+    import megatron.core
+
+    major_minor = tuple(int(part) for part in megatron.core.__version__.split(".")[:2])
+    return major_minor < (0, 19)
+
+
+SINGLE_RANK_SCALE = 0.5
+"""Megatron-FSDP's scaling of a one-rank dp group's gradients before its reduce (see below)."""
+
+
+def _halve_before_single_rank_reduce(wrapped: Any) -> list[int]:
+    """Make Megatron-FSDP's gradient reduce right for a buffer whose dp group is one rank.
+
+    Megatron-FSDP (``optim_grads``/``optim_grads_params``) leaves a gradient buffer unsharded when its dp group has one rank
+    (``is_data_distributed=... and main_buf_dp_group.size() > 1``); its reduce then takes the
+    bucket as a view of the buffer itself, reduce-scatters it over the one rank into a new
+    tensor (a copy) and *adds* that copy to the buffer's shard (``local_grad += reduced_grad``,
+    meant for a sharded buffer and a separate bucket): the buffer holds 2x its gradient after
+    one microbatch, 2*(2*g1 + g2) after two.  Under expert parallelism that is the experts'
+    buffer whenever ep = dp*cp (expert dp group of one): measured on CPU ranks with moe-tiny,
+    ``--ep 4`` on 4 ranks gives a grad norm of 0.8987 against DDP's 0.8760 at step 1 and, with
+    two microbatches per rank, losses 2.7e-4 (relative) off DDP's at step 2; ``--ep 2`` on 4 ranks
+    (expert dp of two) is DDP's to fp32 rounding.  Adam hides a uniform 2x (the one-microbatch
+    run is off by 1e-7), the clipping and the microbatch weighting do not.
+
+    The fix uses Megatron's own scaling hook: with ``gradient_scaling_factor`` 0.5 (and
+    ``gradient_reduce_div_fusion`` off, so the scaling is an in-place ``mul_`` of the bucket),
+    the buffer holds g/2 and the copy added to it g/2: g, exactly in fp32.  mnb's models use
+    Megatron's per-token loss, whose scaling factor is otherwise None (a plain sum), so nothing
+    else is scaled.  megatron-core 0.19.2 reduce-scatters such a buffer in place and adds nothing
+    (``if gbuf.is_data_distributed or custom_grad_comm_dtype``): there the halving would halve the
+    gradient, so it applies only where :func:`_adds_unsharded_buffer_to_itself`.  Returns the
+    indices of the parameter groups it scaled (for tests and logs).
+    """
+    buffer = wrapped.param_and_grad_buffer
+    if (buffer.ddp_config.data_parallel_sharding_strategy not in ("optim_grads", "optim_grads_params")
+            or not _adds_unsharded_buffer_to_itself()):
+        return []
+    if buffer.ddp_config.average_in_collective or buffer.ddp_config.gradient_reduce_div_fusion:
+        raise RuntimeError("Megatron-FSDP with average_in_collective or gradient_reduce_div_fusion: "
+                           "mnb cannot correct a one-rank dp group's gradients there")
+    scaled = []
+    for index, group in enumerate(buffer.parameter_groups):
+        grads = group.main_grad_buffer
+        if grads is None or grads.is_data_distributed or grads.data_parallel_group.size() != 1:
+            continue
+        if grads.gradient_scaling_factor is not None:
+            raise RuntimeError(f"Megatron-FSDP scales parameter group {index}'s gradients by "
+                               f"{grads.gradient_scaling_factor} (not a per-token loss): mnb cannot "
+                               "correct its one-rank dp group's reduce")
+        grads.gradient_scaling_factor = SINGLE_RANK_SCALE
+        scaled.append(index)
+    if scaled:
+        logger.info("Megatron-FSDP: %d gradient buffer(s) with a one-rank dp group halved before their "
+                    "reduce (it adds a copy of the buffer to itself)", len(scaled))
+    return scaled
 
 
 def is_fsdp(wrapped: Any) -> bool:

@@ -15,6 +15,13 @@ model tensor the raw parameter is.  A DDP model loads it with Megatron's own
 ``load_parameter_state_from_fully_reshardable``.  :func:`load` is the reverse for a Megatron-FSDP
 model: every rank reads the whole tensors (the same request Megatron makes for a DDP model)
 and keeps its own rows of each.
+
+A MoE model's state is laid out as Megatron DDP's ``ChainedOptimizer`` lays it (``{0: dense,
+1: expert}``, each with its own param groups and ``param_state`` numbering): Megatron-FSDP builds
+*one* optimizer over both kinds (``get_megatron_optimizer`` under ``use_megatron_fsdp``: one
+optimizer per chunk, ``filter_fn=lambda g: True``), DDP two (dense, then expert), so
+:func:`_parts` splits the FSDP optimizer's parameters as DDP does (``allreduce`` False: an
+expert under ep > 1), saving and loading.
 """
 
 from __future__ import annotations
@@ -33,6 +40,35 @@ SHARDING_TYPE = "fully_reshardable"
 
 def _subs(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _parts(optimizer, raw_of: dict) -> list[tuple[torch.optim.Optimizer, list[dict]]]:
+    """(torch optimizer, its groups as Megatron DDP would hold them) per optimizer DDP would chain.
+
+    Megatron-FSDP's optimizer takes the FSDP DTensors, which lack the raw parameters' ``allreduce``
+    attribute, so its param groups all say ``is_expert_parallel=False``; DDP's
+    ``get_megatron_optimizer`` puts a parameter whose ``allreduce`` is False (an expert under
+    ep > 1) into a second, expert optimizer.  Each group here is ``{"group": the FSDP param group,
+    "params": its DTensors of one kind, "is_expert_parallel": that kind}``: the dense ones, then
+    the expert ones; a kind with no parameters is left out (one part for a dense model or ep1).
+    """
+    out = []
+    for sub in _subs(optimizer):
+        inner = sub.optimizer
+        for expert in (False, True):
+            views = []
+            for group in inner.param_groups:
+                params = [p for p in group["params"] if (not getattr(raw_of[id(p)][1], "allreduce", True)) is expert]
+                if params:
+                    views.append({"group": group, "params": params, "is_expert_parallel": expert})
+            if views:
+                out.append((inner, views))
+    return out
+
+
+def _meta(view: dict) -> dict:
+    """A view's param group as DDP's optimizer holds it: FSDP's, without params, with DDP's expert flag."""
+    return {**{k: v for k, v in view["group"].items() if k != "params"}, "is_expert_parallel": view["is_expert_parallel"]}
 
 
 def _raw_of(wrapped_chunks: list) -> dict[int, tuple[str, torch.nn.Parameter]]:
@@ -76,10 +112,10 @@ def _step(inner: torch.optim.Optimizer) -> float:
     return steps.pop() if steps else 0.0
 
 
-def _param_groups(inner: torch.optim.Optimizer) -> list[dict]:
+def _param_groups(inner: torch.optim.Optimizer, views: list[dict]) -> list[dict]:
     """Megatron's common optimizer state: the param groups without params, Adam's step in each."""
     step = _step(inner)
-    return [{**{k: v for k, v in g.items() if k != "params"}, "step": step} for g in inner.param_groups]
+    return [{**_meta(v), "step": step} for v in views]
 
 
 def sharded_state_dict(optimizer, model_state: dict, wrapped_chunks: list, *, is_loading: bool) -> dict:
@@ -91,12 +127,11 @@ def sharded_state_dict(optimizer, model_state: dict, wrapped_chunks: list, *, is
     """
     raw_of, metadata = _raw_of(wrapped_chunks), _model_metadata(model_state)
     out = {}
-    for i, sub in enumerate(_subs(optimizer)):
-        inner = sub.optimizer
+    for i, (inner, views) in enumerate(_parts(optimizer, raw_of)):
         param_state = {}
         index = 0
-        for group in inner.param_groups:
-            for dtensor in group["params"]:
+        for view in views:
+            for dtensor in view["params"]:
                 name, raw = raw_of[id(dtensor)]
                 meta = metadata.get(id(raw))
                 if meta is None:
@@ -112,7 +147,7 @@ def sharded_state_dict(optimizer, model_state: dict, wrapped_chunks: list, *, is
                     tensors[key] = _as_model_tensor(meta, key, whole)
                 param_state[index] = tensors
                 index += 1
-        out[i] = {"optimizer": {"param_groups": _param_groups(inner)}, "param_state": param_state,
+        out[i] = {"optimizer": {"param_groups": _param_groups(inner, views)}, "param_state": param_state,
                   "param_state_sharding_type": SHARDING_TYPE}
     return out[0] if len(out) == 1 else out
 
@@ -140,22 +175,21 @@ def _local_rows(whole: torch.Tensor, local: torch.Tensor, start: int) -> torch.T
 
 def load(optimizer, loaded: Any, wrapped_chunks: list) -> None:
     """Put what :func:`sharded_state_dict` (``is_loading=True``) read into Megatron-FSDP's Adam."""
-    subs = _subs(optimizer)
-    parts = [loaded] if len(subs) == 1 else [loaded[i] for i in range(len(subs))]
-    for sub, part in zip(subs, parts):
+    parts = _parts(optimizer, _raw_of(wrapped_chunks))
+    saved = [loaded] if len(parts) == 1 else [loaded[i] for i in range(len(parts))]
+    for (inner, views), part in zip(parts, saved):
         if part.get("param_state_sharding_type") != SHARDING_TYPE:
             raise ValueError(f"the checkpoint's optimizer state is {part.get('param_state_sharding_type')!r}, "
                              f"mnb reads {SHARDING_TYPE!r} into Megatron-FSDP")
-        inner = sub.optimizer
         steps = {float(g["step"]) for g in part["optimizer"]["param_groups"] if "step" in g}
         if len(steps) != 1:
             raise ValueError(f"the checkpoint's optimizer param groups hold steps {sorted(steps)}, not one")
         step = steps.pop()
-        _check_groups(part["optimizer"]["param_groups"], inner.param_groups)
+        _check_groups(part["optimizer"]["param_groups"], views)
         index = 0
         with torch.no_grad():
-            for group in inner.param_groups:
-                for dtensor in group["params"]:
+            for view in views:
+                for dtensor in view["params"]:
                     tensors = part["param_state"][index]
                     index += 1
                     local = dtensor.to_local()
@@ -177,15 +211,16 @@ def load(optimizer, loaded: Any, wrapped_chunks: list) -> None:
         wrapped.module.param_and_grad_buffer.copy_main_weights_to_model_weights()
 
 
-def _check_groups(saved: list[dict], mine: list[dict]) -> None:
+def _check_groups(saved: list[dict], views: list[dict]) -> None:
     """The checkpoint's param groups must be this optimizer's (same lr/wd multipliers), in any order."""
     from megatron.core.optimizer.optimizer import param_group_identifier_keys as keys
 
     ident = lambda g: tuple(g.get(k, g.get(f"pre_{k}")) for k in keys)  # noqa: E731
-    missing = {ident(g) for g in mine} - {ident(g) for g in saved}
+    missing = {ident(_meta(v)) for v in views} - {ident(g) for g in saved}
     if missing:
         raise ValueError(f"the checkpoint's optimizer has no param group {sorted(missing)} {keys}: it was "
                          "trained with other settings; load with load_optimizer=False")
     by_ident = {ident(g): g for g in saved}
-    for group in mine:
-        group.update({k: v for k, v in by_ident[ident(group)].items() if k not in ("params", "step")})
+    for view in views:  # FSDP's own expert flag stays (its groups hold both kinds)
+        view["group"].update({k: v for k, v in by_ident[ident(_meta(view))].items()
+                              if k not in ("params", "step", "is_expert_parallel")})
