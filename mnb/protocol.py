@@ -70,10 +70,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mnb.units import MIB, format_mib
+from mnb.version import __version__
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+"""The wire format's version: every header carries it, the connection file too.  A rank and a
+controller of different versions refuse each other by name (:func:`version_mismatch`) instead of
+failing later on a missing field."""
 
 MAX_MESSAGE_BYTES = 256 * MIB
 """The largest message (header + payload) either side builds or accepts."""
@@ -100,6 +104,16 @@ MESSAGE_TYPES = CONTROLLER_TYPES | RANK_TYPES
 
 class ProtocolError(Exception):
     """A message that is malformed, of an unknown type, or wrongly signed."""
+
+
+def version_mismatch(theirs: Any, who: str) -> str | None:
+    """The refusal when ``who`` speaks protocol ``theirs`` and this side :data:`PROTOCOL_VERSION`;
+    ``None`` when they agree.  The one wording both sides use."""
+    if theirs == PROTOCOL_VERSION:
+        return None
+    spoken = "no protocol version" if theirs is None else f"protocol version {theirs}"
+    return (f"{who} speaks {spoken}, this side (mnb {__version__}) speaks protocol version "
+            f"{PROTOCOL_VERSION}: install the same mnb version on every host of the pool")
 
 
 class MessageTooLarge(ProtocolError):
@@ -189,7 +203,11 @@ class Signer:
         if kind not in MESSAGE_TYPES:
             raise ProtocolError(f"unknown message type {kind!r}")
         msg_id = header.pop("id", "")
-        header.pop("v", None)
+        version = header.pop("v", None)
+        if version != PROTOCOL_VERSION:
+            if kind != "hello":  # only a hello is read across versions, to be refused by name
+                raise ProtocolError(version_mismatch(version, f"a {kind!r} message"))
+            header["protocol_version"] = version
         try:
             value = self._loads(payload) if payload else None
         except Exception as exc:  # signed, so its sender is ours: deliver it, saying why it is empty
@@ -253,6 +271,8 @@ class ConnectionInfo:
     controller_started: float | None = None
     """The controller process's start time (``psutil.Process().create_time()``), so a
     rank on the same host can tell its controller from a later process with the same PID."""
+    protocol_version: int | None = PROTOCOL_VERSION
+    """The controller's :data:`PROTOCOL_VERSION` (as the file says; a rank checks it before it joins)."""
     path: str | None = field(default=None, compare=False)
     """Where :meth:`read` found this file (ranks remove it when their controller is gone)."""
 
@@ -267,7 +287,7 @@ class ConnectionInfo:
             "controller_pid": self.controller_pid,
             "controller_host": self.controller_host,
             "controller_started": self.controller_started,
-            "protocol_version": PROTOCOL_VERSION,
+            "protocol_version": self.protocol_version,
         }
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -293,5 +313,6 @@ class ConnectionInfo:
             controller_pid=data.get("controller_pid"),
             controller_host=data.get("controller_host"),
             controller_started=data.get("controller_started"),
+            protocol_version=data.get("protocol_version"),
             path=str(path),
         )

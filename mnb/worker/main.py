@@ -30,7 +30,7 @@ from typing import Any
 
 from mnb.worker.startup import StartClock  # first: its import time is when the rank's own code began
 from mnb.worker import sandbox  # noqa: F401  (second: it records the rank's original sys.path)
-from mnb.protocol import ConnectionInfo, Message
+from mnb.protocol import ConnectionInfo, Message, ProtocolError, version_mismatch
 from mnb.worker import boot, debugging, stdin
 from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures
 from mnb.worker.channel import Channel
@@ -272,8 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     boot.die_with_parent()
     record_fatal_stacks(int(os.environ.get("RANK", "0")))
-    rank = Rank(ConnectionInfo.read(args.connect), args.device)
+    info = ConnectionInfo.read(args.connect)
+    rank = Rank(info, args.device)
     try:
+        mismatch = version_mismatch(info.protocol_version, f"the controller that wrote {args.connect}")
+        if mismatch:
+            raise ProtocolError(mismatch)
         rank.start()
     except BaseException as exc:
         outcome = describe_exception(exc)
