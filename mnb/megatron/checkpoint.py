@@ -105,11 +105,10 @@ def _layout() -> dict[str, Any]:
 
 
 def _current_model():
-    """``mnb.megatron.model.current_model()`` if model.py keeps one, else a clear error."""
-    from mnb.megatron import model as model_module
+    """The model the last ``mnb.gpt``/``mnb.from_hf`` built on this rank, else a clear error."""
+    from mnb.megatron.model import current_model
 
-    getter = getattr(model_module, "current_model", None)
-    found = getter() if callable(getter) else None
+    found = current_model()
     if found is None:
         raise ValueError("no model given: pass the model, e.g. mnb.save(path, model)")
     return found
@@ -430,12 +429,8 @@ def _ensure_optimizer(model, meta: dict):
     saved = meta.get("optimizer_config")
     if getattr(model, "optimizer", None) is not None or not saved or not hasattr(model, "wrapped"):
         return getattr(model, "optimizer", None)
-    try:
-        from mnb.config import TrainConfig
-        from mnb.megatron.train import _prepare
-    except ImportError:
-        logger.warning("mnb.megatron.train unavailable: loading weights without optimizer state")
-        return None
+    from mnb.config import TrainConfig
+    from mnb.megatron.train import _prepare  # only when a checkpoint's optimizer state needs building
     fields = {k: saved[k] for k in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
                                     "clip_grad", "use_distributed_optimizer") if saved.get(k) is not None}
     _prepare(model, TrainConfig(bf16=bool(saved.get("bf16")), **fields))
