@@ -51,6 +51,8 @@ class Rank:
         self.device_kind = device_kind
         self.channel = Channel(info, self.rank, status_fn=self.status, deferring_fn=_interrupts_deferred,
                                collectives_fn=_collectives_snapshot)
+        self.device: Any = None
+        """``torch.device`` of this rank, set by :func:`boot.start` (torch is not imported before then)."""
         self.layout: dict[str, Any] | None = None
         self.namespace: dict[str, Any] = {"__name__": "__mnb__"}
         self.stdout = RankStream("stdout", self.channel, self.rank, sys.__stdout__)
@@ -74,9 +76,9 @@ class Rank:
         import psutil
         import torch
 
-        info: dict[str, Any] = {"pid": os.getpid(), "device": str(getattr(self, "device", "?"))}
+        info: dict[str, Any] = {"pid": os.getpid(), "device": str(self.device or "?")}
         info["rss_bytes"] = psutil.Process().memory_info().rss
-        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+        if self.device is not None and self.device.type == "cuda":
             info["memory_bytes"] = torch.cuda.memory_allocated(self.device)
             info["memory_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         else:
