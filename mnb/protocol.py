@@ -19,19 +19,27 @@ controller routes to a rank only through the identity its first valid
 message proved, so an unsigned connection that claims a rank's name gets
 nothing.
 
-Message types (``header["type"]``) and the fields each carries (header fields, then payload):
+Message types (``header["type"]``) and the fields each carries (header fields, then payload).
+Every header also carries ``v``, the sender's :data:`PROTOCOL_VERSION`; a message of another version
+is dropped, except a ``hello``, which arrives with ``protocol_version`` set so that the rank is refused
+by name (:func:`version_mismatch`).
 
 controller -> rank
     execute    run a cell: code, display_ranks, want_value, show_result; layout (a ParallelConfig
-               dict) when the cell changes it; script {path, args} and ranks for ``%mnb run``;
-               after_script to rebuild the pool's layout after one
+               dict) when the cell changes it; kernel (the notebook's cwd and environment changes,
+               ``controller/kernel_context.py``); profile (``%%megatron --profile``: steps, folder,
+               options); debug_ranks (ranks whose ``input()``/pdb reach the notebook); script
+               {path, args} and ranks for ``%mnb run``; after_script to rebuild the pool's layout
+               after one; post_mortem (``%mnb debug``: pdb in the last failed cell's frames)
     push       bind names: encoded; payload {name: pickle of its value} (``values.encode_push``)
     pull       read names: names; the reply's payload is one kernel-safe pickle per name
     status     answered from the rank's I/O thread, also while a cell runs
-    stacks     Python stacks of the rank's threads (for hangs), from the I/O thread
+    stacks     the Python stack of the rank's main thread from the cell down (for hangs), from the
+               I/O thread
     interrupt  a real SIGINT to the running cell, from the I/O thread
     heartbeat  the controller is alive; ranks exit when these stop
-    shutdown   leave the exec loop and exit
+    shutdown   leave the exec loop and exit (a standby rank exits at once)
+    go         a standby rank (imports done, before CUDA and the process group) starts and says hello
     input_reply  the answer to an ``input_request`` (same id), from the I/O thread to the waiting
                thread: value (the line typed, no newline), or error (``no-stdin``: the front-end
                has no stdin; ``eof``: the user ended input; ``interrupt``: the cell is being
@@ -49,6 +57,7 @@ rank -> controller (every header also has rank and identity)
                status: pid, device, rss_bytes, memory_bytes (memory_reserved_bytes on CUDA),
                layout, busy; stacks: stacks, busy; interrupt: interrupted, deferred
     heartbeat  the rank is alive (its state travels in status and stacks answers)
+    standby    a standby rank's imports are done and it waits for ``go``: pid, host
     input_request  a cell on the rank called ``input()``/``getpass``/pdb: prompt, password, cell;
                the controller asks the notebook's stdin (labelled with the rank) and sends an
                ``input_reply`` with the same id
