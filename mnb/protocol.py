@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mnb.units import MIB, format_mib
+from mnb.errors import MessageTooLarge, ProtocolError  # noqa: F401 - defined in mnb.errors; this import path kept
 from mnb.version import __version__
 
 log = logging.getLogger(__name__)
@@ -111,10 +112,6 @@ RANK_TYPES = frozenset({"hello", "stream", "display", "event", "reply", "heartbe
 MESSAGE_TYPES = CONTROLLER_TYPES | RANK_TYPES
 
 
-class ProtocolError(Exception):
-    """A message that is malformed, of an unknown type, or wrongly signed."""
-
-
 def version_mismatch(theirs: Any, who: str) -> str | None:
     """The refusal when ``who`` speaks protocol ``theirs`` and this side :data:`PROTOCOL_VERSION`;
     ``None`` when they agree.  The one wording both sides use."""
@@ -125,20 +122,7 @@ def version_mismatch(theirs: Any, who: str) -> str | None:
             f"{PROTOCOL_VERSION}: install the same mnb version on every host of the pool")
 
 
-class MessageTooLarge(ProtocolError):
-    """A message that would exceed :data:`MAX_MESSAGE_BYTES`; it was never sent."""
 
-    def __init__(self, kind: str, size_bytes: int, limit_bytes: int = MAX_MESSAGE_BYTES):
-        self.kind = kind
-        self.size_bytes = size_bytes
-        self.limit_bytes = limit_bytes
-        super().__init__(
-            f"a {kind} message would be {format_mib(size_bytes)}, over the {format_mib(limit_bytes)} "
-            "limit of one message; send less at once (e.g. pull a slice or a summary of the value)"
-        )
-
-    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
-        return type(self), (self.kind, self.size_bytes, self.limit_bytes), dict(self.__dict__)
 
 
 @dataclass
@@ -192,10 +176,10 @@ class Signer:
         header_bytes = json.dumps(header, separators=(",", ":"), default=str).encode()
         room = MAX_MESSAGE_BYTES - len(header_bytes)
         if room < 0:
-            raise MessageTooLarge(message.type, len(header_bytes))
+            raise MessageTooLarge(message.type, len(header_bytes), MAX_MESSAGE_BYTES)
         payload, size = (b"", 0) if message.payload is None else _pickle_within(message.payload, room)
         if payload is None:  # over the limit: measured without keeping the bytes
-            raise MessageTooLarge(message.type, len(header_bytes) + size)
+            raise MessageTooLarge(message.type, len(header_bytes) + size, MAX_MESSAGE_BYTES)
         return [self.sign(header_bytes, payload), header_bytes, payload]
 
     def decode(self, frames: list[bytes]) -> Message:

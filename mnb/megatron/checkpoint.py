@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mnb.errors import DamagedCheckpointError
 from mnb.megatron import schedule
 from mnb.results import LoadResult
 from mnb.megatron.checkpoint_fixes import cuda_calls_on_cpu, init_empty_optimizer_state, torch_adam_step_fixes
@@ -204,10 +205,6 @@ def read_meta(path: str | os.PathLike) -> dict | None:
 
 def _complete(path: Path) -> bool:
     return read_meta(path) is not None and (path / MEGATRON_META_FILE).is_file()
-
-
-class DamagedCheckpointError(ValueError):
-    """A checkpoint folder whose ``mnb.json`` or ``metadata.json`` is missing, truncated or wrong."""
 
 
 def _damaged(folder: Path, name: str, problem: str) -> DamagedCheckpointError:
