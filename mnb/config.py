@@ -218,9 +218,13 @@ class ModelConfig:
     """
 
     name: str = "custom"
+    """The preset's or checkpoint's name, shown in summaries, plans and exports."""
     num_layers: int = 2
+    """Transformer layers (blocks)."""
     hidden_size: int = 64
+    """Width of the residual stream (the embedding size)."""
     num_attention_heads: int = 4
+    """Query heads per layer; must be divisible by tp."""
     num_query_groups: int | None = None
     """Grouped-query attention groups (None = multi-head attention)."""
     ffn_hidden_size: int | None = None
@@ -228,28 +232,44 @@ class ModelConfig:
     kv_channels: int | None = None
     """Per-head dimension; None = hidden_size / num_attention_heads."""
     vocab_size: int = 256
+    """Tokens in the vocabulary (256 = mnb's byte tokenizer; a checkpoint's tokenizer sets its own)."""
     max_position_embeddings: int = 128
+    """Longest sequence the position embedding covers (learned positions: the table's rows)."""
     seq_length: int = 128
+    """Tokens per training sample (at most ``max_position_embeddings`` with learned positions)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """'LayerNorm' (GPT-2: mean and variance, with bias) or 'RMSNorm' (Llama, Qwen2, Mixtral: scale only)."""
     gated_linear_unit: bool = False
     """True with activation 'silu' is SwiGLU (Llama)."""
     activation: Literal["gelu", "gelu_tanh", "silu"] = "gelu"
-    """'gelu_tanh' is the tanh-approximated GELU (GPT-2's ``gelu_new``, Megatron-LM's ``--openai-gelu``)."""
+    """The MLP's activation: 'gelu' (exact GELU), 'gelu_tanh' (the tanh-approximated GELU: GPT-2's
+    ``gelu_new``, Megatron-LM's ``--openai-gelu``) or 'silu' (with ``gated_linear_unit``: SwiGLU)."""
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """'learned_absolute' (a learned table per position, GPT-2) or 'rope' (rotary embeddings on q
+    and k, Llama)."""
     rotary_base: int = 10000
+    """RoPE's base period (Llama 3: 500000)."""
     rope_scaling: bool = False
     """Llama 3's RoPE frequency scaling (GPTModel's ``rope_scaling``; low/high frequency factors 1 and 4,
     original context 8192, as Megatron-Core fixes them)."""
     rope_scaling_factor: float = 8.0
+    """Llama 3's RoPE scaling factor (used with ``rope_scaling``)."""
     share_embeddings_and_output_weights: bool = False
+    """Tie the output layer to the input embedding (GPT-2, small Qwen2s)."""
     add_bias_linear: bool = True
+    """Biases on every linear layer (GPT-2); False for Llama-style models."""
     add_qkv_bias: bool = False
     """Biases on the q/k/v projection only (Qwen2); ``add_bias_linear`` biases every linear layer."""
     num_moe_experts: int | None = None
+    """Experts per MoE layer; None = a dense MLP."""
     moe_router_topk: int = 2
+    """Experts each token is routed to (MoE models)."""
     moe_ffn_hidden_size: int | None = None
+    """Each expert's MLP width; None = ``ffn_hidden_size``."""
     init_method_std: float = 0.02
+    """Standard deviation of the normal initialisation of the weights."""
     layernorm_epsilon: float = 1e-5
+    """The epsilon of LayerNorm / RMSNorm."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Further TransformerConfig fields passed through unchanged."""
 
@@ -436,6 +456,7 @@ class TrainConfig:
     than this call (e.g. ``steps=5, schedule_steps=10``, then ``steps=5`` again).  None: this call's
     ``steps`` on a model's first call, the model's own schedule on later calls."""
     micro_batch_size: int = 1
+    """Sequences per microbatch on each data-parallel rank."""
     global_batch_size: int | None = None
     """None = micro_batch_size * dp (one microbatch per step)."""
     lr: float = 3e-4
@@ -445,18 +466,33 @@ class TrainConfig:
     warmup_steps: int = 0
     """Linear warm-up from 0 (the first step runs at lr 0, as in Megatron-LM)."""
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    """After warm-up: 'constant' (stay at ``lr``), 'cosine' or 'linear' (decay to ``min_lr`` at the
+    schedule's end)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.95
+    """Adam's second-moment decay."""
     bf16: bool = False
+    """bf16 weights and activations with fp32 master weights and gradients (Megatron's mixed precision)."""
     fp8: bool = False
+    """FP8 GEMMs through Transformer Engine ('hybrid': E4M3 forward, E5M2 gradients); needs TE and a
+    Hopper-or-newer GPU."""
     recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: 'none' (keep every activation), 'selective' (recompute core
+    attention in backward, Megatron's default granularity), 'full' (keep only each layer's input and
+    recompute the whole layer in backward)."""
     use_distributed_optimizer: bool = False
+    """Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer, ZeRO-1)."""
     seed: int = 1234
+    """Seed of the initial weights, dropout and mock data; the same in every layout."""
     data: str = "mock"
     """'mock', a corpus preset such as 'stdlib', a folder/glob of text files, or a .bin/.idx prefix."""
     log_every: int = 1
+    """Print the progress line every this many steps."""
     eval_data: str | None = None
     """Held-out data for ``mnb.evaluate`` during training (what ``data`` takes); None = no evaluation."""
     eval_every: int = 0

@@ -7,6 +7,13 @@ into one :class:`CompositeRankError` per cell, so "Run All" stops at the
 failing cell, and IPython renders it through ``_render_traceback_`` with one
 block per distinct traceback, labelled by the ranks and parallel coordinates
 that raised it (identical tracebacks are folded).
+
+Every exception mnb raises to a user is defined here, so ``from mnb.errors import ...`` catches any of
+them: the pool's own (``PoolError``, ``RankDiedError``, ``CellTimeoutError``, ``RequestRefused``), the
+wire's (``ProtocolError``, ``MessageTooLarge``), values that cannot travel (``PushRefused``,
+``ValueDecodeError``) and those raised inside a cell on the ranks (``NoStdinError``,
+``DamagedCheckpointError``, ``CudaStreamError``, ``ScriptGroupError``); the modules that raise them
+import them from here (their old import paths keep working).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
+
+from mnb.units import format_mib
 
 
 def _rebuild(cls: type, values: dict[str, Any], state: dict[str, Any]) -> BaseException:
@@ -230,3 +239,66 @@ def interrupted(message: str) -> KeyboardInterrupt:
 
 def _one_line(message: str) -> list[str]:
     return [f"KeyboardInterrupt: {message}"]
+
+
+# ---------------------------------------------------------------- raised by the notebook side's parts
+# (defined here so that every error a user catches imports from mnb.errors; the modules that raise
+# them import them from here, and their old import paths keep working)
+
+class ProtocolError(Exception):
+    """A message that is malformed, of an unknown type, or wrongly signed."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A message that would exceed the protocol's limit (``mnb.protocol.MAX_MESSAGE_BYTES``); it was never sent."""
+
+    def __init__(self, kind: str, size_bytes: int, limit_bytes: int):
+        self.kind = kind
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+        super().__init__(
+            f"a {kind} message would be {format_mib(size_bytes)}, over the {format_mib(limit_bytes)} "
+            "limit of one message; send less at once (e.g. pull a slice or a summary of the value)"
+        )
+
+    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
+        return type(self), (self.kind, self.size_bytes, self.limit_bytes), dict(self.__dict__)
+
+
+class ValueDecodeError(ValueError):
+    """Pulled values the notebook kernel could not rebuild.
+
+    ``problems``: {name: why} for those; ``decoded``: {name: value} for the others.
+    """
+
+    def __init__(self, problems: dict[str, str], decoded: dict[str, Any]):
+        self.problems, self.decoded = problems, decoded
+        super().__init__("; ".join(f"{name}: {why}" for name, why in problems.items()))
+
+    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
+        return type(self), (self.problems, self.decoded), dict(self.__dict__)
+
+
+class PushRefused(TypeError):
+    """A push the ranks could not rebuild, refused before anything was sent; shown as its message alone."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mTypeError: {str(self).splitlines()[0]}\x1b[0m", *str(self).splitlines()[1:]]
+
+
+# ---------------------------------------------------------------- raised on the ranks, inside a cell
+
+class NoStdinError(RuntimeError):
+    """The notebook's front-end cannot answer ``input()`` (nbclient, ``allow_stdin=False``)."""
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint folder whose ``mnb.json`` or ``metadata.json`` is missing, truncated or wrong."""
+
+
+class CudaStreamError(RuntimeError):
+    """A CUDA-only feature a CPU rank cannot honour."""
+
+
+class ScriptGroupError(ValueError):
+    """The script asked for a process group the pool cannot give it."""

@@ -19,19 +19,27 @@ controller routes to a rank only through the identity its first valid
 message proved, so an unsigned connection that claims a rank's name gets
 nothing.
 
-Message types (``header["type"]``) and the fields each carries (header fields, then payload):
+Message types (``header["type"]``) and the fields each carries (header fields, then payload).
+Every header also carries ``v``, the sender's :data:`PROTOCOL_VERSION`; a message of another version
+is dropped, except a ``hello``, which arrives with ``protocol_version`` set so that the rank is refused
+by name (:func:`version_mismatch`).
 
 controller -> rank
     execute    run a cell: code, display_ranks, want_value, show_result; layout (a ParallelConfig
-               dict) when the cell changes it; script {path, args} and ranks for ``%mnb run``;
-               after_script to rebuild the pool's layout after one
+               dict) when the cell changes it; kernel (the notebook's cwd and environment changes,
+               ``controller/kernel_context.py``); profile (``%%megatron --profile``: steps, folder,
+               options); debug_ranks (ranks whose ``input()``/pdb reach the notebook); script
+               {path, args} and ranks for ``%mnb run``; after_script to rebuild the pool's layout
+               after one; post_mortem (``%mnb debug``: pdb in the last failed cell's frames)
     push       bind names: encoded; payload {name: pickle of its value} (``values.encode_push``)
     pull       read names: names; the reply's payload is one kernel-safe pickle per name
     status     answered from the rank's I/O thread, also while a cell runs
-    stacks     Python stacks of the rank's threads (for hangs), from the I/O thread
+    stacks     the Python stack of the rank's main thread from the cell down (for hangs), from the
+               I/O thread
     interrupt  a real SIGINT to the running cell, from the I/O thread
     heartbeat  the controller is alive; ranks exit when these stop
-    shutdown   leave the exec loop and exit
+    shutdown   leave the exec loop and exit (a standby rank exits at once)
+    go         a standby rank (imports done, before CUDA and the process group) starts and says hello
     input_reply  the answer to an ``input_request`` (same id), from the I/O thread to the waiting
                thread: value (the line typed, no newline), or error (``no-stdin``: the front-end
                has no stdin; ``eof``: the user ended input; ``interrupt``: the cell is being
@@ -49,6 +57,7 @@ rank -> controller (every header also has rank and identity)
                status: pid, device, rss_bytes, memory_bytes (memory_reserved_bytes on CUDA),
                layout, busy; stacks: stacks, busy; interrupt: interrupted, deferred
     heartbeat  the rank is alive (its state travels in status and stacks answers)
+    standby    a standby rank's imports are done and it waits for ``go``: pid, host
     input_request  a cell on the rank called ``input()``/``getpass``/pdb: prompt, password, cell;
                the controller asks the notebook's stdin (labelled with the rank) and sends an
                ``input_reply`` with the same id
@@ -70,10 +79,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mnb.units import MIB, format_mib
+from mnb.errors import MessageTooLarge, ProtocolError  # noqa: F401 - defined in mnb.errors; this import path kept
+from mnb.version import __version__
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+"""The wire format's version: every header carries it, the connection file too.  A rank and a
+controller of different versions refuse each other by name (:func:`version_mismatch`) instead of
+failing later on a missing field."""
 
 MAX_MESSAGE_BYTES = 256 * MIB
 """The largest message (header + payload) either side builds or accepts."""
@@ -98,24 +112,17 @@ RANK_TYPES = frozenset({"hello", "stream", "display", "event", "reply", "heartbe
 MESSAGE_TYPES = CONTROLLER_TYPES | RANK_TYPES
 
 
-class ProtocolError(Exception):
-    """A message that is malformed, of an unknown type, or wrongly signed."""
+def version_mismatch(theirs: Any, who: str) -> str | None:
+    """The refusal when ``who`` speaks protocol ``theirs`` and this side :data:`PROTOCOL_VERSION`;
+    ``None`` when they agree.  The one wording both sides use."""
+    if theirs == PROTOCOL_VERSION:
+        return None
+    spoken = "no protocol version" if theirs is None else f"protocol version {theirs}"
+    return (f"{who} speaks {spoken}, this side (mnb {__version__}) speaks protocol version "
+            f"{PROTOCOL_VERSION}: install the same mnb version on every host of the pool")
 
 
-class MessageTooLarge(ProtocolError):
-    """A message that would exceed :data:`MAX_MESSAGE_BYTES`; it was never sent."""
 
-    def __init__(self, kind: str, size_bytes: int, limit_bytes: int = MAX_MESSAGE_BYTES):
-        self.kind = kind
-        self.size_bytes = size_bytes
-        self.limit_bytes = limit_bytes
-        super().__init__(
-            f"a {kind} message would be {format_mib(size_bytes)}, over the {format_mib(limit_bytes)} "
-            "limit of one message; send less at once (e.g. pull a slice or a summary of the value)"
-        )
-
-    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
-        return type(self), (self.kind, self.size_bytes, self.limit_bytes), dict(self.__dict__)
 
 
 @dataclass
@@ -169,10 +176,10 @@ class Signer:
         header_bytes = json.dumps(header, separators=(",", ":"), default=str).encode()
         room = MAX_MESSAGE_BYTES - len(header_bytes)
         if room < 0:
-            raise MessageTooLarge(message.type, len(header_bytes))
+            raise MessageTooLarge(message.type, len(header_bytes), MAX_MESSAGE_BYTES)
         payload, size = (b"", 0) if message.payload is None else _pickle_within(message.payload, room)
         if payload is None:  # over the limit: measured without keeping the bytes
-            raise MessageTooLarge(message.type, len(header_bytes) + size)
+            raise MessageTooLarge(message.type, len(header_bytes) + size, MAX_MESSAGE_BYTES)
         return [self.sign(header_bytes, payload), header_bytes, payload]
 
     def decode(self, frames: list[bytes]) -> Message:
@@ -189,7 +196,11 @@ class Signer:
         if kind not in MESSAGE_TYPES:
             raise ProtocolError(f"unknown message type {kind!r}")
         msg_id = header.pop("id", "")
-        header.pop("v", None)
+        version = header.pop("v", None)
+        if version != PROTOCOL_VERSION:
+            if kind != "hello":  # only a hello is read across versions, to be refused by name
+                raise ProtocolError(version_mismatch(version, f"a {kind!r} message"))
+            header["protocol_version"] = version
         try:
             value = self._loads(payload) if payload else None
         except Exception as exc:  # signed, so its sender is ours: deliver it, saying why it is empty
@@ -253,6 +264,8 @@ class ConnectionInfo:
     controller_started: float | None = None
     """The controller process's start time (``psutil.Process().create_time()``), so a
     rank on the same host can tell its controller from a later process with the same PID."""
+    protocol_version: int | None = PROTOCOL_VERSION
+    """The controller's :data:`PROTOCOL_VERSION` (as the file says; a rank checks it before it joins)."""
     path: str | None = field(default=None, compare=False)
     """Where :meth:`read` found this file (ranks remove it when their controller is gone)."""
 
@@ -267,7 +280,7 @@ class ConnectionInfo:
             "controller_pid": self.controller_pid,
             "controller_host": self.controller_host,
             "controller_started": self.controller_started,
-            "protocol_version": PROTOCOL_VERSION,
+            "protocol_version": self.protocol_version,
         }
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -293,5 +306,6 @@ class ConnectionInfo:
             controller_pid=data.get("controller_pid"),
             controller_host=data.get("controller_host"),
             controller_started=data.get("controller_started"),
+            protocol_version=data.get("protocol_version"),
             path=str(path),
         )

@@ -35,6 +35,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from mnb.errors import PushRefused, ValueDecodeError
+
 PROTOCOL = 5
 MAX_DEPTH = 8
 """Containers deeper than this are checked as one value (and become Unportable if they hold tensors)."""
@@ -299,18 +301,7 @@ def encode_values(values: dict[str, Any]) -> dict[str, bytes]:
     return encoded
 
 
-class ValueDecodeError(ValueError):
-    """Pulled values the notebook kernel could not rebuild.
 
-    ``problems``: {name: why} for those; ``decoded``: {name: value} for the others.
-    """
-
-    def __init__(self, problems: dict[str, str], decoded: dict[str, Any]):
-        self.problems, self.decoded = problems, decoded
-        super().__init__("; ".join(f"{name}: {why}" for name, why in problems.items()))
-
-    def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)
-        return type(self), (self.problems, self.decoded), dict(self.__dict__)
 
 
 def decode_values(encoded: dict[str, bytes]) -> dict[str, Any]:
@@ -341,13 +332,6 @@ class _ToRanksPickler(pickle.Pickler):
             raise pickle.PicklingError(f"{kind} {obj.__qualname__} is defined in the notebook, "
                                        "whose namespace the ranks do not share")
         return NotImplemented
-
-
-class PushRefused(TypeError):
-    """A push the ranks could not rebuild, refused before anything was sent; shown as its message alone."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[31mTypeError: {str(self).splitlines()[0]}\x1b[0m", *str(self).splitlines()[1:]]
 
 
 def encode_push(namespace: dict[str, Any]) -> dict[str, bytes]:

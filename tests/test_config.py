@@ -215,3 +215,27 @@ def test_rules_stated_once():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['hiden_size'\]"):
         model_config({"num_layers": 3, "hiden_size": 64})
     assert ModelConfig.from_dict(load_preset("tiny").to_dict()) == load_preset("tiny")
+
+
+def test_every_config_field_is_documented_and_docs_config_md_is_generated_from_it():
+    """Each field of ParallelConfig/ModelConfig/TrainConfig says what it means (every Literal choice
+    named), and docs/config.md is exactly what its docstrings generate."""
+    from mnb import config_reference
+
+    assert config_reference.undocumented() == []
+    assert config_reference.DOC_PATH.read_text() == config_reference.markdown(), \
+        "docs/config.md is stale: run python -m mnb.config_reference --write"
+
+
+def test_a_field_without_a_docstring_is_found():
+    import dataclasses
+
+    from mnb import config_reference
+
+    @dataclasses.dataclass
+    class Example:
+        documented: int = 1
+        """Says what it is."""
+        bare: str = "x"
+
+    assert config_reference.field_docs(Example) == {"documented": "Says what it is."}

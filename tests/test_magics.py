@@ -257,6 +257,9 @@ def _first_training_cell_output(shell, capsys, start_flags: str) -> tuple[str, s
         # tp2 with sequence parallelism: its collectives raise torch's deprecation notices too
         shell.run_cell_magic("megatron", "--tp 2 --sp", FIRST_TRAINING_CELL)
         captured = capsys.readouterr()
+        run = __import__("mnb").last_run
+        # the cell trained (so "no warning in the cell" is about a cell that did the work)
+        assert run.steps == [1] and run.losses[0] is not None and run.losses[0] > 0, run
         log = pool.spec.log_file.read_text()
     finally:
         shell.run_line_magic("mnb", "stop")
@@ -268,7 +271,6 @@ def _first_training_cell_output(shell, capsys, start_flags: str) -> tuple[str, s
 def test_known_third_party_warnings_go_to_the_pool_log_not_the_cell(shell, capsys):
     """Megatron's import notices and torch's checkpoint warnings: in the log, not in the first training cell."""
     out, log = _first_training_cell_output(shell, capsys, "")
-    assert "step 1/1" in out or "loss" in out, out
     assert "Warning" not in out, out  # neither UserWarning nor FutureWarning
     assert "UserWarning" in log and "to the log" in log, log[-3000:]  # e.g. "full scope is deprecated"
 

@@ -27,7 +27,7 @@ from mnb.controller.output import coords_label
 from mnb.controller.start_timings import Stage, format_stages, rank_stages
 from mnb.controller.transport import Transport
 from mnb.errors import PoolError
-from mnb.protocol import ConnectionInfo, new_key
+from mnb.protocol import ConnectionInfo, Message, new_key, version_mismatch
 from mnb.timeouts import REMOTE_RANK_SILENCE_S, TEARDOWN_GRACE_S
 
 
@@ -130,6 +130,15 @@ def launch(
     return Generation(transport, launcher, ranks, time.perf_counter() - t0, timings)
 
 
+def hello_refusal(message: Message) -> str | None:
+    """Why a hello cannot join this pool: a rank of another protocol version (an older or newer mnb on a
+    hand-joined host), named with both versions; ``None`` for a hello of this version."""
+    if "protocol_version" not in message.header:  # decode() adds it only where the versions differ
+        return None
+    return version_mismatch(message["protocol_version"],
+                            f"rank {message.get('rank')} on {message.get('host', 'an unknown host')}")
+
+
 def _await_hellos(spec: LaunchSpec, transport: Transport, launcher: Launcher, launched_at: float, timeout_s: float,
                   cancelled: threading.Event, on_hello: Callable[[RankInfo], None]
                   ) -> tuple[dict[int, RankInfo], str | None]:
@@ -153,6 +162,9 @@ def _await_hellos(spec: LaunchSpec, transport: Transport, launcher: Launcher, la
             continue
         if message.type != "hello":
             continue
+        refusal = hello_refusal(message)
+        if refusal:
+            raise PoolError(refusal)
         if message.get("failed"):
             raise PoolError(f"rank {message['rank']} failed to start: {message.get('ename')}: "
                             f"{message.get('evalue')}\n" + message.get("traceback", ""))

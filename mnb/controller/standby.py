@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import psutil
 
-from mnb.controller.generation import Generation, RankInfo, _await_hellos
+from mnb.controller.generation import Generation, RankInfo, _await_hellos, hello_refusal
 from mnb.controller.launcher import LaunchSpec, Launcher, reachable_address
 from mnb.controller.transport import Transport
 from mnb.errors import PoolError
@@ -164,6 +164,9 @@ class Standby:
                 if message.type == "standby":
                     self.pids[message["rank"]] = message["pid"]
                     self.launcher.adopt(message["rank"], message["pid"], message["host"] == socket.gethostname())
+                elif message.type == "hello" and hello_refusal(message):
+                    self.state = f"failed: {hello_refusal(message)}"
+                    return
                 elif message.type == "hello" and message.get("failed"):
                     self.state = f"failed: {message.get('ename')}: {message.get('evalue')}"
                     return

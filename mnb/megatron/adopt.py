@@ -34,11 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from mnb.errors import ScriptGroupError
+
 logger = logging.getLogger(__name__)
-
-
-class ScriptGroupError(ValueError):
-    """The script asked for a process group the pool cannot give it."""
 
 
 class _Adoption:

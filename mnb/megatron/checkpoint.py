@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mnb.errors import DamagedCheckpointError
 from mnb.megatron import schedule
 from mnb.results import LoadResult
 from mnb.megatron.checkpoint_fixes import cuda_calls_on_cpu, init_empty_optimizer_state, torch_adam_step_fixes
@@ -105,11 +106,10 @@ def _layout() -> dict[str, Any]:
 
 
 def _current_model():
-    """``mnb.megatron.model.current_model()`` if model.py keeps one, else a clear error."""
-    from mnb.megatron import model as model_module
+    """The model the last ``mnb.gpt``/``mnb.from_hf`` built on this rank, else a clear error."""
+    from mnb.megatron.model import current_model
 
-    getter = getattr(model_module, "current_model", None)
-    found = getter() if callable(getter) else None
+    found = current_model()
     if found is None:
         raise ValueError("no model given: pass the model, e.g. mnb.save(path, model)")
     return found
@@ -205,10 +205,6 @@ def read_meta(path: str | os.PathLike) -> dict | None:
 
 def _complete(path: Path) -> bool:
     return read_meta(path) is not None and (path / MEGATRON_META_FILE).is_file()
-
-
-class DamagedCheckpointError(ValueError):
-    """A checkpoint folder whose ``mnb.json`` or ``metadata.json`` is missing, truncated or wrong."""
 
 
 def _damaged(folder: Path, name: str, problem: str) -> DamagedCheckpointError:
@@ -430,12 +426,8 @@ def _ensure_optimizer(model, meta: dict):
     saved = meta.get("optimizer_config")
     if getattr(model, "optimizer", None) is not None or not saved or not hasattr(model, "wrapped"):
         return getattr(model, "optimizer", None)
-    try:
-        from mnb.config import TrainConfig
-        from mnb.megatron.train import _prepare
-    except ImportError:
-        logger.warning("mnb.megatron.train unavailable: loading weights without optimizer state")
-        return None
+    from mnb.config import TrainConfig
+    from mnb.megatron.train import _prepare  # only when a checkpoint's optimizer state needs building
     fields = {k: saved[k] for k in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
                                     "clip_grad", "use_distributed_optimizer") if saved.get(k) is not None}
     _prepare(model, TrainConfig(bf16=bool(saved.get("bf16")), **fields))

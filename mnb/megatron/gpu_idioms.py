@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 import torch
 
+from mnb.errors import CudaStreamError
 from mnb.megatron import cpu
 
 _LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in (
@@ -76,10 +77,6 @@ def _user_caller(depth: int = 2) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _is_user_file(filename: str) -> bool:
     return not filename.startswith("<frozen") and not os.path.realpath(filename).startswith(_LIBRARY_ROOTS)
-
-
-class CudaStreamError(RuntimeError):
-    """A CUDA-only feature a CPU rank cannot honour."""
 
 
 class _TimingEvent:

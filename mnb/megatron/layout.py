@@ -67,14 +67,20 @@ def _same_groups(a: ParallelConfig, b: ParallelConfig) -> bool:
     )
 
 
-def _call_filtered(fn, **kwargs):
-    """Call fn with the keyword arguments its signature accepts (0.16 vs 0.19 differences)."""
+def _call_megatron(fn, **kwargs):
+    """Call Megatron's ``fn`` with every keyword argument, refusing by name one it does not take.
+
+    Dropping an unaccepted argument would change what runs without a word (an unaccepted
+    ``expert_model_parallel_size`` would be ep=1), so a megatron-core outside the supported range
+    fails here, before any group is built, naming the argument and the version."""
     params = inspect.signature(fn).parameters
-    accepted = {k: v for k, v in kwargs.items() if k in params}
-    dropped = sorted(set(kwargs) - set(accepted))
-    if dropped:
-        logger.debug("%s does not take %s in this megatron-core", fn.__name__, dropped)
-    return fn(**accepted)
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        from importlib.metadata import version
+
+        raise TypeError(f"{fn.__module__}.{fn.__qualname__} of megatron-core {version('megatron-core')} takes no "
+                        f"{', '.join(unknown)}: mnb supports megatron-core>=0.16,<0.20")
+    return fn(**kwargs)
 
 
 _before_change: list = []
@@ -148,7 +154,7 @@ def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
             callback(now, resolved)
         ps.destroy_model_parallel()
     with _reuse_groups():
-        _call_filtered(
+        _call_megatron(
             ps.initialize_model_parallel,
             tensor_model_parallel_size=resolved.tp,
             pipeline_model_parallel_size=resolved.pp,
@@ -175,7 +181,7 @@ def seed_ranks(seed: int) -> None:
     from mnb.megatron import cpu
 
     torch.manual_seed(seed)
-    _call_filtered(
+    _call_megatron(
         tensor_parallel.model_parallel_cuda_manual_seed,
         seed=seed,
         # On CPU the tracker cannot swap CUDA generator states; the inference

@@ -75,7 +75,6 @@ def start(rank: Any) -> None:
         kwargs["device_id"] = rank.device
     with clock.stage(f"process group ({backend})"):
         dist.init_process_group(**kwargs)
-    rank.backend = backend
     if megatron_import is not None:
         megatron_import.result()
 
@@ -89,7 +88,6 @@ def start(rank: Any) -> None:
         autorecord.install()  # a cell's or script's own get_forward_backward_func calls are measured
     rank.layout = layout.current_layout().as_dict()
     events.set_sink(rank.send_event)
-    rank.cell_id = None
 
     import mnb
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from mnb.worker.startup import StartClock  # first: its import time is when the rank's own code began
 from mnb.worker import sandbox  # noqa: F401  (second: it records the rank's original sys.path)
-from mnb.protocol import ConnectionInfo, Message
+from mnb.protocol import ConnectionInfo, Message, ProtocolError, version_mismatch
 from mnb.worker import boot, debugging, stdin
 from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures
 from mnb.worker.channel import Channel
@@ -51,6 +51,8 @@ class Rank:
         self.device_kind = device_kind
         self.channel = Channel(info, self.rank, status_fn=self.status, deferring_fn=_interrupts_deferred,
                                collectives_fn=_collectives_snapshot)
+        self.device: Any = None
+        """``torch.device`` of this rank, set by :func:`boot.start` (torch is not imported before then)."""
         self.layout: dict[str, Any] | None = None
         self.namespace: dict[str, Any] = {"__name__": "__mnb__"}
         self.stdout = RankStream("stdout", self.channel, self.rank, sys.__stdout__)
@@ -74,9 +76,9 @@ class Rank:
         import psutil
         import torch
 
-        info: dict[str, Any] = {"pid": os.getpid(), "device": str(getattr(self, "device", "?"))}
+        info: dict[str, Any] = {"pid": os.getpid(), "device": str(self.device or "?")}
         info["rss_bytes"] = psutil.Process().memory_info().rss
-        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+        if self.device is not None and self.device.type == "cuda":
             info["memory_bytes"] = torch.cuda.memory_allocated(self.device)
             info["memory_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         else:
@@ -272,8 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     boot.die_with_parent()
     record_fatal_stacks(int(os.environ.get("RANK", "0")))
-    rank = Rank(ConnectionInfo.read(args.connect), args.device)
+    info = ConnectionInfo.read(args.connect)
+    rank = Rank(info, args.device)
     try:
+        mismatch = version_mismatch(info.protocol_version, f"the controller that wrote {args.connect}")
+        if mismatch:
+            raise ProtocolError(mismatch)
         rank.start()
     except BaseException as exc:
         outcome = describe_exception(exc)

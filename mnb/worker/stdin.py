@@ -31,11 +31,8 @@ import threading
 import uuid
 from typing import Any, Iterator
 
+from mnb.errors import NoStdinError
 from mnb.protocol import Message
-
-
-class NoStdinError(RuntimeError):
-    """The notebook's front-end cannot answer ``input()`` (nbclient, ``allow_stdin=False``)."""
 
 
 class _Reader:

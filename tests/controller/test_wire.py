@@ -237,6 +237,57 @@ def test_a_restarted_rank_moves_its_route_with_hello(wire):
     assert old.inbox.empty()
 
 
+# ------------------------------------------------------------------ protocol versions
+
+NEWER_RANK = textwrap.dedent("""
+    import sys
+    import mnb.protocol
+    mnb.protocol.PROTOCOL_VERSION += 1   # this process plays a rank of a newer mnb
+    from mnb.worker.main import main
+    main(["--connect", sys.argv[1]])
+""")
+
+
+def test_a_rank_of_another_protocol_version_is_refused_by_name(wire, tmp_path):
+    """A hand-joined host with another mnb: the rank refuses to join and the controller names both versions;
+    an old rank (no check of its own) is refused by the controller from its hello alone."""
+    from mnb.controller.generation import hello_refusal
+    from mnb.protocol import PROTOCOL_VERSION
+
+    transport, key, channel = wire
+    connection_file = connection(transport.address, key).write(tmp_path / "pool.json")
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    newer = subprocess.run([sys.executable, "-c", NEWER_RANK, str(connection_file)], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert newer.returncode != 0
+    hello = transport.get(timeout=30)
+    assert hello.type == "hello" and hello["failed"] and hello["rank"] == 1
+    assert hello["protocol_version"] == PROTOCOL_VERSION + 1
+    refusal = hello_refusal(hello)
+    assert f"rank 1 on {socket.gethostname()} speaks protocol version {PROTOCOL_VERSION + 1}" in refusal
+    assert f"speaks protocol version {PROTOCOL_VERSION}: install the same mnb version" in refusal
+    # the rank said why too, in its own words (its stderr, and the failed hello's error)
+    assert f"speaks protocol version {PROTOCOL_VERSION}, this side" in hello["evalue"]
+    assert "ProtocolError" in newer.stderr
+
+    import mnb.protocol
+
+    older = channel(0)
+    saved = mnb.protocol.PROTOCOL_VERSION
+    mnb.protocol.PROTOCOL_VERSION = saved - 1  # the channel signs as an older mnb would
+    try:
+        older.send(Message("hello", header={"pid": os.getpid(), "host": "node-b"}))
+        older.send(Message("event", header={"text": "from an older rank"}))
+    finally:
+        mnb.protocol.PROTOCOL_VERSION = saved
+    older.send(Message("event", header={"text": "this version's"}))  # arrives after the older one
+    hello = transport.get(timeout=30)
+    assert hello_refusal(hello).startswith(f"rank 0 on node-b speaks protocol version {saved - 1}, this side")
+    # the older event was dropped, not delivered: the next message the notebook sees is this version's
+    assert transport.get(timeout=30)["text"] == "this version's"
+    assert hello_refusal(Message("hello", header={"rank": 0})) is None  # this version joins
+
+
 # ------------------------------------------------------------------ size limit
 
 SENDER = textwrap.dedent("""

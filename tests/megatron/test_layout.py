@@ -22,6 +22,16 @@ def test_apply_layout_needs_torch_distributed():
         layout.apply_layout(ParallelConfig())
 
 
+def test_a_megatron_argument_this_version_lacks_is_refused_by_name_not_dropped():
+    """An unaccepted ``expert_model_parallel_size`` must not silently become ep=1."""
+    from megatron.core import parallel_state
+
+    with pytest.raises(TypeError, match=r"initialize_model_parallel of megatron-core \S+ takes no "
+                                        r"expert_parallel_degree: mnb supports megatron-core>=0.16"):
+        layout._call_megatron(parallel_state.initialize_model_parallel, tensor_model_parallel_size=1,
+                              expert_parallel_degree=2)
+
+
 def test_gpt_without_layout_says_what_to_do():
     from mnb.megatron.model import gpt
 

@@ -24,13 +24,11 @@ def test_loss_matches_single_rank(world1, world2, name):
     preset = WORLD2_LAYOUTS[name][0]
     reference = torch.tensor(ok(world1[f"ref-{preset}"]), dtype=torch.float64)
     assert len(reference) == 10
+    # every rank, also a first pipeline stage that computes no loss itself, reports the reference's
+    # (this is the claim "the loss is reported on every rank": comparing ranks with each other after
+    # the loss was all-reduced would be equal by construction)
     for rank in world2:
         torch.testing.assert_close(_losses(rank[name]), reference, rtol=RTOL, atol=0)
-
-
-def test_loss_is_reported_on_every_rank(world2):
-    for name in WORLD2_LAYOUTS:
-        torch.testing.assert_close(_losses(world2[0][name]), _losses(world2[1][name]), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
