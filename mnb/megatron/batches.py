@@ -92,11 +92,12 @@ class EpochSamples:
 
 
 def build_dataset(data: str, model_config, seq_length: int, num_samples: int, seed: int, *,
-                  tokenizer=None):
+                  tokenizer):
     """``mnb.megatron.data.dataset_for`` (mock, corpus presets, text folders, .bin/.idx).
 
-    Text is tokenized with ``tokenizer`` (None: mnb's byte tokenizer).  Reading a model's data,
-    call :func:`samples`, which passes the model's own tokenizer.
+    Text is tokenized with ``tokenizer`` (None: mnb's byte tokenizer), which has no default: a
+    caller that forgot it read a checkpoint's text as bytes.  Reading a model's data, call
+    :func:`samples`, which passes the model's own.
     """
     try:
         from mnb.megatron.data import dataset_for

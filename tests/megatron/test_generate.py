@@ -140,7 +140,7 @@ def test_evaluate_equals_the_loss_the_logits_imply_and_train_records_it(cpu_pool
     implied = """
 import torch
 from mnb.megatron.batches import build_dataset
-data = build_dataset('stdlib', model.config, model.config.seq_length, 4, 1234)
+data = build_dataset('stdlib', model.config, model.config.seq_length, 4, 1234, tokenizer=model.tokenizer)
 tokens = torch.stack([torch.as_tensor(data[i]['tokens']) for i in range(4)])
 labels = torch.stack([torch.as_tensor(data[i]['labels']) for i in range(4)])
 mask = torch.stack([torch.as_tensor(data[i]['loss_mask']) for i in range(4)]).float()
