@@ -48,9 +48,22 @@ class BatchPlan:
 
     def dataset(self, tc, model) -> "EpochSamples":
         """The run's samples, numbered independently of its length (built collectively on all ranks)."""
-        first_epoch = build_dataset(tc.data, model.config, model.config.seq_length, 1, tc.seed,
-                                    tokenizer=getattr(model, "tokenizer", None))
-        return EpochSamples(first_epoch, tc.seed)
+        return samples(model, tc.data, tc.seed)
+
+
+def samples(model, data: str, seed: int) -> "EpochSamples":
+    """The samples of ``data`` as ``model`` reads them: the one place training and evaluation get data.
+
+    Sequences of the model's ``seq_length``; text through the model's own tokenizer
+    (``model.tokenizer``: a Hugging Face checkpoint's, or None for mnb's byte tokenizer);
+    sample ``k`` independent of how many are read (:class:`EpochSamples`).  ``mnb.train`` reads
+    ``data`` with ``seed`` from its ``consumed_samples`` on; ``mnb.evaluate`` reads the first
+    samples with its fixed seed, so the same text and seed give both the same tokens.  A
+    collective (Megatron builds its sample indices on global rank 0): call it on every rank.
+    """
+    first_epoch = build_dataset(data, model.config, model.config.seq_length, 1, seed,
+                                tokenizer=getattr(model, "tokenizer", None))
+    return EpochSamples(first_epoch, seed)
 
 
 class EpochSamples:
@@ -79,11 +92,12 @@ class EpochSamples:
 
 
 def build_dataset(data: str, model_config, seq_length: int, num_samples: int, seed: int, *,
-                  tokenizer=None):
+                  tokenizer):
     """``mnb.megatron.data.dataset_for`` (mock, corpus presets, text folders, .bin/.idx).
 
-    Text is tokenized with ``tokenizer`` (the model's own, e.g. a Hugging Face checkpoint's;
-    None: mnb's byte tokenizer).
+    Text is tokenized with ``tokenizer`` (None: mnb's byte tokenizer), which has no default: a
+    caller that forgot it read a checkpoint's text as bytes.  Reading a model's data, call
+    :func:`samples`, which passes the model's own.
     """
     try:
         from mnb.megatron.data import dataset_for

@@ -15,8 +15,11 @@ The forward is Megatron's own schedule with ``forward_only=True`` (1F1B or inter
 pp/vpp, cp chunks as in training), in eval mode and without autograd.  It reads the first
 ``batches * micro_batch_size * dp`` samples of ``data`` (samples are split over dp ranks as
 training splits them), so every evaluation of one model sees the same tokens and its losses
-can be compared over a run.  ``loss`` is the mean per-token loss over all of them (a sum over
-tokens, not a mean of batch means), ``perplexity`` its exponential, ``tokens`` their number.
+can be compared over a run.  The samples come from training's own reader
+(:func:`mnb.megatron.batches.samples`): text through the model's tokenizer (a Hugging Face
+checkpoint's own), and the same tokens ``mnb.train`` reads from the same data with seed 1234.
+``loss`` is the mean per-token loss over all of them (a sum over tokens, not a mean of batch
+means), ``perplexity`` its exponential, ``tokens`` their number.
 """
 
 from __future__ import annotations
@@ -71,13 +74,13 @@ def run_evaluation(model: MegatronModel, data: str, batches: int, micro_batch_si
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mnb.megatron.batches import BatchPlan, build_dataset, microbatch_iterators
+    from mnb.megatron.batches import BatchPlan, microbatch_iterators, samples
 
     device = device_of()
     plan = BatchPlan(start_sample=0, micro_batch_size=micro_batch_size, num_microbatches=batches,
                      dp=model.parallel.dp, dp_rank=ps.get_data_parallel_rank())
     seq = model.config.seq_length
-    dataset = build_dataset(data, model.config, seq, plan.global_batch_size, EVAL_SEED)
+    dataset = samples(model, data, EVAL_SEED)  # training's reader: the model's tokenizer, its seq_length
     config = model.transformer_config
     timers, config.timers = config.timers, None  # a training's timeline records training only
     modes = [module.training for module in model.modules]

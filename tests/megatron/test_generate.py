@@ -6,7 +6,8 @@ Greedy continuations of a batch of prompts of different lengths equal a no-cache
 (a whole-sequence forward per token) under dp2, tp2, tp2+sp, pp2 and pp2+vpp2, and after a
 live re-layout of a trained model (save under tp2, load under pp2); sampling repeats by seed;
 stop strings; an interrupt stops every rank at the same token; a cell that runs an asyncio
-loop; evaluation equals the loss ``mnb.logits`` implies and is recorded by ``eval_every``;
+loop; evaluation equals the loss ``mnb.logits`` implies and is recorded by ``eval_every``, also
+for a Hugging Face checkpoint whose BPE tokenizer reads the text (under dp2 and tp2);
 greedy continuations of tiny random Hugging Face checkpoints (Llama, Qwen2, GPT-2, Mixtral)
 equal transformers' ``generate(do_sample=False)`` under dp2, tp2, pp2 and (Mixtral) ep2 and tp2+sp.
 Both CI legs (megatron-core 0.16 and 0.19).
@@ -139,7 +140,7 @@ def test_evaluate_equals_the_loss_the_logits_imply_and_train_records_it(cpu_pool
     implied = """
 import torch
 from mnb.megatron.batches import build_dataset
-data = build_dataset('stdlib', model.config, model.config.seq_length, 4, 1234)
+data = build_dataset('stdlib', model.config, model.config.seq_length, 4, 1234, tokenizer=model.tokenizer)
 tokens = torch.stack([torch.as_tensor(data[i]['tokens']) for i in range(4)])
 labels = torch.stack([torch.as_tensor(data[i]['labels']) for i in range(4)])
 mask = torch.stack([torch.as_tensor(data[i]['loss_mask']) for i in range(4)]).float()
@@ -180,6 +181,76 @@ nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.fl
     # a later call carries the settings earlier calls named (eval_data too): a fresh model has none
     with pytest.raises(Exception, match="eval_every=2 needs eval_data"):
         cpu_pool.run("fresh = mnb.gpt('tiny', vocab_size=300)\nmnb.train(fresh, steps=2, eval_every=2)", quiet=True)
+
+
+IMPLIED_ON_TEXT = """
+import torch
+from mnb.megatron.data import dataset_for
+_ds = dataset_for({text!r}, model.config, model.config.seq_length, 1, 1234, tokenizer=model.tokenizer)
+assert len(_ds) >= 4, len(_ds)  # one epoch: the first samples of any sample count
+_tokens = torch.stack([torch.as_tensor(_ds[i]['tokens']) for i in range(4)])
+_labels = torch.stack([torch.as_tensor(_ds[i]['labels']) for i in range(4)])
+_mask = torch.stack([torch.as_tensor(_ds[i]['loss_mask']) for i in range(4)]).float().flatten()
+_logits = mnb.logits(model, _tokens)
+_nll = torch.nn.functional.cross_entropy(_logits.flatten(0, 1).double(), _labels.flatten(), reduction='none')
+(float((_nll * _mask).sum() / _mask.sum()), int(_mask.sum()), _tokens.tolist())
+"""
+
+
+@pytest.fixture(scope="module")
+def hf_llama_with_bpe(tmp_path_factory):
+    """A tiny random Llama with a 300-id byte-level BPE trained here, and a text folder."""
+    import shutil
+
+    from hf_tokenizers import PARAGRAPH, llama_style
+    from test_hf import _build
+
+    root = tmp_path_factory.mktemp("hf-evaluate")
+    folder = root / "llama"
+    _build(folder, "llama")
+    tokenizer = llama_style(root / "tokenizer", vocab_size=300)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    text = root / "text"
+    text.mkdir()
+    (text / "paragraph.txt").write_text(PARAGRAPH * 40, encoding="utf-8")
+    return str(folder), str(text)
+
+
+def _is_run_of(row: list[int], stream: list[int]) -> bool:
+    return any(stream[i:i + len(row)] == row for i in range(len(stream) - len(row) + 1))
+
+
+def test_evaluate_of_a_hf_model_reads_text_through_its_tokenizer(cpu_pool, hf_llama_with_bpe):
+    """mnb.evaluate and mnb.train(eval_data=...) read text as training does: through the checkpoint's
+    tokenizer (not mnb's byte tokenizer, whose ids fit any real vocabulary, so nothing complained)."""
+    from transformers import AutoTokenizer
+
+    folder, text = hf_llama_with_bpe
+    load = f"model = mnb.from_hf({folder!r}, seq_length=32)"
+    implied = IMPLIED_ON_TEXT.format(text=text)
+    cpu_pool.run(load, quiet=True)  # 1 rank (dp2): each rank holds the whole model
+    loss, tokens, rows = same_on_every_rank(cpu_pool.run(implied, quiet=True))
+    # The reference tokens are the checkpoint tokenizer's: runs of transformers' encoding of the document.
+    hf = AutoTokenizer.from_pretrained(folder)
+    with open(f"{text}/paragraph.txt", encoding="utf-8") as f:
+        document = hf(f.read()).input_ids + [hf.eos_token_id]  # BOS from its post-processor, mnb's eod
+    assert all(_is_run_of(row, document * 2) for row in rows), rows
+    one_rank = same_on_every_rank(cpu_pool.run(
+        "mnb.evaluate(model, data=" + repr(text) + ", batches=1, micro_batch_size=2)", quiet=True))
+    assert one_rank["tokens"] == tokens
+    assert one_rank["loss"] == pytest.approx(loss, rel=1e-5)
+    cpu_pool.run(load, layout=ParallelConfig(tp=2), quiet=True)  # a re-layout of the same pool
+    under_tp = same_on_every_rank(cpu_pool.run(
+        "mnb.evaluate(model, data=" + repr(text) + ", batches=2, micro_batch_size=2)", quiet=True))
+    assert under_tp["tokens"] == tokens and under_tp["loss"] == pytest.approx(loss, rel=1e-5)
+    # Evaluation while training reads the same tokens: the last one is the trained model's implied loss.
+    cpu_pool.run("mnb.train(model, steps=2, micro_batch_size=2, global_batch_size=4, data=" + repr(text) + ",\n"
+                 "          lr=3e-3, eval_data=" + repr(text) + ", eval_every=2, eval_batches=2)", quiet=True)
+    evals = mnb.last_run.eval_losses
+    trained, trained_tokens, trained_rows = same_on_every_rank(cpu_pool.run(implied, quiet=True))
+    assert trained_rows == rows and trained != pytest.approx(loss, rel=1e-3)
+    assert evals[0] is None and evals[1] == pytest.approx(trained, rel=1e-5), (evals, trained)
 
 
 def test_bad_arguments_are_refused_before_any_collective(cpu_pool):
