@@ -22,7 +22,8 @@ nothing.
 Message types (``header["type"]``) and the fields each carries (header fields, then payload):
 
 controller -> rank
-    execute    run a cell: code, display_ranks, want_value, show_result; layout (a ParallelConfig
+    execute    run a cell: number (the cell's ``<cell-N>``: the controller counts, every rank shows the
+               same), code (none: only the layout), display_ranks, want_value, show_result; layout (a ParallelConfig
                dict) when the cell changes it; script {path, args} and ranks for ``%mnb run``;
                after_script to rebuild the pool's layout after one
     push       bind names: encoded; payload {name: pickle of its value} (``values.encode_push``)
