@@ -147,6 +147,9 @@ class Rank:
         from mnb.megatron import events, layout
 
         outcome = None
+        counting = sys.modules.get("mnb.megatron.collectives")
+        if counting is not None:  # collective numbers in hang reports count from the start of this cell
+            counting.begin_cell()
         kernel = message.get("kernel") or {}  # the notebook's cwd and environment changes
         sandbox.apply_environ(kernel.get("environ") if not message.get("script") else None)
         requested = message.get("layout")
