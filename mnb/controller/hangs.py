@@ -126,7 +126,8 @@ def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[st
     ahead = [r for r in members if position[r] == high]
     if all(r in raised for r in behind):  # they ended the cell with an exception: nothing was skipped
         waits = "waits" if len(ahead) == 1 else "wait"
-        after = f"after {op[behind[0]]} #{low}" if low else f"before {'its' if len(behind) == 1 else 'their'} first call on it"
+        their = "its" if len(behind) == 1 else "their"
+        after = f"after {op[behind[0]]} #{low}" if low else f"before {their} first call on it"
         return f"{_who(ahead)} {waits} in {op[ahead[0]]} #{high} of {name}; {_raised(behind, raised)} {after}"
     missing = high - low
     one = "one" if missing == 1 else str(missing)
