@@ -25,12 +25,13 @@ is dropped, except a ``hello``, which arrives with ``protocol_version`` set so t
 by name (:func:`version_mismatch`).
 
 controller -> rank
-    execute    run a cell: code, display_ranks, want_value, show_result; layout (a ParallelConfig
-               dict) when the cell changes it; kernel (the notebook's cwd and environment changes,
-               ``controller/kernel_context.py``); profile (``%%megatron --profile``: steps, folder,
-               options); debug_ranks (ranks whose ``input()``/pdb reach the notebook); script
-               {path, args} and ranks for ``%mnb run``; after_script to rebuild the pool's layout
-               after one; post_mortem (``%mnb debug``: pdb in the last failed cell's frames)
+    execute    run a cell: number (the cell's ``<cell-N>``: the controller counts, every rank shows the
+               same), code (none: only the layout), display_ranks, want_value, show_result; layout (a
+               ParallelConfig dict) when the cell changes it; kernel (the notebook's cwd and environment
+               changes, ``controller/kernel_context.py``); profile (``%%megatron --profile``: steps,
+               folder, options); debug_ranks (ranks whose ``input()``/pdb reach the notebook); script
+               {path, args} and ranks for ``%mnb run``; after_script to rebuild the pool's layout after
+               one; post_mortem (``%mnb debug``: pdb in the last failed cell's frames)
     push       bind names: encoded; payload {name: pickle of its value} (``values.encode_push``)
     pull       read names: names; the reply's payload is one kernel-safe pickle per name
     status     answered from the rank's I/O thread, also while a cell runs
@@ -84,10 +85,10 @@ from mnb.version import __version__
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The wire format's version: every header carries it, the connection file too.  A rank and a
 controller of different versions refuse each other by name (:func:`version_mismatch`) instead of
-failing later on a missing field."""
+failing later on a missing field.  2: ``execute`` carries the cell's ``number``."""
 
 MAX_MESSAGE_BYTES = 256 * MIB
 """The largest message (header + payload) either side builds or accepts."""

@@ -372,8 +372,10 @@ class Collector:
                     log.exception("the event handler %r raised on a %r event of rank %s; the request goes on "
                                   "(its later errors in this request are not logged)", handler, kind, rank)
         if kind == "generate" and self.folder is not None:  # mnb.generate(..., stream=True)
-            self.folder.flush()
-            self.generated = self.generated or GeneratedText()
+            if self.generated is None or self.generated.finished:  # a cell's next mnb.generate: its own areas
+                self.generated = GeneratedText()
+            if self.generated.shows_now(payload):  # what this rank printed before comes first; updates in
+                self.folder.flush(rank)            # place, and other ranks' later lines, wait to fold
             self.generated.update(payload)
         if kind == "progress" and not self.event_handlers and not quiet:
             self.progress = self.progress or ProgressLine()

@@ -12,6 +12,11 @@ and a diagnosis across ranks, one line per group that cannot go on::
     rank 0 is in all_reduce, rank 1 in all_gather_into_tensor of tp group [0,1] (#7 on both)
     rank 1 is in recv #5 from rank 0 of pp group [0,1]; rank 0 has sent 4 — rank 0 skipped a send (or rank 1 receives one more)
 
+A rank that ended the cell with an exception did not skip anything: given the ranks that raised
+(``raised``), the line says so::
+
+    rank 0 waits in all_reduce #4 of world group [0,1]; rank 1 raised ValueError after all_reduce #3
+
 Collectives of one group pair up by their order on it (its sequence number), whatever code calls
 them; sends and receives pair up per peer.  So a rank whose count on a group is behind the others'
 skipped a call (or they ran one more), and ranks in calls with the same number but different
@@ -55,8 +60,12 @@ def waiting_in(snapshot: Snapshot | None) -> list[str]:
     return [call_text(call, group) for group in snapshot.get("groups", []) for call in group.get("pending", [])]
 
 
-def diagnose(snapshots: dict[int, Snapshot | None]) -> list[str]:
-    """One line per group whose members cannot all go on, from every answering rank's snapshot."""
+def diagnose(snapshots: dict[int, Snapshot | None], raised: dict[int, str] | None = None) -> list[str]:
+    """One line per group whose members cannot all go on, from every answering rank's snapshot.
+
+    ``raised``: rank -> exception name, for the ranks that ended the cell with an exception (a rank
+    behind the others because it raised is said to have raised, not to have skipped a call)."""
+    raised = raised or {}
     by_rank = {rank: {g["key"]: g for g in (snap or {}).get("groups", [])}
                for rank, snap in snapshots.items() if snap}
     lines: list[str] = []
@@ -67,11 +76,11 @@ def diagnose(snapshots: dict[int, Snapshot | None]) -> list[str]:
                 continue
             if key not in seen:
                 seen.add(key)
-                line = _collective_line(key, group, by_rank)
+                line = _collective_line(key, group, by_rank, raised)
                 if line:
                     lines.append(line)
             for call in group["pending"]:
-                line = _p2p_line(rank, call, key, group, by_rank)
+                line = _p2p_line(rank, call, key, group, by_rank, raised)
                 if line and line not in lines:
                     lines.append(line)
     return lines
@@ -86,7 +95,14 @@ def _who(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(str(r) for r in ranks)}"
 
 
-def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[str, Any]]) -> str:
+def _raised(ranks: list[int], raised: dict[int, str]) -> str:
+    """``rank 1 raised ValueError``, ``ranks 1,3 raised ValueError``, ``ranks 1,3 raised KeyError, ValueError``"""
+    names = sorted({raised[r] for r in ranks})
+    return f"{_who(ranks)} raised {', '.join(names)}"
+
+
+def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[str, Any]],
+                     raised: dict[int, str]) -> str:
     members = [r for r in group.get("ranks", []) if r in by_rank]
     if not any(_first_collective(by_rank[r].get(key)) for r in members):
         return ""
@@ -108,6 +124,11 @@ def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[st
     low, high = values[0], values[-1]
     behind = [r for r in members if position[r] == low]
     ahead = [r for r in members if position[r] == high]
+    if all(r in raised for r in behind):  # they ended the cell with an exception: nothing was skipped
+        waits = "waits" if len(ahead) == 1 else "wait"
+        their = "its" if len(behind) == 1 else "their"
+        after = f"after {op[behind[0]]} #{low}" if low else f"before {their} first call on it"
+        return f"{_who(ahead)} {waits} in {op[ahead[0]]} #{high} of {name}; {_raised(behind, raised)} {after}"
     missing = high - low
     one = "one" if missing == 1 else str(missing)
     verb = "is" if len(behind) == 1 else "are"
@@ -117,7 +138,7 @@ def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[st
 
 
 def _p2p_line(rank: int, call: dict[str, Any], key: str, group: dict[str, Any],
-              by_rank: dict[int, dict[str, Any]]) -> str:
+              by_rank: dict[int, dict[str, Any]], raised: dict[int, str]) -> str:
     op, peer, seq = call.get("op"), call.get("peer"), call.get("seq", 0)
     if op not in ("send", "recv") or peer is None or peer < 0 or peer not in by_rank:
         return ""
@@ -127,11 +148,17 @@ def _p2p_line(rank: int, call: dict[str, Any], key: str, group: dict[str, Any],
         sent = (theirs.get("sent") or {}).get(str(rank), 0)
         if sent >= seq:
             return ""
+        if peer in raised:
+            return (f"rank {rank} is in recv #{seq} from rank {peer} of {name}; "
+                    f"{_raised([peer], raised)} after sending {sent}")
         return (f"rank {rank} is in recv #{seq} from rank {peer} of {name}; rank {peer} has sent {sent} — "
                 f"rank {peer} skipped a send (or rank {rank} receives one more)")
     received = (theirs.get("received") or {}).get(str(rank), 0)
     if received >= seq:
         return ""
+    if peer in raised:
+        return (f"rank {rank} is in send #{seq} to rank {peer} of {name}; "
+                f"{_raised([peer], raised)} after receiving {received}")
     return (f"rank {rank} is in send #{seq} to rank {peer} of {name}; rank {peer} has received {received} — "
             f"a send without a matching recv (rank {peer} skipped a recv, or rank {rank} sends one more)")
 

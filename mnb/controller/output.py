@@ -68,22 +68,27 @@ class LineFolder:
         for name in list(self._pending):
             self._drain(name, now)
 
-    def flush(self) -> None:
-        for (name, rank), rest in list(self._partial.items()):
-            if rest:
-                self._pending.setdefault(name, {r: deque() for r in self.ranks}).setdefault(
-                    rank, deque()
-                ).append((0.0, rest))
-        self._partial.clear()
-        for name in list(self._pending):
-            self._drain(name, float("inf"))
+    def flush(self, rank: int | None = None) -> None:
+        """Write every line still waiting, folded where every rank's copy is there.
 
-    def _drain(self, name: str, now: float) -> None:
+        ``rank``: only as far as that rank's lines go (before something that rank shows, e.g.
+        ``mnb.generate``'s text); the other ranks' lines beyond keep waiting for their copies.
+        """
+        for (name, r), rest in list(self._partial.items()):
+            if rest and (rank is None or r == rank):
+                self._pending.setdefault(name, {q: deque() for q in self.ranks}).setdefault(
+                    r, deque()
+                ).append((0.0, rest))
+                self._partial[(name, r)] = ""
+        for name in list(self._pending):
+            self._drain(name, float("inf"), only=rank)
+
+    def _drain(self, name: str, now: float, only: int | None = None) -> None:
         queues = self._pending[name]
         out: list[str] = []
         while True:
             heads = {r: q[0] for r, q in queues.items() if q}
-            if not heads:
+            if not heads or (only is not None and only not in heads):
                 break
             if len(self.ranks) > 1 and len(heads) == len(self.ranks):
                 texts = {line for _, line in heads.values()}
@@ -94,8 +99,10 @@ class LineFolder:
                 for q in queues.values():
                     q.popleft()
                 continue
-            # Not every rank has spoken: release lines that waited long enough.
+            # Not every rank has spoken: release lines that waited long enough (flush(rank): that rank's).
             expired = [r for r, (t, _) in heads.items() if now - t >= self.fold_window_s or len(self.ranks) == 1]
+            if only is not None:
+                expired = [only]
             if not expired:
                 break
             for r in sorted(expired):
@@ -157,8 +164,21 @@ class GeneratedText:
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._printed = False
+        self.finished = False
+        """The call's final text arrived: a later ``generate`` event is another call's."""
+
+    def shows_now(self, payload: dict[str, Any]) -> bool:
+        """Whether ``payload`` puts something new in the output (a new area, or the printed text).
+
+        Only then must the lines the ranks printed before be written first; an update in place
+        moves nothing, so lines still waiting for the other ranks' copies stay to be folded.
+        """
+        if in_kernel():
+            return len(payload.get("texts") or []) > len(self._handles)
+        return bool(payload.get("final")) and not self._printed
 
     def update(self, payload: dict[str, Any]) -> None:
+        self.finished = self.finished or bool(payload.get("final"))
         texts = [str(t) for t in payload.get("texts") or []]
         if in_kernel():
             from IPython.display import display

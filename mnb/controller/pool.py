@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -128,6 +129,8 @@ class Pool(Requests):
         """``standby=`` as resolved, with what ``auto`` chose and why (the start line says it)."""
         self._owns_workdir = owns_workdir
         self._stray_lines = 0
+        self._cell_numbers = itertools.count(1)
+        """``execute`` requests' numbers (the ranks' ``<cell-N>``), counted here for every rank alike."""
         self.environ_at_start = dict(os.environ)
         """The kernel's environment the ranks inherited (``kernel_context`` sends what changed since)."""
 

@@ -309,7 +309,7 @@ class Repair:
 
     def _restore_layout(self, generation: Generation, layout: ParallelConfig) -> None:
         """Put the new ranks in the layout the pool promised, through the generation's own inbox."""
-        message = Message("execute", header={"code": "None", "layout": layout.as_dict(), "want_value": False})
+        message = Message("execute", header={"layout": layout.as_dict(), "want_value": False})  # no code: no cell
         targets = sorted(generation.ranks)
         collector = Collector(
             generation.transport, message.id, targets,

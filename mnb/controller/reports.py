@@ -74,7 +74,8 @@ def failure_error(errors: list[RankError], outcome: Outcome, targets: list[int],
                for r, where in outcome.waiting.items()}
     if outcome.waiting and not note:
         note = f"rank(s) {sorted(outcome.waiting)} were interrupted; the pool is usable."
-    notes = hangs.diagnose(outcome.collectives) if outcome.waiting else []
+    raised = {e.rank: e.ename for e in errors if e.rank not in outcome.waiting}  # not skipped: they raised
+    notes = hangs.diagnose(outcome.collectives, raised) if outcome.waiting else []
     return CompositeRankError(errors, cell_ranks=targets, waiting=waiting, notes=notes + ([note] if note else []),
                               shown_above=outcome.shown_traceback)
 

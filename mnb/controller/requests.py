@@ -16,7 +16,7 @@ import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from mnb.config import ParallelConfig
 from mnb.controller import reports
@@ -60,6 +60,7 @@ class Requests:
     _repair: Repair
     _transport: Transport | None
     _stray_lines: int
+    _cell_numbers: Iterator[int]
 
     @exclusive
     def run(
@@ -345,6 +346,8 @@ class Requests:
         The ranks that replied are idle again whatever ended the wait; the others stay
         busy (still running it: the next request replaces them rather than queue behind).
         """
+        if kind == "execute":  # one number per cell, the same on every rank (their tracebacks' <cell-N>)
+            header = {**header, "number": next(self._cell_numbers)}
         message = Message(kind, header=header, payload=payload)
         generation = self._repair.generation
         layout = self.layout.as_dict()

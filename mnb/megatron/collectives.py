@@ -17,7 +17,11 @@ Recorder keeps the same facts (``TORCH_FR_BUFFER_SIZE``, set by the pool's launc
 
 :func:`snapshot` is called by the rank's I/O thread (the ``stacks`` answer) while the main thread
 may be inside a collective: it only copies small lists and asks works whether they completed.
-Plain data comes back (``mnb/controller/hangs.py`` reads it on the notebook side)::
+Its numbers count from the start of the rank's current cell or script (:func:`begin_cell`, called by
+the worker as each ``execute`` begins): ``all_reduce #4`` is the cell's fourth on that group, the same
+number on every rank of it, whatever earlier cells ran.  (The Flight Recorder's, on NCCL ranks, count
+from the process group's creation.)  Plain data comes back (``mnb/controller/hangs.py`` reads it on the
+notebook side)::
 
     {"source": "mnb", "groups": [{"key": "3", "name": "tp", "ranks": [0, 1], "calls": 43,
       "last": "all_reduce", "sent": {"1": 4}, "received": {}, "pending": [
@@ -76,7 +80,7 @@ class _Call:
 
 
 class _Group:
-    __slots__ = ("group", "calls", "last", "sent", "received", "pending", "synchronous", "__weakref__")
+    __slots__ = ("group", "calls", "last", "sent", "received", "pending", "synchronous", "base", "__weakref__")
 
     def __init__(self, group) -> None:
         self.group = weakref.ref(group)
@@ -87,6 +91,8 @@ class _Group:
         self.sent: dict[int, int] = {}
         self.received: dict[int, int] = {}
         self.pending: collections.deque[_Call] = collections.deque(maxlen=PENDING_KEPT)
+        self.base: tuple[int, dict[int, int], dict[int, int]] = (0, {}, {})
+        """``(calls, sent, received)`` when the current cell began (:func:`begin_cell`): what snapshots subtract."""
 
 
 _groups: dict[int, _Group] = {}
@@ -118,6 +124,12 @@ def complete_before_return(group) -> None:
     """
     install()
     _state(group).synchronous = True
+
+
+def begin_cell() -> None:
+    """A cell or script begins on this rank: :func:`snapshot` counts from here (``counts`` still from the start)."""
+    for state in list(_groups.values()):
+        state.base = (state.calls, dict(state.sent), dict(state.received))
 
 
 def uninstall() -> None:
@@ -241,7 +253,8 @@ def _ranks(group) -> list[int]:
 
 # -------------------------------------------------------------- snapshot
 def snapshot() -> dict[str, Any] | None:
-    """This rank's groups with activity, their counts and unfinished calls; None before any group."""
+    """This rank's groups with activity in the current cell, their counts and unfinished calls, counted from
+    the cell's start (:func:`begin_cell`); None before any group."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     if not _installed:
@@ -250,16 +263,29 @@ def snapshot() -> dict[str, Any] | None:
     groups = []
     for state in list(_groups.values()):
         group = state.group()
-        if group is None or not (state.calls or state.sent or state.received):
+        base_calls, base_sent, base_received = state.base
+        calls = state.calls - base_calls  # this cell's (begin_cell)
+        sent = {p: n - base_sent.get(p, 0) for p, n in list(state.sent.items()) if n > base_sent.get(p, 0)}
+        received = {p: n - base_received.get(p, 0) for p, n in list(state.received.items())
+                    if n > base_received.get(p, 0)}
+        if group is None or not (calls or sent or received):
             continue
         key = group.group_name
-        pending = [{"op": c.op, "seq": c.seq, "peer": c.peer, "shapes": c.shapes, "dtype": c.dtype,
+
+        def seq(call: _Call) -> int:
+            if call.op == "send":
+                return call.seq - base_sent.get(call.peer, 0)
+            if call.op == "recv":
+                return call.seq - base_received.get(call.peer, 0)
+            return call.seq - base_calls
+
+        pending = [{"op": c.op, "seq": seq(c), "peer": c.peer, "shapes": c.shapes, "dtype": c.dtype,
                     "for_s": round(now - c.started, 1)}
                    for c in list(state.pending) if not c.finished()]
         groups.append({"key": key, "name": names.get(key, "group"), "ranks": _ranks(group),
-                       "calls": state.calls, "last": state.last,  # peers as str: the answer travels as JSON
-                       "sent": {str(p): n for p, n in list(state.sent.items())},
-                       "received": {str(p): n for p, n in list(state.received.items())}, "pending": pending})
+                       "calls": calls, "last": state.last,  # peers as str: the answer travels as JSON
+                       "sent": {str(p): n for p, n in sent.items()},
+                       "received": {str(p): n for p, n in received.items()}, "pending": pending})
     return {"source": "mnb", "groups": groups}
 
 

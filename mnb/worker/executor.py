@@ -3,8 +3,11 @@
 The cell is parsed like IPython does it: if its last statement is an
 expression, that expression's value is the cell's result (assigned to a
 private name inside the same code object, so a debugger steps onto it).  The source is
-registered with ``linecache`` under a per-cell file name so tracebacks and
-stack dumps show the cell's own lines.
+registered with ``linecache`` under the cell's file name, ``<cell-N>``, so tracebacks and
+stack dumps show the cell's own lines.  ``N`` is the controller's number for the request
+(one per ``execute``, the same on every rank), never a count of this rank's own: a cell run
+on some ranks only would otherwise number the next cell differently on each rank, and its
+identical tracebacks would no longer fold.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-_cell_counter = 0
 _RESULT = "_mnb_cell_value_"
 """The name the cell's last expression is assigned to while the cell runs (then removed)."""
 
@@ -31,15 +33,15 @@ class Outcome:
     """The failure itself, only with ``run_cell(keep_failure=True)``: its frames are kept for ``%mnb debug``."""
 
 
-def run_cell(code: str, namespace: dict[str, Any], keep_failure: bool = False) -> Outcome:
-    """Execute ``code``; never raises (errors come back as an Outcome).
+def run_cell(code: str, namespace: dict[str, Any], keep_failure: bool = False, *, number: int) -> Outcome:
+    """Execute ``code`` as ``<cell-{number}>``; never raises (errors come back as an Outcome).
+
+    ``number``: the request's cell number, from the controller (``execute``'s ``number``).
 
     ``keep_failure``: a failure keeps its frames (``Outcome.exception``) for a post-mortem
     (``%mnb debug``); the caller releases them (:func:`release_frames`) before the next cell.
     """
-    global _cell_counter
-    _cell_counter += 1
-    filename = f"<cell-{_cell_counter}>"
+    filename = f"<cell-{number}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
         tree = ast.parse(code, filename=filename)

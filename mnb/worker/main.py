@@ -34,7 +34,7 @@ from mnb.protocol import ConnectionInfo, Message, ProtocolError, version_mismatc
 from mnb.worker import boot, debugging, stdin
 from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures
 from mnb.worker.channel import Channel
-from mnb.worker.executor import describe_exception, portable, run_cell
+from mnb.worker.executor import Outcome, describe_exception, portable, run_cell
 from mnb.worker.faults import record_fatal_stacks
 
 log = logging.getLogger("mnb.worker")
@@ -149,6 +149,9 @@ class Rank:
         from mnb.megatron import events, layout
 
         outcome = None
+        counting = sys.modules.get("mnb.megatron.collectives")
+        if counting is not None:  # collective numbers in hang reports count from the start of this cell
+            counting.begin_cell()
         kernel = message.get("kernel") or {}  # the notebook's cwd and environment changes
         sandbox.apply_environ(kernel.get("environ") if not message.get("script") else None)
         requested = message.get("layout")
@@ -169,13 +172,15 @@ class Rank:
             from mnb.worker.script import restore_pool_state
 
             outcome = restore_pool_state()
+        if outcome is None and message.get("code") is None:  # a layout alone (a restart's restore_layout)
+            outcome = Outcome(ok=True)
         if outcome is None:
             from mnb.megatron import profile
 
             # %%megatron --profile (message["profile"]); mnb.train(profile=...) writes into the cell's folder
             default_dir = self.profiles_root / f"cell-{message.id}" if self.profiles_root else None
             with profile.cell(message.get("profile"), self.rank, default_dir) as report:
-                outcome = run_cell(message["code"], self.namespace, keep_failure=True)
+                outcome = run_cell(message["code"], self.namespace, keep_failure=True, number=message["number"])
                 self.last_failure = outcome.exception
                 if not outcome.ok:
                     report["error"] = f"{outcome.ename}: {outcome.evalue}"

@@ -2,7 +2,8 @@
 
 A rank that skips one all-reduce of the tp group, a pp rank that skips a send, and a mismatched
 collective: the timeout report and ``%mnb stacks`` name the group, the operation and both ranks'
-call counts.  Where a Python rank can release the stuck one (the skipped call, made in the cell's
+call counts, counted from the start of the cell (the pool's earlier cells made calls on the same
+groups).  Where a Python rank can release the stuck one (the skipped call, made in the cell's
 ``finally`` once the timeout interrupts it), the pool needs no restart; the mismatch does.
 """
 
@@ -66,8 +67,10 @@ else:
 
 
 def tp_calls(pool) -> int:
+    """The tp group's calls so far (a process's lifetime): never 0 here, so numbers from the cell's start differ."""
+    pool.run("dist.all_reduce(torch.ones(1), group=ps.get_tensor_model_parallel_group())", layout=TP2, quiet=True)
     counts = pool.run(COUNTS.format(group="ps.get_tensor_model_parallel_group()"), layout=TP2, quiet=True)
-    assert counts[0]["calls"] == counts[1]["calls"], counts
+    assert counts[0]["calls"] == counts[1]["calls"] > 0, counts
     return counts[0]["calls"]
 
 
@@ -78,11 +81,11 @@ def test_skipped_all_reduce_is_named_in_stacks_and_in_the_timeout_report(cpu_poo
     hang = threading.Thread(target=lambda: outcome.append(
         cpu_pool.run(SKIP_ALL_REDUCE.format(release=str(release)), layout=TP2, quiet=True, timeout=120)))
     hang.start()
-    expected = (f"rank 1 is at all_reduce #{base + 4} of tp group [0,1]; rank 0 is at #{base + 5} — "
-                f"rank 1 skipped one (or rank 0 ran one more)")
+    expected = ("rank 1 is at all_reduce #4 of tp group [0,1]; rank 0 is at #5 — "
+                "rank 1 skipped one (or rank 0 ran one more)")  # the cell's 4th and 5th, not the process's
     deadline = time.monotonic() + 60
     report = ""
-    while expected not in report and time.monotonic() < deadline:  # until rank 0 waits in #base+5
+    while expected not in report and time.monotonic() < deadline:  # until rank 0 waits in the cell's #5
         report = cpu_pool.stacks_report()
     capsys.readouterr()
     shell.run_line_magic("mnb", "stacks")
@@ -91,38 +94,36 @@ def test_skipped_all_reduce_is_named_in_stacks_and_in_the_timeout_report(cpu_poo
     hang.join(120)
     assert outcome, "the cell did not finish once rank 1 made its skipped all-reduce"
     assert expected in shown, shown
-    assert f"in all_reduce #{base + 5} of tp group [0,1], tensor [4] float32" in shown, shown
+    assert "in all_reduce #5 of tp group [0,1], tensor [4] float32" in shown, shown
     assert "--- rank 1 (r1 tp1 pp0 dp0) ---" in shown and "time.sleep(0.01)" in shown, shown
 
-    base += 5  # rank 1 made its skipped call: both at base + 5
+    base += 5  # rank 1 made its skipped call: both at base + 5 in the process's count
     with pytest.raises(CellTimeoutError) as timed_out:
         cpu_pool.run(SKIP_ALL_REDUCE.format(release=str(tmp_path / "never")), layout=TP2, timeout=TIMEOUT_S)
     text = str(timed_out.value)
-    assert (f"rank 1 is at all_reduce #{base + 4} of tp group [0,1]; rank 0 is at #{base + 5} — "
-            f"rank 1 skipped one (or rank 0 ran one more)") in text, text
-    assert f"[r0 tp0 pp0 dp0] in all_reduce #{base + 5} of tp group [0,1], tensor [4] float32" in text, text
-    assert tp_calls(cpu_pool) == base + 5  # the pool goes on with the same ranks, counts agreeing
+    assert ("rank 1 is at all_reduce #4 of tp group [0,1]; rank 0 is at #5 — "
+            "rank 1 skipped one (or rank 0 ran one more)") in text, text
+    assert "[r0 tp0 pp0 dp0] in all_reduce #5 of tp group [0,1], tensor [4] float32" in text, text
+    assert tp_calls(cpu_pool) == base + 5 + 1  # the same ranks go on, counts agreeing (+1: tp_calls' own)
 
 
 def test_skipped_send_names_the_recv_that_waits_and_the_peer_s_count(cpu_pool):
     counts = cpu_pool.run(COUNTS.format(group="ps.get_pipeline_model_parallel_group()"), layout=PP2, quiet=True)
-    sent, received = counts[0]["sent"].get(1, 0), counts[1]["received"].get(0, 0)
-    assert sent == received, counts
+    assert counts[0]["sent"].get(1, 0) == counts[1]["received"].get(0, 0), counts  # the process's: the cell counts anew
     with pytest.raises(CellTimeoutError) as timed_out:
         cpu_pool.run(SKIP_SEND, layout=PP2, timeout=TIMEOUT_S)
     text = str(timed_out.value)
-    assert (f"rank 1 is in recv #{received + 3} from rank 0 of pp group [0,1]; rank 0 has sent {sent + 2} — "
-            f"rank 0 skipped a send (or rank 1 receives one more)") in text, text
-    assert f"[r1 tp0 pp1 dp0] in recv #{received + 3} from rank 0 of pp group [0,1], tensor [2, 3] float32" in text
+    assert ("rank 1 is in recv #3 from rank 0 of pp group [0,1]; rank 0 has sent 2 — "
+            "rank 0 skipped a send (or rank 1 receives one more)") in text, text
+    assert "[r1 tp0 pp1 dp0] in recv #3 from rank 0 of pp group [0,1], tensor [2, 3] float32" in text
 
 
 def test_mismatched_collectives_are_named_with_their_common_number(cpu_pool):
-    base = tp_calls(cpu_pool)
+    tp_calls(cpu_pool)
     with pytest.raises(CellTimeoutError) as timed_out:
         cpu_pool.run(MISMATCH, layout=TP2, timeout=TIMEOUT_S)
     text = str(timed_out.value)
-    assert (f"rank 0 is in all_reduce, rank 1 in all_gather_into_tensor of tp group [0,1] "
-            f"(#{base + 1} on both)") in text, text
-    assert f"[r1 tp1 pp0 dp0] in all_gather_into_tensor #{base + 1} of tp group [0,1], tensor [4] [2] float32" in text
+    assert "rank 0 is in all_reduce, rank 1 in all_gather_into_tensor of tp group [0,1] (#1 on both)" in text, text
+    assert "[r1 tp1 pp0 dp0] in all_gather_into_tensor #1 of tp group [0,1], tensor [4] [2] float32" in text
     assert "restarting all 2 ranks" in text  # both stuck in C: the pool replaces them
     assert cpu_pool.run("rank") == {0: 0, 1: 1}

@@ -57,3 +57,35 @@ def test_flight_recorder_entries_of_torch_2_11():
     assert [(hangs.group_text(g), g["calls"], g["last"]) for g in snap["groups"]] == [
         ("world group [0]", 4, "all_reduce"), ("tp group [0]", 1, "all_gather_into_tensor")]
     assert hangs.waiting_in(snap) == ["all_reduce #4 of world group [0], tensor [8, 16] float16, scheduled"]
+
+
+def test_ranks_that_raised_are_named_as_raised_not_as_having_skipped_a_call():
+    call = {"op": "all_reduce", "seq": 4, "peer": None, "shapes": [[4]], "dtype": "float32", "for_s": 3.0}
+    world = dict(key="0", name="world", ranks=(0, 1, 2))
+    snapshots = {0: {"groups": [group(**world, calls=4, last="all_reduce", pending=[call])]},
+                 1: {"groups": [group(**world, calls=3, last="all_reduce")]},
+                 2: {"groups": [group(**world, calls=3, last="all_reduce")]}}
+    assert hangs.diagnose(snapshots, raised={1: "ValueError", 2: "KeyError"}) == [
+        "rank 0 waits in all_reduce #4 of world group [0,1,2]; ranks 1,2 raised KeyError, ValueError "
+        "after all_reduce #3"]
+    # one of the ranks behind raised, the other finished without the call: that one skipped it
+    assert hangs.diagnose(snapshots, raised={1: "ValueError"}) == [
+        "ranks 1,2 are at all_reduce #3 of world group [0,1,2]; rank 0 is at #4 — ranks 1,2 skipped one "
+        "(or rank 0 ran one more)"]
+    # a rank that raised before its first call on the group
+    first = dict(call, seq=1)
+    snapshots = {0: {"groups": [group(key="0", name="world", calls=1, last="all_reduce", pending=[first])]},
+                 1: {"groups": []}}
+    assert hangs.diagnose(snapshots, raised={1: "RuntimeError"}) == [
+        "rank 0 waits in all_reduce #1 of world group [0,1]; rank 1 raised RuntimeError before its first call on it"]
+
+
+def test_a_peer_that_raised_is_named_in_point_to_point_lines():
+    recv = {"op": "recv", "seq": 3, "peer": 0, "shapes": [[2]], "dtype": "float32", "for_s": 1.0}
+    snapshots = {0: {"groups": [group(sent={"1": 2})]}, 1: {"groups": [group(received={"0": 3}, pending=[recv])]}}
+    assert hangs.diagnose(snapshots, raised={0: "ValueError"}) == [
+        "rank 1 is in recv #3 from rank 0 of pp group [0,1]; rank 0 raised ValueError after sending 2"]
+    send = {"op": "send", "seq": 3, "peer": 1, "shapes": [[2]], "dtype": "float32", "for_s": 1.0}
+    snapshots = {0: {"groups": [group(sent={"1": 3}, pending=[send])]}, 1: {"groups": [group(received={"0": 2})]}}
+    assert hangs.diagnose(snapshots, raised={1: "ValueError"}) == [
+        "rank 0 is in send #3 to rank 1 of pp group [0,1]; rank 1 raised ValueError after receiving 2"]

@@ -59,3 +59,24 @@ def test_rank_sets_and_folded_tracebacks():
     assert "4 of 4 ranks raised" in rendered
     assert "[r0-1,3]" in rendered and "[r2 tp0]" in rendered
     assert rendered.count("TB same") == 1
+
+
+def test_flushing_before_what_one_rank_shows_leaves_other_ranks_lines_to_fold():
+    """mnb.generate's text comes from rank 0: flushing every rank's lines before it (as every
+    ``generate`` event did) printed rank 1's line that arrived before rank 0's copy alone, unfolded."""
+    out, write = collect()
+    folder = LineFolder([0, 1], {0: "r0", 1: "r1"}, write, fold_window_s=600)
+    folder.feed(0, "stdout", "before\n")
+    folder.feed(1, "stdout", "before\n")
+    assert out == [("stdout", "[r0-1] before\n")]
+    folder.feed(1, "stdout", "after\n")  # rank 1 printed it before rank 0's generated text arrived
+    folder.flush(0)  # rank 0 shows its text now: nothing of rank 0's waits, rank 1's line stays
+    assert out == [("stdout", "[r0-1] before\n")]
+    folder.feed(0, "stdout", "after\n")
+    assert out[-1] == ("stdout", "[r0-1] after\n")
+    folder.feed(0, "stdout", "loading\nhalf a li")  # rank 0's own lines go out before what it shows
+    folder.flush(0)
+    assert out[-1] == ("stdout", "[r0] loading\n[r0] half a li\n")
+    folder.feed(1, "stdout", "other")
+    folder.flush()  # everything, as a cell's end does
+    assert out[-1] == ("stdout", "[r1] other\n")

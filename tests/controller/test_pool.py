@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import re
 import threading
 import time
 
@@ -84,6 +85,17 @@ def test_every_rank_failing_alike_shows_one_traceback_and_stops_nobody(cpu_pool,
     assert "[r0-1]" in rendered and "(the traceback printed above; ValueError: late)" in rendered
     assert info.value.waiting == {} and "interrupted" not in rendered
     assert cpu_pool.run("rank") == {0: 0, 1: 1}
+
+
+def test_identical_tracebacks_fold_after_a_cell_that_ran_on_some_ranks_only(cpu_pool):
+    """The cell's number is the controller's (one per request), not each rank's count of its cells:
+    after a cell on rank 0 alone the ranks' tracebacks named <cell-4> and <cell-3> and printed twice."""
+    cpu_pool.run("None", ranks=[0], quiet=True)
+    with pytest.raises(CompositeRankError) as info:
+        cpu_pool.run("raise ValueError('same on every rank')", grace=60, quiet=True)
+    groups = info.value.groups()
+    assert len(groups) == 1 and [e.rank for e in groups[0][0]] == [0, 1], groups
+    assert re.search(r'File "<cell-\d+>", line 1, in <module>', groups[0][1]), groups
 
 
 def test_invalid_requests_are_refused_before_ranks_run(cpu_pool):

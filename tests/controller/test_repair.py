@@ -21,7 +21,7 @@ from mnb.config import ParallelConfig
 from mnb.controller.launcher import Launcher
 from mnb.controller.registry import set_current_pool
 from mnb.controller.repair import Repair
-from mnb.errors import PoolError, RankDiedError
+from mnb.errors import CompositeRankError, PoolError, RankDiedError
 from tests.conftest import alive_pids
 
 pytestmark = pytest.mark.slow
@@ -141,6 +141,76 @@ def test_an_interrupted_stuck_barrier_under_pp2_keeps_the_layout_and_names_the_s
     out = capsys.readouterr().out
     assert "pp 2 0" in out and "pp 2 1" in out, out  # the restarted ranks are at tp1 pp2
     assert cpu_pool.layout == ParallelConfig(pp=2).resolve(2)
+
+
+RAISES_ON_RANK_1 = """
+import torch, torch.distributed as dist
+dist.init_process_group(backend="gloo")
+x = torch.ones(4)
+for _ in range(3):
+    dist.all_reduce(x)
+if dist.get_rank() == 1:
+    raise ValueError("rank 1 cannot go on")
+dist.all_reduce(x)   # rank 0 waits here for ever: gloo cannot be interrupted, the ranks are restarted
+"""
+
+
+def test_a_rank_that_raised_in_a_script_is_named_as_raised_counted_from_the_script_and_shown_once(
+        cpu_pool, shell, capsys, tmp_path):
+    """%mnb run: the report said "rank 1 skipped one (or rank 0 ran one more)" of a rank that raised,
+    with the pool's lifetime numbers (#152 of a script that made 3)."""
+    cpu_pool.run("for _ in range(5):\n    dist.all_reduce(torch.ones(1))", quiet=True)  # earlier cells' calls
+    script = tmp_path / "raises_on_rank_1.py"
+    script.write_text(RAISES_ON_RANK_1)
+    restarts = cpu_pool.restarts
+    capsys.readouterr()
+    result = shell.run_cell(f"%mnb run {script}")
+    captured = capsys.readouterr()
+    shown = captured.out + captured.err  # the root cause printed while rank 0 waited, then the cell's error
+    error = result.error_in_exec
+    assert isinstance(error, CompositeRankError) and error.ranks == [1], shown
+    assert "rank 0 waits in all_reduce #4 of world group [0,1]; rank 1 raised ValueError after all_reduce #3" \
+        in shown, shown
+    assert "skipped" not in shown, shown
+    assert "in all_reduce #4 of world group [0,1], tensor [4] float32" in shown, shown
+    for line in ('raise ValueError("rank 1 cannot go on")', "rank 1 raised ValueError", "was still running at",
+                 "restarting all 2 ranks"):
+        assert shown.count(line) == 1, (line, shown)  # printed once, never in the stream and again in the error
+    assert cpu_pool.run("rank", quiet=True) == {0: 0, 1: 1}  # the restarted ranks
+    assert cpu_pool.restarts == restarts + 1
+
+
+RAISES_WHILE_RANK_0_WAITS = """
+import time
+x = torch.ones(4)
+for _ in range(3):
+    dist.all_reduce(x)
+if rank == 1:
+    raise ValueError("rank 1 cannot go on")
+work = dist.all_reduce(x, async_op=True)
+while not work.is_completed():   # a Python loop: the interrupt releases rank 0, no restart
+    time.sleep(0.01)
+"""
+
+
+def test_a_rank_that_raised_in_a_cell_while_another_waits_in_a_collective_is_named_as_raised(
+        cpu_pool, shell, capsys):
+    cpu_pool.run("for _ in range(5):\n    dist.all_reduce(torch.ones(1))", quiet=True)  # earlier cells' calls
+    pids = cpu_pool.pids()
+    capsys.readouterr()
+    with pytest.raises(CompositeRankError) as info:
+        shell.run_cell_magic("megatron", "", RAISES_WHILE_RANK_0_WAITS)
+    captured = capsys.readouterr()
+    shown = captured.out + captured.err + "\n".join(info.value._render_traceback_())
+    assert info.value.ranks == [1] and list(info.value.waiting) == [0], shown
+    assert "rank 0 waits in all_reduce #4 of world group [0,1]; rank 1 raised ValueError after all_reduce #3" \
+        in shown, shown
+    assert "skipped" not in shown, shown
+    assert shown.count("raise ValueError(\"rank 1 cannot go on\")") == 1, shown
+    # rank 0's all-reduce #4 still waits on gloo: rank 1 makes it, and the ranks agree again
+    assert cpu_pool.run("if rank == 1:\n    dist.all_reduce(x)\nelse:\n    work.wait()\nx.tolist()", quiet=True) \
+        == {0: [16.0] * 4, 1: [16.0] * 4}
+    assert cpu_pool.pids() == pids  # released by the interrupt: the same processes
 
 
 def test_a_stopped_pool_is_not_relaunched_by_a_late_failure(cpu_pool, monkeypatch):

@@ -4,7 +4,9 @@
 
 What JupyterLab receives: for each prompt one ``display_data`` with a ``display_id``, then
 ``update_display_data`` messages for the same ids as tokens arrive, the last of which holds the
-prompt and the continuation the cell returned.  Notebook-facing, so leg 1 only (like tests/test_kernel.py).
+prompt and the continuation the cell returned; a second ``mnb.generate`` in the same cell gets areas of
+its own (it used to overwrite the first call's), and lines every rank prints after the streamed text
+still fold.  Notebook-facing, so leg 1 only (like tests/test_kernel.py).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def test_each_prompt_grows_in_its_own_output_area():
     try:
         kernel.ok("%load_ext mnb\n%mnb start -n 2 --device cpu", timeout=300)
         msg_id = kernel.client.execute(
-            "%%megatron\nmodel = mnb.gpt('tiny')\nanswer = mnb.generate(model, ['ab', 'xyz'], max_new_tokens=12)")
-        shown, updates = {}, {}
+            "%%megatron\nmodel = mnb.gpt('tiny')\nanswer = mnb.generate(model, ['ab', 'xyz'], max_new_tokens=12)\n"
+            "print('generated')\nagain = mnb.generate(model, ['q'], max_new_tokens=4)")
+        shown, updates, text = {}, {}, ""
         while True:
             msg = kernel.client.get_iopub_msg(timeout=300)
             if msg["parent_header"].get("msg_id") != msg_id:
@@ -40,14 +43,18 @@ def test_each_prompt_grows_in_its_own_output_area():
                 display_id = content["transient"]["display_id"]
                 assert display_id in shown  # updated in place, never a new area
                 updates.setdefault(display_id, []).append(content["data"]["text/plain"])
+            elif kind == "stream":
+                text += content["text"]
             elif kind == "error":
                 pytest.fail("\n".join(content["traceback"]))
             elif kind == "status" and content["execution_state"] == "idle":
                 break
-        answer = json.loads(kernel.ok("import json\nprint(json.dumps(mnb.pool().pull('answer')[0]))").splitlines()[-1])
-        assert len(shown) == 2 and all(len(texts) >= 5 for texts in updates.values()), (shown, updates)
-        finals = [updates[display_id][-1] for display_id in shown]
-        assert finals == ["ab" + answer[0], "xyz" + answer[1]]
+        answer, again = json.loads(kernel.ok(
+            "import json\nprint(json.dumps([mnb.pool().pull(n)[0] for n in ('answer', 'again')]))").splitlines()[-1])
+        assert len(shown) == 3 and all(len(updates[d]) >= 5 for d in list(shown)[:2]), (shown, updates)
+        finals = [(updates.get(display_id) or [first])[-1] for display_id, first in shown.items()]
+        assert finals == ["ab" + answer[0], "xyz" + answer[1], "q" + again[0]]
+        assert "[r0-1] generated" in text, text  # not flushed out unfolded by the streamed text
         growing = updates[next(iter(shown))]
         assert all(later.startswith(earlier.rstrip("\ufffd")) for earlier, later in zip(growing, growing[1:]))
         kernel.ok("%mnb stop")

@@ -28,7 +28,7 @@ except MemoryError as exc:
 
 def test_a_kept_exception_does_not_pin_the_failed_steps_locals():
     namespace: dict = {}
-    outcome = run_cell(CELL, namespace)
+    outcome = run_cell(CELL, namespace, number=1)
     assert not outcome.ok and outcome.ename == "MemoryError"
     assert "in step" in outcome.traceback and "out of memory in the step" in outcome.traceback
     assert namespace["kept"] and namespace["kept"][0].__traceback__ is not None  # the exception is still kept
@@ -37,5 +37,5 @@ def test_a_kept_exception_does_not_pin_the_failed_steps_locals():
 
 def test_a_successful_cell_keeps_its_globals():
     namespace: dict = {}
-    assert run_cell("x = [1, 2]\nlen(x)", namespace).value == 2
+    assert run_cell("x = [1, 2]\nlen(x)", namespace, number=2).value == 2
     assert namespace["x"] == [1, 2]
