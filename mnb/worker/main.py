@@ -147,6 +147,7 @@ class Rank:
         from mnb.megatron import events, layout
 
         outcome = None
+        profile_dir = None  # the folder this rank wrote the cell's profile to (mnb.megatron.profile)
         kernel = message.get("kernel") or {}  # the notebook's cwd and environment changes
         sandbox.apply_environ(kernel.get("environ") if not message.get("script") else None)
         requested = message.get("layout")
@@ -177,6 +178,7 @@ class Rank:
                 self.last_failure = outcome.exception
                 if not outcome.ok:
                     report["error"] = f"{outcome.ename}: {outcome.evalue}"
+            profile_dir = report.get("dir")
         self.fd_capture.drain()
         self.fd_capture.cell_id = None
         self.channel.busy.clear()
@@ -203,6 +205,7 @@ class Rank:
             traceback=outcome.traceback,
             coords=layout.coordinates(),
             layout=self.layout,
+            profile_dir=profile_dir,
         )
 
     def _on_push(self, message: Message) -> None:
