@@ -12,7 +12,8 @@ of one.  :func:`check_fields` (called first in each ``__post_init__`` of
 
 Integers of other kinds (numpy's) are stored as Python ints so records stay JSON.
 Annotations it does not know (``dict[...]``, ``Any``, ...) are left alone, so fields
-added later need no change here.  Standard library only: both sides import it.
+added later need no change here.  :func:`check_ranks` is the one check of a rank list against a
+world size.  Standard library only: both sides import it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import types
 import typing
 from dataclasses import fields
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 _NONE = type(None)
 
@@ -104,3 +105,16 @@ def choices(cls: type, name: str) -> tuple:
         if field_name == name:
             return tuple(c for k in kinds if typing.get_origin(k) is Literal for c in typing.get_args(k))
     raise KeyError(f"{cls.__name__}.{name} is not a Literal field")
+
+
+def check_ranks(ranks: Iterable[int], world_size: int) -> list[int]:
+    """``ranks`` sorted, or ValueError when one is not a rank of ``world_size`` (or there are none).
+
+    The one rule, and wording, for every rank list (``--ranks``, ``--debug-ranks``, ``--profile-ranks``,
+    ``%mnb run --ranks``, ``pool.run(ranks=...)``)."""
+    chosen = sorted(set(ranks))
+    bad = [r for r in chosen if not 0 <= r < world_size]
+    if bad or not chosen:
+        raise ValueError(f"rank(s) {bad or '(none)'} not in this pool of world size {world_size} "
+                         f"(valid: 0-{world_size - 1})")
+    return chosen

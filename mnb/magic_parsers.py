@@ -14,11 +14,17 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
 from mnb.config import FSDP_STRATEGIES, ParallelConfig
+from mnb.fields import check_ranks
 from mnb.timeouts import DEFAULT_GRACE_S, START_TIMEOUT_S
 
 
-def parse_ranks(text: str) -> list[int]:
-    """'0,2-3' -> [0, 2, 3]; UsageError says what is wrong."""
+def parse_ranks(text: str | None, world_size: int, flag: str = "--ranks") -> list[int] | None:
+    """'0,2-3' -> [0, 2, 3], each a rank of ``world_size``; None when ``text`` is empty (every rank).
+
+    The one reading of a rank list (``--ranks``, ``--debug-ranks``, ``--profile-ranks``); the range rule
+    is :func:`mnb.fields.check_ranks`'s, the pool's own.  UsageError names ``flag`` and says what is wrong."""
+    if not text:
+        return None
     ranks: set[int] = set()
     for part in text.split(","):
         part = part.strip()
@@ -28,15 +34,18 @@ def parse_ranks(text: str) -> list[int]:
             if "-" in part:
                 low, high = (int(x) for x in part.split("-", 1))
                 if low > high:
-                    raise UsageError(f"bad rank range {part!r}: {low} > {high}")
+                    raise UsageError(f"{flag} {text}: bad rank range {part!r}: {low} > {high}")
                 ranks.update(range(low, high + 1))
             else:
                 ranks.add(int(part))
         except ValueError:
-            raise UsageError(f"bad rank list {text!r}: use numbers and ranges, e.g. 0,2-3") from None
+            raise UsageError(f"{flag} {text}: bad rank list: use numbers and ranges, e.g. 0,2-3") from None
     if not ranks or min(ranks) < 0:
-        raise UsageError(f"bad rank list {text!r}: use non-negative numbers and ranges, e.g. 0,2-3")
-    return sorted(ranks)
+        raise UsageError(f"{flag} {text}: bad rank list: use non-negative numbers and ranges, e.g. 0,2-3")
+    try:
+        return check_ranks(ranks, world_size)
+    except ValueError as exc:
+        raise UsageError(f"{flag} {text}: {exc}") from None
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -46,22 +55,62 @@ def parse_gpus(text: str) -> list[int]:
         raise UsageError(f"bad --gpus {text!r}: use GPU ids such as 0,1") from None
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise ValueError("must be positive")
+def _number(kind: type, text: str, rule: str, ok: Callable[[float], bool]) -> float:
+    """``text`` as ``kind`` when ``ok`` accepts it; else ArgumentTypeError with the rule and the value
+    (argparse puts the flag in front: ``argument --timeout: must be a positive number, got '0'``)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _number(float, text, "a positive number", lambda v: v > 0)
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise ValueError("must be zero or positive")
-    return value
+    return _number(float, text, "a number, zero or positive", lambda v: v >= 0)
+
+
+def _positive_int(text: str) -> int:
+    return int(_number(int, text, "a positive integer", lambda v: v > 0))
 
 
 LAYOUT_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "sp", "fsdp")
 """The %%megatron flags that name a layout: a cell naming any of them runs under exactly that layout."""
+
+
+def layout_from_flags(args: argparse.Namespace) -> ParallelConfig | None:
+    """The layout the parsed flags name (:func:`layout_arguments`), None when they name none.
+
+    Naming any layout flag sets the whole layout: the dimensions not named are 1, sequence
+    parallelism and FSDP off.  dp is left to ``resolve``; ValueError (from ParallelConfig) says what
+    is wrong.  ``%%megatron`` and ``%mnb export`` both read their flags through this."""
+    named = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name, None) is not None}
+    if not named:
+        return None
+    return ParallelConfig(tp=named.get("tp", 1), pp=named.get("pp", 1), vpp=named.get("vpp", 1),
+                          cp=named.get("cp", 1), ep=named.get("ep", 1),
+                          sequence_parallel=bool(named.get("sp", False)), fsdp=named.get("fsdp"))
+
+
+def layout_arguments(p: MagicArgumentParser, title: str, sizes: dict[str, str], default: Callable[[str], str],
+                     fsdp: str) -> None:
+    """The layout flags (:data:`LAYOUT_FLAGS`) as one argument group, read by :func:`layout_from_flags`.
+
+    ``sizes``: what each of --tp --pp --vpp --cp --ep is; ``default(name)``: the text after
+    ``default:`` in its help (and --sp's, --fsdp's); ``fsdp``: --fsdp's help before its default."""
+    g = p.add_argument_group(title)
+    for name, what in sizes.items():
+        g.add_argument(f"--{name}", type=int, default=None, metavar="N", help=f"{what} (default: {default(name)})")
+    g.add_argument("--sp", dest="sp", action="store_true", default=None,
+                   help=f"sequence parallelism on (default: {default('sp')})")
+    g.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off (default: see --sp)")
+    g.add_argument("--fsdp", nargs="?", const="optim_grads_params", default=None, choices=FSDP_STRATEGIES,
+                   metavar="{" + ",".join(FSDP_STRATEGIES) + "}", help=f"{fsdp} (default: {default('fsdp')})")
 
 MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "debug", "plot", "plan", "run", "export", "profile")
 
@@ -95,7 +144,7 @@ def start_parser() -> MagicArgumentParser:
         "%mnb start -n 8 --device cuda --nnodes 2 --rdzv-endpoint node0:29400 --ip 0.0.0.0",
         "%mnb start --slurm --nodes 2 --gpus-per-node 8 --partition gpu --time 2:00:00 --ip 0.0.0.0",
     ])
-    p.add_argument("-n", type=int, default=None, metavar="N",
+    p.add_argument("-n", type=_positive_int, default=None, metavar="N",
                    help="ranks on this host (default: one per visible GPU, else 2 CPU ranks)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when a GPU is visible, else cpu with gloo")
@@ -107,13 +156,13 @@ def start_parser() -> MagicArgumentParser:
                    help="default timeout of every cell (default: none)")
     p.add_argument("--grace", type=_non_negative_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="seconds the other ranks may take to finish a cell after one rank failed")
-    p.add_argument("--nnodes", type=int, default=1, metavar="K",
+    p.add_argument("--nnodes", type=_positive_int, default=1, metavar="K",
                    help="torchrun nodes; the others join with the printed command")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="torchrun rendezvous for several nodes (default: this host:29400 when --nnodes > 1)")
     p.add_argument("--ip", default="127.0.0.1",
                    help="interface the controller binds; 0.0.0.0 lets ranks on other hosts connect")
-    p.add_argument("--threads", type=int, default=None, metavar="T",
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="T",
                    help="CPU threads per rank (default: cores / ranks)")
     p.add_argument("--verbose", action="store_true", default=False,
                    help="show known third-party warnings (Megatron, torch, the TE/apex fallbacks) in the cells; "
@@ -133,8 +182,9 @@ def _slurm_arguments(p: MagicArgumentParser) -> None:
     g = p.add_argument_group("slurm (the ranks run as one job on an allocation; docs/several-machines.md)")
     g.add_argument("--slurm", action="store_true", default=False,
                    help="submit one Slurm job whose tasks run torchrun and join this pool (default: off)")
-    g.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes of the job (default: 1 with --slurm)")
-    g.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+    g.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
+                   help="nodes of the job (default: 1 with --slurm)")
+    g.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="G",
                    help="GPUs, and ranks, per node (default: none: CPU ranks, -n per node)")
     g.add_argument("--partition", default=None, metavar="P", help="Slurm partition (default: the cluster's)")
     g.add_argument("--time", default=None, metavar="T", help="Slurm time limit, e.g. 2:00:00 (default: the partition's)")
@@ -209,25 +259,21 @@ def megatron_parser() -> MagicArgumentParser:
             "%%megatron --fsdp                 # Megatron-FSDP, ZeRO-3 (--fsdp optim_grads: ZeRO-2)",
         ],
     )
-    sizes = p.add_argument_group("layout (naming any of these sets the whole layout)")
-    names = {"tp": "tensor-parallel size", "pp": "pipeline-parallel size",
-             "vpp": "virtual pipeline stages per rank (interleaved 1F1B; needs --pp 2 or more)",
-             "cp": "context-parallel size (long sequences; TE attention when installed, else mnb's)", "ep": "expert-parallel size (MoE models)"}
-    for name, what in names.items():
-        sizes.add_argument(f"--{name}", type=int, default=None, metavar="N",
-                           help=f"{what} (default: {getattr(defaults, name) or 1} when the cell names "
-                                "another layout flag; the pool's when it names none)")
-    sizes.add_argument("--sp", dest="sp", action="store_true", default=None,
-                       help="sequence parallelism on (default: off when the cell names another layout flag; "
-                            "the pool's when it names none)")
-    sizes.add_argument("--no-sp", dest="sp", action="store_false",
-                       help="sequence parallelism off (default: see --sp)")
-    sizes.add_argument("--fsdp", nargs="?", const="optim_grads_params", default=None, choices=FSDP_STRATEGIES,
-                       metavar="{" + ",".join(FSDP_STRATEGIES) + "}",
-                       help="Megatron-FSDP over the dp ranks: shard the optimizer state (optim, ZeRO-1), and the "
-                            "gradients (optim_grads, ZeRO-2), and the parameters (optim_grads_params, ZeRO-3; "
-                            "--fsdp alone); not with --pp, optim not on CPU ranks (default: off when the cell names another layout flag; "
-                            "the pool's when it names none)")
+    def default(name: str) -> str:
+        when = f"{getattr(defaults, name) or 1}" if name in ("tp", "pp", "vpp", "cp", "ep") else "off"
+        return f"{when} when the cell names another layout flag; the pool's when it names none"
+
+    layout_arguments(
+        p, "layout (naming any of these sets the whole layout)",
+        {"tp": "tensor-parallel size", "pp": "pipeline-parallel size",
+         "vpp": "virtual pipeline stages per rank (interleaved 1F1B; needs --pp 2 or more)",
+         "cp": "context-parallel size (long sequences; TE attention when installed, else mnb's)",
+         "ep": "expert-parallel size (MoE models)"},
+        default,
+        fsdp="Megatron-FSDP over the dp ranks: shard the optimizer state (optim, ZeRO-1), and the gradients "
+             "(optim_grads, ZeRO-2), and the parameters (optim_grads_params, ZeRO-3; --fsdp alone); not with --pp, "
+             "optim not on CPU ranks",
+    )
     run = p.add_argument_group("running")
     run.add_argument("--ranks", default=None, metavar="0,2-3", help="run on these ranks only (default: every rank)")
     run.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
@@ -279,14 +325,14 @@ def plan_parser() -> MagicArgumentParser:
     ])
     p.add_argument("--model", required=True, metavar="PRESET|PATH",
                    help="model preset, e.g. llama-8b, or a Hugging Face checkpoint folder (its config.json is read)")
-    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
+    p.add_argument("--gpus", type=_positive_int, required=True, metavar="N", help="number of GPUs")
     p.add_argument("--gpu", default="h200", help="GPU type from the hardware table")
-    p.add_argument("--seq", type=int, default=None, metavar="S",
+    p.add_argument("--seq", type=_positive_int, default=None, metavar="S",
                    help="sequence length (default: the model's)")
-    p.add_argument("--mbs", type=int, default=1, metavar="M", help="micro batch size")
-    p.add_argument("--gbs", type=int, default=None, metavar="G",
+    p.add_argument("--mbs", type=_positive_int, default=1, metavar="M", help="micro batch size")
+    p.add_argument("--gbs", type=_positive_int, default=None, metavar="G",
                    help="global batch size (default: 4 * gpus * mbs)")
-    p.add_argument("--top", type=int, default=10, metavar="K", help="rows to show")
+    p.add_argument("--top", type=_positive_int, default=10, metavar="K", help="rows to show")
     p.add_argument("--calibrate", action="store_true",
                    help="first measure the live pool's GEMM rates by shape, memory and all-reduce bandwidth "
                         "(seconds; CPU ranks measure the CPU) and plan with them instead of --gpu's table entry")
@@ -333,8 +379,8 @@ def export_parser() -> MagicArgumentParser:
         "%mnb export --model /models/Qwen2.5-0.5B --gpus-per-node 8   # HuggingFaceTokenizer, --add-qkv-bias, ...",
     ])
     p.add_argument("kind", nargs="?", default="megatron-lm", choices=list(KINDS), help="what to write")
-    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes of the target")
-    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+    p.add_argument("--nodes", type=_positive_int, default=1, metavar="N", help="nodes of the target")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="G",
                    help="GPUs per node (default: the pool's world size, on one node)")
     p.add_argument("-o", "--output", default=None, metavar="FILE", help="write to FILE instead of printing (default: print)")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
@@ -343,24 +389,21 @@ def export_parser() -> MagicArgumentParser:
     settings.add_argument("--model", default=None, metavar="PRESET|PATH",
                           help="model preset, e.g. llama-8b, or a Hugging Face checkpoint folder, whose tokenizer "
                                "the arguments then name (default: the last)")
-    for flag, field, kind, what in (("--seq", "seq_length", int, "sequence length"),
-                                    ("--steps", "steps", int, "training iterations"),
-                                    ("--mbs", "micro_batch_size", int, "micro batch size"),
-                                    ("--gbs", "global_batch_size", int, "global batch size"),
-                                    ("--lr", "lr", float, "peak learning rate"),
+    for flag, field, kind, what in (("--seq", "seq_length", _positive_int, "sequence length"),
+                                    ("--steps", "steps", _positive_int, "training iterations"),
+                                    ("--mbs", "micro_batch_size", _positive_int, "micro batch size"),
+                                    ("--gbs", "global_batch_size", _positive_int, "global batch size"),
+                                    ("--lr", "lr", _positive_float, "peak learning rate"),
                                     ("--data", "data", str, "data: mock, or a Megatron .bin/.idx prefix")):
         settings.add_argument(flag, dest=field, type=kind, default=None, metavar=field.split("_")[0].upper(),
                               help=f"{what} (default: the last)")
-    layout = p.add_argument_group("layout (naming any of these sets the whole layout, as in %%megatron; "
-                                  "default: the pool's, dp recomputed for the target)")
-    for name in ("tp", "pp", "vpp", "cp", "ep"):
-        layout.add_argument(f"--{name}", type=int, default=None, metavar="N", help=f"{name} size (default: see above)")
-    layout.add_argument("--sp", dest="sp", action="store_true", default=None,
-                        help="sequence parallelism on (default: see above)")
-    layout.add_argument("--fsdp", nargs="?", const="optim_grads_params", default=None, choices=FSDP_STRATEGIES,
-                        metavar="{" + ",".join(FSDP_STRATEGIES) + "}",
-                        help="Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy STRATEGY; "
-                             "--fsdp alone: optim_grads_params) (default: see above)")
+    layout_arguments(
+        p, "layout (naming any of these sets the whole layout, as in %%megatron; "
+           "default: the pool's, dp recomputed for the target)",
+        {name: f"{name} size" for name in ("tp", "pp", "vpp", "cp", "ep")}, lambda name: "see above",
+        fsdp="Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy STRATEGY; "
+             "--fsdp alone: optim_grads_params)",
+    )
     return p
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -57,7 +56,8 @@ from mnb.controller.preflight import cell_settings, check_cell
 from mnb.controller.registry import remember_settings
 from mnb.debug_commands import debug_command, stacks_command
 from mnb.magic_help import before_script, help_end_transformer, mnb_help, mnb_overview, wants_help
-from mnb.magic_parsers import LAYOUT_FLAGS, MNB_COMMANDS, SUBCOMMAND_PARSERS, megatron_parser, parse_ranks
+from mnb.magic_parsers import (LAYOUT_FLAGS, MNB_COMMANDS, SUBCOMMAND_PARSERS, layout_from_flags, megatron_parser,
+                                parse_ranks)
 from mnb.plan_commands import export_command, plan_command
 from mnb.pool_commands import restart_command, start_command, status_command, stop_command
 from mnb.profile_commands import profile_request, run_profile_command, take_profile
@@ -78,15 +78,9 @@ def requested_layout(current: ParallelConfig, args: Any, world_size: int) -> Par
     cell that names none keeps ``current``.  So a cell means the same whatever
     ran before it: ``--pp 2`` after ``--tp 2`` is tp1 pp2.
     """
-    named = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name, None) is not None}
     try:
-        if not named:
-            return replace(current, dp=None).resolve(world_size)
-        return ParallelConfig(
-            tp=named.get("tp", 1), pp=named.get("pp", 1), vpp=named.get("vpp", 1),
-            cp=named.get("cp", 1), ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp", False)),
-            fsdp=named.get("fsdp"),
-        ).resolve(world_size)
+        named = layout_from_flags(args)
+        return (named or replace(current, dp=None)).resolve(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -170,27 +164,22 @@ class MegatronMagics(Magics):
         layout = requested_layout(pool.layout, args, pool.world_size)
         if layout.fsdp == "optim" and pool.spec.device == "cpu":
             raise UsageError(FSDP_OPTIM_ON_CPU)
-        ranks = parse_ranks(args.ranks) if args.ranks else None
-        if ranks is not None and max(ranks) >= pool.world_size:
-            raise UsageError(f"--ranks {args.ranks}: rank {max(ranks)} does not exist in world size {pool.world_size}")
+        ranks = parse_ranks(args.ranks, pool.world_size)
         problems = check_cell(cell, layout)
         if problems:
             raise UsageError("refused before running on the ranks:\n  " + "\n  ".join(problems))
-        profile = profile_request(args, pool, parse_ranks)
-        debug_ranks = parse_ranks(args.debug_ranks) if args.debug_ranks else None
-        if debug_ranks is not None and max(debug_ranks) >= pool.world_size:
-            raise UsageError(f"--debug-ranks {args.debug_ranks}: rank {max(debug_ranks)} does not exist in world "
-                             f"size {pool.world_size}")
-        since = time.time() - 1
+        profile = profile_request(args, pool)
+        debug_ranks = parse_ranks(args.debug_ranks, pool.world_size, "--debug-ranks")
         try:
             with pool_request("cell"):
                 pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace,
                          kernel=kernel_changes(pool, cwd=False), profile=profile, debug_ranks=debug_ranks)
         finally:
-            shown = take_profile(profile["dir"] if profile else None, pool, since)
-        remember_settings(**cell_settings(cell))  # what %mnb export takes as "the last settings"
-        if pool.last_cell_records:
+            shown = take_profile(pool.last_cell_profile or (profile["dir"] if profile else None))
+        if pool.last_cell_records:  # the ranks' record of what the cell trained: mnb.last_run, %mnb export
             print(last_run().summary())
+        else:  # a cell that trained nothing: its literal mnb.gpt(...) is what %mnb export takes
+            remember_settings(**cell_settings(cell))
         if shown is not None:
             print(shown.summary())
 

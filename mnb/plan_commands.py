@@ -11,9 +11,8 @@ import argparse
 
 from IPython.core.error import UsageError
 
-from mnb.config import ParallelConfig
 from mnb.controller import current_pool
-from mnb.magic_parsers import LAYOUT_FLAGS
+from mnb.magic_parsers import layout_from_flags
 
 
 def export_command(args: argparse.Namespace) -> None:
@@ -21,16 +20,10 @@ def export_command(args: argparse.Namespace) -> None:
 
     settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
                                               "lr", "data") if getattr(args, k) is not None}
-    named = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name, None) is not None}
     try:
-        layout = None
-        if named:
-            layout = ParallelConfig(tp=named.get("tp", 1), pp=named.get("pp", 1),
-                                    vpp=named.get("vpp", 1), cp=named.get("cp", 1),
-                                    ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")),
-                                    fsdp=named.get("fsdp"))
         exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
-                          layout=layout, output=args.output, sbatch_options=args.sbatch_arg, **settings)
+                          layout=layout_from_flags(args), output=args.output, sbatch_options=args.sbatch_arg,
+                          **settings)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.output:

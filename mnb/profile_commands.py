@@ -15,12 +15,12 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from mnb.config import parse_steps
+from mnb.magic_parsers import parse_ranks
 from mnb.profiles import Profile, delete_profile, last_profile, list_profiles, set_last_profile
 
 
-def profile_request(args: argparse.Namespace, pool: Any, parse_ranks: Any) -> dict[str, Any] | None:
-    """The rank side's ``{"dir", "steps", "ranks", "memory"}`` of ``--profile``; None without it.
-    ``parse_ranks``: %%megatron's reading of ``0,2-3`` (mnb.magics)."""
+def profile_request(args: argparse.Namespace, pool: Any) -> dict[str, Any] | None:
+    """The rank side's ``{"dir", "steps", "ranks", "memory"}`` of ``--profile``; None without it."""
     if args.profile is None:
         if args.profile_ranks or args.output or args.memory:
             raise UsageError("--profile-ranks, --memory and -o only apply with --profile")
@@ -29,10 +29,7 @@ def profile_request(args: argparse.Namespace, pool: Any, parse_ranks: Any) -> di
         steps = args.profile if parse_steps(args.profile) else None
     except ValueError as exc:
         raise UsageError(f"--profile: {exc}") from None
-    ranks = parse_ranks(args.profile_ranks) if args.profile_ranks else None
-    if ranks is not None and max(ranks) >= pool.world_size:
-        raise UsageError(f"--profile-ranks {args.profile_ranks}: rank {max(ranks)} does not exist "
-                         f"in world size {pool.world_size}")
+    ranks = parse_ranks(args.profile_ranks, pool.world_size, "--profile-ranks")
     root = Path(args.output).expanduser() if args.output else pool.workdir() / "profiles"
     folder = root / time.strftime("profile-%Y%m%d-%H%M%S")
     while folder.exists():
@@ -40,15 +37,14 @@ def profile_request(args: argparse.Namespace, pool: Any, parse_ranks: Any) -> di
     return {"dir": str(folder.resolve()), "steps": steps, "ranks": ranks, "memory": bool(args.memory)}
 
 
-def take_profile(folder: str | None, pool: Any, since: float) -> Profile | None:
-    """After a cell: merge its profile (the ``--profile`` folder, or the cell folder ``mnb.train(profile=...)``
-    wrote) into ``mnb.last_profile``; None when the cell profiled nothing.  A refusal (too big) is printed."""
+def take_profile(folder: str | None) -> Profile | None:
+    """After a cell: merge its profile into ``mnb.last_profile``; None when the cell profiled nothing.
+
+    ``folder``: the one the ranks' replies name (``Pool.last_cell_profile``: the ``--profile`` folder, or
+    the cell's own that ``mnb.train(profile=...)`` wrote), else the ``--profile`` folder asked for (a cell
+    whose ranks did not reply).  A refusal (too big) is printed."""
     if folder is None:
-        fresh = [p.parent.parent for p in (pool.workdir() / "profiles").glob("cell-*/meta/rank-*.json")
-                 if p.stat().st_mtime >= since]
-        if not fresh:
-            return None
-        folder = str(max(fresh, key=lambda p: p.stat().st_mtime))
+        return None
     try:
         profile = Profile(folder)
     except FileNotFoundError:

@@ -46,9 +46,7 @@ def run_command(args: argparse.Namespace) -> None:
     pool = current_pool(required=False)
     if pool is None:
         raise UsageError("no pool is running; start one with %mnb start")
-    ranks = parse_ranks(args.ranks) if args.ranks else None
-    if ranks is not None and max(ranks) >= pool.world_size:
-        raise UsageError(f"--ranks {args.ranks}: rank {max(ranks)} does not exist in world size {pool.world_size}")
+    ranks = parse_ranks(args.ranks, pool.world_size)
     if not os.path.isfile(os.path.expanduser(args.script)):
         raise UsageError(f"no script {args.script!r} (relative paths start in {os.getcwd()}); "
                          "%mnb run's own options come before the script, its arguments after it")

@@ -191,6 +191,26 @@ def test_export_magic_prints_writes_and_refuses(tmp_path, capsys, monkeypatch):
     assert callable(mnb.export) and "export" in mnb.__all__
 
 
+def test_export_takes_the_layout_flags_of_megatron_including_no_sp(capsys):
+    """One layout argument group and one layout-from-flags for %%megatron and %mnb export: --no-sp is a
+    layout flag in both (naming it sets the whole layout, sequence parallelism off)."""
+    from mnb.magics import megatron_parser, requested_layout
+    from mnb.magic_parsers import export_parser, layout_from_flags
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    capsys.readouterr()
+    shell.run_line_magic("mnb", "export --model tiny --gpus-per-node 2 --tp 2 --no-sp --gbs 8 --mbs 2")
+    out = capsys.readouterr().out
+    assert "--tensor-model-parallel-size 2 \\" in out and "--sequence-parallel" not in out
+    for line in ("--tp 2 --no-sp", "--no-sp", "--tp 2 --sp --fsdp optim", "--pp 2 --vpp 2 --cp 1 --ep 1"):
+        exported = layout_from_flags(export_parser().parse_args(line.split()))
+        cell = requested_layout(ParallelConfig(tp=2, sequence_parallel=True).resolve(4),
+                                megatron_parser().parse_args(line.split()), 4)
+        assert exported is not None and exported.resolve(4) == cell, line
+    assert layout_from_flags(export_parser().parse_args([])) is None
+
+
 def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
     """Megatron-LM's parse_args + validate_args on the exported list, as rank 0 of the target world.
 

@@ -36,8 +36,8 @@ FLAGS = {
     "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
     "%mnb run": ["--grace", "--isolated", "--ranks", "--timeout"],
     "%mnb profile": ["delete", "list", "open"],
-    "%mnb export": ["--cp", "--data", "--ep", "--fsdp", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--nodes",
-                    "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
+    "%mnb export": ["--cp", "--data", "--ep", "--fsdp", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--no-sp",
+                    "--nodes", "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
                     "megatron-lm", "slurm", "torchrun"],
     "%%megatron": ["--cp", "--debug-ranks", "--ep", "--fsdp", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
                    "--ranks", "--sp", "--timeout", "--tp", "--vpp", "-o"],
@@ -134,10 +134,39 @@ def test_requested_layout_reads_only_the_layout_flags():
 
 
 def test_rank_lists():
-    assert parse_ranks("0,2-3") == [0, 2, 3]
+    assert parse_ranks("0,2-3", 4) == [0, 2, 3] and parse_ranks(None, 4) is None and parse_ranks("", 4) is None
     for bad in ("a", "3-1", "-1", ","):
-        with pytest.raises(UsageError):
-            parse_ranks(bad)
+        with pytest.raises(UsageError, match=f"--ranks {bad}: bad rank"):
+            parse_ranks(bad, 4)
+    # the range rule is the pool's own (mnb.fields.check_ranks), with the flag in front
+    with pytest.raises(UsageError, match=r"^--debug-ranks 1-4: rank\(s\) \[4\] not in this pool of world size 4 "
+                                         r"\(valid: 0-3\)$"):
+        parse_ranks("1-4", 4, "--debug-ranks")
+
+
+@pytest.mark.parametrize("magic, line, message", [
+    ("cell", "--timeout 0", "argument --timeout: must be a positive number, got '0'"),
+    ("cell", "--grace -1", "argument --grace: must be a number, zero or positive, got '-1'"),
+    ("cell", "--timeout soon", "argument --timeout: must be a positive number, got 'soon'"),
+    ("line", "start --grace -1", "argument --grace: must be a number, zero or positive, got '-1'"),
+    ("line", "start -n 0", "argument -n: must be a positive integer, got '0'"),
+    ("line", "run --timeout 0 x.py", "argument --timeout: must be a positive number, got '0'"),
+    ("line", "plan --model tiny --gpus 0", "argument --gpus: must be a positive integer, got '0'"),
+    ("line", "export --model tiny --lr 0", "argument --lr: must be a positive number, got '0'"),
+])
+def test_a_bad_number_names_the_flag_the_rule_and_the_value(magic, line, message):
+    """Refused while parsing, before any pool is looked up or started (no function name of mnb's in it)."""
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    with pytest.raises(UsageError) as raised:
+        if magic == "cell":
+            shell.run_cell_magic("megatron", line, "x = 1")
+        else:
+            shell.run_line_magic("mnb", line)
+    assert str(raised.value) == message
+    from mnb.controller import current_pool
+
+    assert current_pool(required=False) is None
 
 
 @pytest.mark.slow
@@ -187,7 +216,7 @@ def test_magics_end_to_end(shell, capsys):
 
     with pytest.raises(UsageError, match=r"tp\(2\) \* pp\(2\) \* cp\(1\) = 4 does not divide world size 2"):
         shell.run_cell_magic("megatron", "--tp 2 --pp 2", "pass")
-    with pytest.raises(UsageError, match="rank 5 does not exist"):
+    with pytest.raises(UsageError, match=r"--ranks 0,5: rank\(s\) \[5\] not in this pool of world size 2"):
         shell.run_cell_magic("megatron", "--ranks 0,5", "pass")
     with pytest.raises(UsageError, match=r"num_attention_heads\(3\) is not divisible by tp\(2\)"):
         shell.run_cell_magic("megatron", "--tp 2",

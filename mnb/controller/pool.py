@@ -121,6 +121,8 @@ class Pool(Requests):
         """The layout requests run under; during an automatic restart, the one the new ranks will have."""
         self.event_handlers: list[Callable[[int, str, dict], None]] = []
         self.last_cell_records: list[dict[str, Any]] = []
+        self.last_cell_profile: str | None = None
+        """The folder the ranks wrote the last cell's profile to, from their replies (None: none)."""
         self.last_failure = None  # the root cause of the last failed cell, for %mnb debug (requests.py)
         self._gate = RequestGate()
         self._repair = Repair(spec, bind_ip=bind_ip, start_timeout_s=start_timeout_s, make_launcher=make_launcher,

@@ -63,8 +63,9 @@ def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, A
     ``tokenizer`` belongs to ``model``: the Hugging Face folder of its tokenizer, or None (a model
     without one); kept, or cleared, whenever a model is.
 
-    Set by each training's run records and by ``%%megatron`` cells whose ``mnb.gpt(...)`` /
-    ``mnb.train(...)`` arguments are literals; read by ``%mnb export``, so a layout found in
+    Set by each training's run records (the ranks' merged settings: the only source of what a cell
+    trained) and by ``%%megatron`` cells that trained nothing, from their ``mnb.gpt(...)`` /
+    ``mnb.train(...)`` calls with literal arguments; read by ``%mnb export``, so a layout found in
     the notebook goes to the cluster with the settings it was found with.
     """
     if model:

@@ -28,6 +28,7 @@ from mnb.controller.repair import Repair
 from mnb.controller.transport import Transport
 from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
                         interrupted)
+from mnb.fields import check_ranks
 from mnb.protocol import Message
 from mnb.timeouts import DEATH_REPORT_WAIT_S, REMOTE_RANK_SILENCE_S, VALUES_TIMEOUT_S
 from mnb.values import ValueDecodeError, decode_values, encode_push
@@ -53,6 +54,7 @@ class Requests:
     start_timeout_s: float
     event_handlers: list[Callable[[int, str, dict], None]]
     last_cell_records: list[dict[str, Any]]
+    last_cell_profile: str | None
     ranks: dict[int, RankInfo]
     world_size: int
     last_failure: "KeptFailure | None"
@@ -94,6 +96,7 @@ class Requests:
         and ``pdb.set_trace()`` (default: every rank).  A failed rank keeps its frames for
         :meth:`debug` until its next cell.
         """
+        self.last_cell_profile = None  # until this cell's replies say which folder its ranks wrote
         targets = self._targets(ranks)
         header: dict[str, Any] = {
             "code": code, "display_ranks": list(display_ranks), "want_value": True, "show_result": show_result,
@@ -217,9 +220,11 @@ class Requests:
         self._raise_for(outcome, targets, errors)
 
     def _absorb(self, outcome: Outcome) -> tuple[list[RankError], dict[int, Any]]:
-        """Coordinates, layout, run records and values of an execute's replies (in arrival order)."""
+        """Coordinates, layout, run records, the profile folder and values of an execute's replies (in
+        arrival order)."""
         errors: list[RankError] = []
         values: dict[int, Any] = {}
+        profiles: list[str] = []  # the folder the ranks wrote the cell's profile to (the same on each)
         records: list[dict[str, Any]] = []
         last_records: list[dict[str, Any]] = []  # each rank's last training of the cell: mnb.last_run
         for rank, reply in outcome.replies.items():
@@ -230,6 +235,8 @@ class Requests:
             payload = reply.payload or {}
             records.extend(payload.get("records") or [])
             last_records.extend((payload.get("records") or [])[-1:])
+            if reply.get("profile_dir"):
+                profiles.append(reply["profile_dir"])
             if reply.get("payload_error") and reply.get("ok"):
                 errors.append(RankError(
                     rank=rank, ename="UnpicklingError", label=info.label(self.layout.as_dict()),
@@ -240,6 +247,7 @@ class Requests:
             elif reply.get("ename") != "KeyboardInterrupt" or not (outcome.interrupted or rank in outcome.waiting):
                 errors.append(self._rank_error(rank, reply))  # not the interrupt mnb itself sent
         self.last_cell_records = records
+        self.last_cell_profile = profiles[0] if profiles else None
         if last_records:  # a cell that trained twice: the second training, not a mix of both
             set_last_run(sorted(last_records, key=lambda r: r.get("rank", 0)))
         return errors, dict(sorted(values.items()))
@@ -295,13 +303,10 @@ class Requests:
         if line:  # a rank died while the pool was idle: this request runs on the new ranks
             print(f"mnb: {line}", flush=True)
             self._repair.wait(self._gate.latch())
-        targets = sorted(self.ranks) if ranks is None else sorted(set(ranks))
-        bad = [r for r in targets if r not in self.ranks]
-        if bad or not targets:
-            raise RequestRefused(
-                f"rank(s) {bad or '(none)'} not in this pool of world size {self.world_size} "
-                f"(valid: 0-{self.world_size - 1})"
-            )
+        try:
+            targets = sorted(self.ranks) if ranks is None else check_ranks(ranks, self.world_size)
+        except ValueError as exc:
+            raise RequestRefused(str(exc)) from None
         self._drain()
         busy = [r for r in targets if self.ranks[r].state == "busy"]
         if busy:  # a request that was never answered: replace the ranks rather than refuse forever

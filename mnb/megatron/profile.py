@@ -305,6 +305,8 @@ def _group_label(group, names: dict[Any, str]) -> str:
 
 _current: Session | None = None
 _default_dir: Path | None = None
+_written: Path | None = None
+"""The folder this cell's profile went to (``_finish``), for the cell's reply."""
 
 
 def current() -> Session | None:
@@ -318,16 +320,20 @@ def cell(request: dict[str, Any] | None, rank: int,
 
     ``request``: ``{"dir", "steps", "ranks", "memory"}`` from the notebook, or None (nothing is profiled
     unless ``mnb.train(profile=...)`` asks, into ``default_dir``).  Always leaves no profiler
-    running and no collective wrapped, also when the cell raised.
+    running and no collective wrapped, also when the cell raised.  After the cell the report's
+    ``dir`` is the folder this rank wrote its profile to (absent when it wrote none): the reply
+    carries it, so the notebook never has to guess which folder is the cell's.
     """
-    global _current, _default_dir
+    global _current, _default_dir, _written
     _default_dir = Path(default_dir) if default_dir else None
+    _written = None
     report: dict[str, Any] = {}  # the worker notes the cell's failure here (run_cell does not raise)
     if not request:
         try:
             yield report
         finally:
             _default_dir = None
+            _note_written(report)
         return
     ranks = request.get("ranks")
     session = Session(out_dir=Path(request["dir"]), rank=rank, steps=parse_steps(request.get("steps")),
@@ -344,10 +350,21 @@ def cell(request: dict[str, Any] | None, rank: int,
         raise
     finally:
         _current, _default_dir = None, None
-        _finish(session, error or report.get("error"))
+        try:
+            _finish(session, error or report.get("error"))
+        finally:
+            _note_written(report)
+
+
+def _note_written(report: dict[str, Any]) -> None:
+    global _written
+    if _written is not None:
+        report["dir"] = str(_written)
+    _written = None
 
 
 def _finish(session: Session, error: str | None) -> None:
+    global _written
     if not session.profiled:
         return
     try:
@@ -355,6 +372,7 @@ def _finish(session: Session, error: str | None) -> None:
     finally:
         session._unwrap_collectives()
         session.write_meta(error)
+        _written = session.out_dir
 
 
 @contextlib.contextmanager

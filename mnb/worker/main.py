@@ -152,6 +152,7 @@ class Rank:
         counting = sys.modules.get("mnb.megatron.collectives")
         if counting is not None:  # collective numbers in hang reports count from the start of this cell
             counting.begin_cell()
+        profile_dir = None  # the folder this rank wrote the cell's profile to (mnb.megatron.profile)
         kernel = message.get("kernel") or {}  # the notebook's cwd and environment changes
         sandbox.apply_environ(kernel.get("environ") if not message.get("script") else None)
         requested = message.get("layout")
@@ -184,6 +185,7 @@ class Rank:
                 self.last_failure = outcome.exception
                 if not outcome.ok:
                     report["error"] = f"{outcome.ename}: {outcome.evalue}"
+            profile_dir = report.get("dir")
         self.fd_capture.drain()
         self.fd_capture.cell_id = None
         self.channel.busy.clear()
@@ -210,6 +212,7 @@ class Rank:
             traceback=outcome.traceback,
             coords=layout.coordinates(),
             layout=self.layout,
+            profile_dir=profile_dir,
         )
 
     def _on_push(self, message: Message) -> None:

@@ -290,6 +290,35 @@ def test_a_cell_that_trains_twice_leaves_the_second_training_as_last_run(cpu_poo
     assert run.lrs == second.lrs == [3e-4] * 3
 
 
+def test_export_after_a_training_that_continued_carries_what_the_ranks_ran(cpu_pool, shell, capsys, monkeypatch):
+    """The ranks' record is the only source of what a cell trained: a second mnb.train that continues the
+    first trains with its lr, schedule and warm-up, and %mnb export says so (not the defaults that the
+    second cell's text alone would give).  The text counts only for a cell that trained nothing."""
+    from mnb.controller import registry
+
+    monkeypatch.setattr(registry, "_SETTINGS", {})
+    shell.run_cell_magic("megatron", "", "model = mnb.gpt('tiny', num_layers=1, hidden_size=64, ffn_hidden_size=128, "
+                                         "seq_length=32)\n"
+                                         "mnb.train(model, steps=5, lr=1e-3, schedule_steps=10, warmup_steps=2, "
+                                         "lr_decay_style='cosine', micro_batch_size=1, global_batch_size=2)")
+    shell.run_cell_magic("megatron", "", "mnb.train(model, steps=5)")
+
+    def exported() -> dict[str, str]:
+        capsys.readouterr()
+        shell.run_line_magic("mnb", "export --gpus-per-node 2")
+        words = [w for w in capsys.readouterr().out.split() if w != "\\"]
+        return {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+
+    got = exported()
+    assert (got["--lr"], got["--lr-decay-style"], got["--lr-warmup-iters"]) == ("0.001", "cosine", "2"), got
+    assert (got["--train-iters"], got["--lr-decay-iters"], got["--num-layers"]) == ("10", "10", "1"), got
+    # a cell that trains nothing: its literal mnb.gpt(...) is the model to export, the training stays the ranks'
+    shell.run_cell_magic("megatron", "", "other = mnb.gpt('tiny', num_layers=2, hidden_size=64, ffn_hidden_size=128, "
+                                         "seq_length=32)")
+    got = exported()
+    assert (got["--num-layers"], got["--lr"], got["--train-iters"]) == ("2", "0.001", "10"), got
+
+
 def test_a_training_step_that_raises_gives_back_its_activations(cpu_pool):
     """A forward that fails (out of memory on a GPU) in the steps where mnb counts saved tensors:
     nothing it saved stays alive, and no saved-tensor hook is left on autograd's stack."""

@@ -86,7 +86,7 @@ def test_profile_rank_one_only_and_a_raising_cell(cpu_pool, shell, tmp_path):
     marker = next(line for line in ax.get_lines() if str(line.get_label()).startswith("peak"))
     assert ax.get_ylabel() == "MiB (counted tensors)"  # the figure's peak: the same bytes, in its units
     assert marker.get_ydata()[0] * 2**20 == pytest.approx(mnb.last_run.peak_memory_bytes[1], rel=1e-12)
-    with pytest.raises(UsageError, match="rank 2 does not exist"):
+    with pytest.raises(UsageError, match=r"--profile-ranks 2: rank\(s\) \[2\] not in this pool"):
         shell.run_cell_magic("megatron", "--profile --profile-ranks 2", "pass")
     with pytest.raises(UsageError, match="only apply with --profile"):
         shell.run_cell_magic("megatron", "--profile-ranks 1", "pass")
@@ -118,3 +118,29 @@ def test_profile_rank_one_only_and_a_raising_cell(cpu_pool, shell, tmp_path):
     assert first["bytes"] == last["bytes"]
     assert first["start_us"] <= last["end_us"] and last["start_us"] <= first["end_us"], (first, last)
     assert_no_profiler(cpu_pool)
+
+
+def test_each_cell_shows_the_profile_folder_its_ranks_wrote(cpu_pool, shell, capsys):
+    """The replies name the folder the ranks wrote: two profiled cells in quick succession each get their
+    own, and a cell that profiled nothing right after them shows none.  No folder is guessed from
+    modification times (here the first folder's are an hour ahead, as on a file server whose clock runs
+    ahead of the kernel's)."""
+    import os
+    import time
+
+    shell.run_cell_magic("megatron", "--tp 2", TRAIN.replace("steps=3", "steps=1, profile=1"))
+    first = mnb.last_profile
+    assert first is not None and first.folder.parent == cpu_pool.workdir() / "profiles"
+    ahead = time.time() + 3600
+    for path in [first.folder, *first.folder.rglob("*")]:
+        os.utime(path, (ahead, ahead))
+    shell.run_cell_magic("megatron", "", "mnb.train(model, steps=1, profile=1)")
+    second = mnb.last_profile
+    assert second is not None and second.folder != first.folder, (first.folder, second.folder)
+    assert second.folder.name.startswith("cell-") and second.folder.parent == first.folder.parent
+    assert [len(second.steps(r)) for r in (0, 1)] == [1, 1]
+    capsys.readouterr()
+    shell.run_cell_magic("megatron", "", "x = 1")
+    out = capsys.readouterr().out
+    assert mnb.last_profile is second and "profiled step" not in out and str(first.folder) not in out
+    assert cpu_pool.last_cell_profile is None
