@@ -45,6 +45,31 @@ def _best_time(fn, device: torch.device, budget_s: float, min_repeats: int = 3) 
     return best
 
 
+def _best_collective_time(fn, device: torch.device, budget_s: float, min_repeats: int = 3) -> float:
+    """The best time of a collective ``fn`` as the slowest rank saw it.
+
+    Every rank must call a collective the same number of times: :func:`_best_time` stops on each
+    rank's own clock, so on a loaded machine one rank would run one all-reduce more than another,
+    which pairs it with a different call (gloo aborts or hangs).  The count is agreed first, from
+    the slowest rank's warm-up time."""
+    def timed() -> float:
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    def slowest(seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+
+    fn()  # warm-up: connections, buffers
+    _sync(device)
+    first = slowest(timed())
+    repeats = max(min_repeats, min(50, int(budget_s / max(first, 1e-6))))
+    return slowest(min(timed() for _ in range(repeats)))
+
+
 def measure(budget_s: float | None = None, shapes: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
     """GEMM FLOP/s per shape, copy bandwidth and all-reduce bus bandwidth on this rank (plain data)."""
     on_gpu = _on_gpu()
@@ -78,9 +103,7 @@ def measure(budget_s: float | None = None, shapes: list[tuple[int, int, int]] | 
         world = dist.get_world_size()
         nbytes = (256 << 20) if on_gpu else (8 << 20)
         buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        took = _best_time(lambda: dist.all_reduce(buf), device, per_item)
-        local = torch.tensor([took], dtype=torch.float64, device=device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)  # the slowest rank is the collective's time
+        took = _best_collective_time(lambda: dist.all_reduce(buf), device, per_item)
         result.update(
             world_size=world,
             allreduce_bus_bytes_per_s=2 * (world - 1) / world * nbytes / float(local.item()),
