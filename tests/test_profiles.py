@@ -71,3 +71,8 @@ def test_estimate_and_explorer_texts_show_as_text():
                  explorer(model="tiny", gpus=2, gpu="h200").summary()):
         assert "\n" in text
         assert formatter.format(text)[0]["text/plain"] == str(text), text
+    # the estimates themselves as a cell's value: their text, not a dataclass dump
+    memory = estimate.memory("tiny", {"tp": 1})
+    assert formatter.format(memory)[0]["text/plain"] == str(memory.summary())
+    time = estimate.step_time("tiny", {"tp": 1}, gpus=1, gpu="h200")
+    assert formatter.format(time)[0]["text/plain"] == str(time.explain().table())
