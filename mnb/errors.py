@@ -302,3 +302,12 @@ class CudaStreamError(RuntimeError):
 
 class ScriptGroupError(ValueError):
     """The script asked for a process group the pool cannot give it."""
+
+
+# ---------------------------------------------------------------- the workshop notebooks' checks
+
+class NotRight(AssertionError):
+    """A prediction that is not the measured value; in a notebook, its message alone (no traceback)."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython's hook: what the cell's error shows
+        return [f"{type(self).__name__}: {self}"]

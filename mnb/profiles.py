@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mnb.units import Text
+
 
 MAX_TRACE_BYTES = 300 * 2**20
 """Per-rank traces larger than this in all are not merged (nor read into the kernel)."""
@@ -245,8 +247,9 @@ class Profile:
                 out[rank] = sum(costs) / len(costs)
         return out
 
-    def summary(self) -> str:
-        """Text: per rank the shares and top operators, the profiled step's cost and the trace's size."""
+    def summary(self) -> Text:
+        """Per rank the shares and top operators, the profiled step's cost and the trace's size (a str that
+        shows as text as a cell's last value)."""
         lines = [f"profile of rank(s) {', '.join(map(str, self.ranks))}: {self.path} "
                  f"(per-rank traces {_size(self.trace_bytes)} in {self.trace_dir}; open the merged file in "
                  "https://ui.perfetto.dev)"]
@@ -257,7 +260,7 @@ class Profile:
                          f"({s['overlap']:.0%} overlapped), idle {s['idle']:.0%}{cost}")
             for row in self._top(rank, 3):
                 lines.append(f"    {row['name'][:60]:<60} {row['self_us'] / 1e3:8.2f} ms  x{row['calls']}")
-        return "\n".join(lines)
+        return Text("\n".join(lines))
 
     def __repr__(self) -> str:
         return self.summary()
@@ -336,29 +339,35 @@ class Profile:
         fig.tight_layout()
         return fig
 
+    def _plot_rows(self, range: tuple[float, float] | None) -> dict[tuple[int, Any], dict[str, list]]:  # noqa: A002
+        """(rank, thread) -> ``{"compute": [(start_ms, ms)], "comm": [...]}`` of the events inside ``range``;
+        only threads with an event there (gloo's ``pt_gloo_runloop`` threads hold none of their own)."""
+        rows: dict[tuple[int, Any], dict[str, list]] = {}
+        for e in self.events:
+            if e.get("ph") != "X" or e.get("cat") not in ("cpu_op", "kernel", "comm", "gpu_memcpy"):
+                continue
+            start, dur = e["ts"] / 1e3, e.get("dur", 0) / 1e3
+            if range and (start + dur < range[0] or start > range[1]):
+                continue
+            bars = rows.setdefault((e["pid"], e.get("tid")), {"compute": [], "comm": []})
+            bars["comm" if is_comm(e) else "compute"].append((start, max(dur, 1e-4)))
+        return rows
+
     def plot(self, range: tuple[float, float] | None = None):  # noqa: A002 - the issue's name
-        """All ranks on one time axis (ms on the shared clock): one row per rank and thread, collectives
-        in red.  ``range``: (start_ms, end_ms); default the first profiled step of the first rank."""
+        """All ranks on one time axis (ms on the shared clock): one row per rank and thread with events in
+        ``range``, collectives in red.  ``range``: (start_ms, end_ms); default the first profiled step of the first rank."""
         import matplotlib.pyplot as plt
 
         if range is None:
             first = self.steps(self.ranks[0])[:1]
             range = (first[0][0] / 1e3, first[0][1] / 1e3) if first else None
-        rows: dict[tuple[int, Any], list[dict[str, Any]]] = {}
-        for e in self.events:
-            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "kernel", "comm", "gpu_memcpy"):
-                rows.setdefault((e["pid"], e.get("tid")), []).append(e)
+        rows = self._plot_rows(range)
         keys = sorted(rows, key=lambda k: (k[0], str(k[1])))
         names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in self.events
                  if e.get("ph") == "M" and e.get("name") == "thread_name"}
-        fig, ax = plt.subplots(figsize=(12, 0.5 + 0.4 * len(keys)))
+        fig, ax = plt.subplots(figsize=(12, 0.5 + 0.4 * max(len(keys), 1)))
         for y, key in enumerate(keys):
-            bars = {"compute": [], "comm": []}
-            for e in rows[key]:
-                start, dur = e["ts"] / 1e3, e.get("dur", 0) / 1e3
-                if range and (start + dur < range[0] or start > range[1]):
-                    continue
-                bars["comm" if is_comm(e) else "compute"].append((start, max(dur, 1e-4)))
+            bars = rows[key]
             ax.broken_barh(bars["compute"], (y - 0.4, 0.8), color="tab:blue", alpha=0.5)
             ax.broken_barh(bars["comm"], (y - 0.4, 0.8), color="tab:red")
         ax.set_yticks([i for i, _ in enumerate(keys)])

@@ -398,17 +398,34 @@ class Run:
         """What :attr:`measured_bubble` is, in words the summary and the timeline's title share:
         ``"median of steps 2-10"`` (the run's step numbers, :attr:`steps`)."""
         per = self.measured_bubble_per_step
-        used = self._steady_steps(list(per))
+        return self._steps_note(self._steady_steps(list(per)), "median")
+
+    @property
+    def profiled_steps(self) -> list[int]:
+        """The steps the profiler ran through on any rank (``--profile``, ``mnb.train(profile=)``): slower
+        than the others, so the summary's means and the measured bubble leave them out when others remain."""
+        return [step for step, flags in self._per_step("profiled").items() if any(flags)]
+
+    def _steady_steps(self, steps: list[int]) -> list[int]:
+        """The steps a mean or median covers: after the first (warm-up) one, less the profiled ones,
+        each only while steps remain."""
+        steady = steps[1:] if len(steps) > 1 else steps
+        profiled = set(self.profiled_steps)
+        return [s for s in steady if s not in profiled] or steady
+
+    def _steps_note(self, used: list[int], statistic: str) -> str:
+        """Which steps a figure covers, in words: ``"mean of steps 2-3, 5; profiled step 4 left out"``."""
         if not used:
             return "no step timed"
-        if len(used) == 1:
-            return f"step {used[0]}"
-        return f"median of steps {used[0]}-{used[-1]}"
-
-    @staticmethod
-    def _steady_steps(steps: list[int]) -> list[int]:
-        """Steps after the first (warm-up) one, when there are more."""
-        return steps[1:] if len(steps) > 1 else steps
+        text = (f"step {used[0]}" if len(used) == 1 else f"{statistic} of steps {_step_ranges(used)}")
+        inside = [s for s in self.profiled_steps if s in used]
+        left_out = [s for s in self.profiled_steps if s not in used]
+        if inside:
+            text += (", all profiled" if len(inside) == len(used)
+                     else f", step{'s' if len(inside) > 1 else ''} {_step_ranges(inside)} profiled") + " (slowed by the profiler)"
+        elif left_out:
+            text += f"; profiled step{'s' if len(left_out) > 1 else ''} {_step_ranges(left_out)} left out"
+        return text
 
     @property
     def expected_bubble(self) -> float | None:
@@ -457,11 +474,10 @@ class Run:
         if evals:
             lines.append(f"eval loss {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} "
                          f"(step {evals[-1][0]}), {len(evals)} evaluations")
-        tps = [x for x in self.tokens_per_s[1:] or self.tokens_per_s if x]
-        mfus = [x for x in self.mfu[1:] or self.mfu if x is not None]
-        numbers = self.steps
-        which = (f"mean of steps {numbers[1]}-{numbers[-1]}" if len(numbers) > 2
-                 else f"step {numbers[-1]}" if numbers else "no step")
+        used = set(self._steady_steps(self.steps))  # after the first, less the profiled steps
+        tps = [x for s, x in zip(self.steps, self.tokens_per_s) if s in used and x]
+        mfus = [x for s, x in zip(self.steps, self.mfu) if s in used and x is not None]
+        which = self._steps_note(sorted(used), "mean")
         perf = []
         if tps:
             perf.append(f"{sum(tps) / len(tps):,.0f} tokens/s ({which})")
@@ -555,3 +571,14 @@ def as_run(obj: Any) -> Run:
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(r, dict) for r in obj):
         return Run(obj)
     raise TypeError(f"expected a Run or rank records, got {type(obj).__name__}")
+
+
+def _step_ranges(steps: list[int]) -> str:
+    """``[2, 3, 5, 7, 8]`` -> ``"2-3, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for step in sorted(steps):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

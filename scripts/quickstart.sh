@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: run notebooks/01-quickstart.ipynb headless on 2 CPU ranks and
-# keep the executed copy, with its printed output and plots, in notebooks/executed/.
+# keep the executed copy, with its printed output and plots, in artifacts/quickstart/
+# (ignored by git: a clone stays clean; notebooks/executed/ holds the copies the project commits).
 #
 #   bash scripts/quickstart.sh             # install what the notebooks need (no browser, no Slurm), then run
 #   bash scripts/quickstart.sh --dry-run   # print what it would install and run; change nothing
@@ -23,12 +24,13 @@ else
   bash scripts/setup.sh --for quickstart
 fi
 PY=${PYTHON:-python3}
+OUT=artifacts/quickstart
 RUN=("$PY" -m jupyter nbconvert --to notebook --execute notebooks/01-quickstart.ipynb
-     --ExecutePreprocessor.timeout=900 --output-dir notebooks/executed)
+     --ExecutePreprocessor.timeout=900 --output-dir "$OUT")
 if [ "$DRY" = 1 ]; then
   echo "quickstart: would run: ${RUN[*]}" >&2
   exit 0
 fi
-mkdir -p notebooks/executed
+mkdir -p "$OUT"
 "${RUN[@]}"
-echo "executed notebook: notebooks/executed/01-quickstart.ipynb"
+echo "executed notebook: $OUT/01-quickstart.ipynb"

@@ -6,13 +6,15 @@ The workshop notebooks (05 onwards) pose "predict, then run" exercises in four c
 * an **exercise** cell (tag ``exercise``) where the learner writes a prediction, e.g.
   ``predicted_allreduces = ...``; its metadata ``mnb.wrong`` holds a plausible wrong
   answer (the usual misconception) as code;
-* a **check** cell (tag ``check``) that compares the prediction with what was measured and
-  raises ``AssertionError`` with a hint when they differ;
+* a **check** cell (tag ``check``) that compares the prediction with what was measured
+  through :mod:`mnb.workshop` and raises its ``NotRight`` with a hint when they differ;
 * a **solution** cell (tag ``solution``, collapsed) with the answer and its reasoning.
 
 For a learner the exercise cell runs as written and the check judges their answer.  Here
-each check runs twice: after the wrong answer (it must raise) and after the solution (it
-must pass); the notebook then goes on with the solution in place.  Cells tagged
+each check runs after the wrong answer, after each of :data:`ANY_WRONG` (``0``, ``None``, a
+string) in every ``predicted_*`` name of the exercise cell (each must raise ``NotRight``: a
+"not right" message, not a crash inside the check) and after the solution (it must pass);
+the notebook then goes on with the solution in place.  Cells tagged
 ``raises-exception`` (a provoked failure the text explains) may end in an error; any
 other error fails the run.
 
@@ -51,6 +53,17 @@ def _tags(cell) -> set[str]:
 
 def _scratch(source: str) -> nbformat.NotebookNode:
     return nbformat.v4.new_code_cell(source)
+
+
+ANY_WRONG = ("0", "None", "'a string'")
+"""Answers of any type a learner may type: each check says "not right" (mnb.workshop.NotRight) to each."""
+REJECTED = "NotRight"
+
+
+def _predictions(source: str) -> list[str]:
+    """The names an exercise cell asks for: ``predicted_x = ...`` at the start of a line."""
+    names = [line.split("=", 1)[0].strip() for line in source.splitlines() if line.startswith("predicted_")]
+    return [name for name in names if name.isidentifier()]
 
 
 def execute(path: Path, workdir: Path, timeout: int = 900) -> Execution:
@@ -92,10 +105,19 @@ def execute(path: Path, workdir: Path, timeout: int = 900) -> Execution:
                 check_cell = copy.deepcopy(cells[check])
                 ename = run(_scratch(check_cell.source), check)
                 cells[check] = check_cell
-                if ename == "AssertionError":
+                if ename == REJECTED:
                     result.rejected_wrong += 1
                 else:
                     result.problems.append(f"cell {check}: the check accepted the wrong answer {wrong!r} ({ename or 'no error'})")
+                for answer in ANY_WRONG:  # whatever a learner types: "not right", never a crash in the check
+                    names = _predictions(exercise.source)
+                    run(_scratch(" = ".join([*names, answer])), index)
+                    cells[index] = exercise
+                    ename = run(_scratch(check_cell.source), check)
+                    cells[check] = check_cell
+                    if ename != REJECTED:
+                        result.problems.append(f"cell {check}: with {' = '.join(names)} = {answer} the check "
+                                               f"raised {ename or 'nothing'}, not {REJECTED}")
                 # The solution stands where the learner's answer would, then the check must pass.
                 cells[index].outputs = []
                 for i in (solution, check):

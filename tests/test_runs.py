@@ -219,3 +219,31 @@ def test_train_result_is_the_record_with_a_one_line_repr():
     info = LoadResult({"path": "/c/run1", "step": 20, "layout": {"tp": 2, "pp": 1, "vpp": 1, "dp": 1},
                        "optimizer_loaded": True, "schedule_loaded": True, "rng_loaded": False})
     assert repr(info) == "<mnb.load /c/run1: step 20, saved under tp2 pp1 dp1; weights, optimizer, schedule loaded>"
+
+
+def _four_steps(profiled: tuple[int, ...], rank_profiled: int = 1) -> list[dict]:
+    """make_records with steps 1-4 (4 is as fast as 2), ``profiled`` steps 3x slower, marked on one rank."""
+    records = make_records(device="cpu", device_name="cpu")
+    for record in records:
+        rows = []
+        for step, t in ((1, 17.0), (2, 10.0), (3, 10.0), (4, 12.0)):
+            t *= 3 if step in profiled else 1
+            row = {"step": step, "loss": 5.0, "step_time_s": t, "tokens_per_s": 256 / t}
+            if step in profiled and record["rank"] == rank_profiled:
+                row["profiled"] = True  # what mnb.train records for a step the profiler ran through
+            rows.append(row)
+        record["steps"] = rows
+    return records
+
+
+def test_summary_means_leave_profiled_steps_out_and_say_which_steps_they_cover():
+    run = Run(_four_steps(profiled=(3,)))
+    assert run.profiled_steps == [3]  # one rank profiled it: the step was slow for all
+    text = run.summary()
+    mean = (256 / 10 + 256 / 12) / 2  # steps 2 and 4; not 3 (profiled), not 1 (warm-up)
+    assert f"{mean:,.0f} tokens/s (mean of steps 2, 4; profiled step 3 left out)" in text, text
+    every = Run(_four_steps(profiled=(2, 3, 4)))  # nothing unprofiled after the warm-up: in, and said so
+    assert every.profiled_steps == [2, 3, 4]
+    assert "tokens/s (mean of steps 2-4, all profiled (slowed by the profiler))" in every.summary()
+    plain = Run(_four_steps(profiled=()))
+    assert plain.profiled_steps == [] and "tokens/s (mean of steps 2-4)," in plain.summary()

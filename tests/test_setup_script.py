@@ -39,7 +39,7 @@ def test_main_command_installs_no_browser_and_no_slurm(fresh_python):
     assert runs == [f"{fresh_python} -m pip install --progress-bar on torch==2.13.0",
                     f"{fresh_python} -m pip install --progress-bar on -e .",
                     f"{fresh_python} -m jupyter nbconvert --to notebook --execute notebooks/01-quickstart.ipynb "
-                    "--ExecutePreprocessor.timeout=900 --output-dir notebooks/executed"], plan
+                    "--ExecutePreprocessor.timeout=900 --output-dir artifacts/quickstart"], plan
     text = "\n".join(plan)
     assert "chromium" not in text.lower() and "apt-get" not in text and "munge" not in text, text
     torch_line = next(line for line in plan if line.startswith("setup: torch:"))
@@ -67,3 +67,17 @@ def test_setup_refuses_an_unknown_mode():
     done = subprocess.run(["bash", "scripts/setup.sh", "--for", "laptop", "--dry-run"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 2 and "--for takes quickstart or tests, not 'laptop'" in done.stderr
+
+
+def test_quickstart_writes_its_executed_copy_where_git_ignores_it(fresh_python):
+    """A fresh clone stays clean after ``bash scripts/quickstart.sh``: the notebook it writes is ignored, not
+    tracked (notebooks/executed/ holds the project's committed copies), and the README says where it is."""
+    plan = _plan("scripts/quickstart.sh", "--dry-run", python=fresh_python, MNB_SKIP_SETUP="1")
+    run = next(line.split("would run: ", 1)[1] for line in plan if "would run: " in line and "nbconvert" in line)
+    out_dir = run.split("--output-dir ", 1)[1].split()[0]
+    written = f"{out_dir}/01-quickstart.ipynb"
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", written], cwd=ROOT, capture_output=True)
+    assert tracked.returncode != 0, f"{written} is tracked: the quickstart would leave git status dirty"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", written], cwd=ROOT)
+    assert ignored.returncode == 0, f"{written} is not ignored: git status would list it"
+    assert f"executed copy (outputs, plots): {out_dir}/" in (ROOT / "README.md").read_text()

@@ -57,6 +57,7 @@ from mnb.controller.repair import Repair
 from mnb.controller.requests import Requests
 from mnb.controller.transport import Transport
 from mnb.protocol import Message
+from mnb.units import Text
 from mnb.timeouts import (ASK_TIMEOUT_S, DEFAULT_GRACE_S, EXIT_TEARDOWN_GRACE_S, SHUTDOWN_WAIT_S, START_TIMEOUT_S,
                           STOP_REQUEST_WAIT_S)
 
@@ -365,7 +366,7 @@ class Pool(Requests):
         """
         return {r: m.get("stacks", "") for r, m in self._ask_stacks(ranks).items()}
 
-    def stacks_report(self, ranks: Iterable[int] | None = None) -> str:
+    def stacks_report(self, ranks: Iterable[int] | None = None) -> Text:
         """What ``%mnb stacks`` prints: each rank's stack and the collective it is in, then the diagnosis
         across every rank (``rank 1 is at all_reduce #42 of tp group [0,1]; rank 0 is at #43 — ...``)."""
         answers = self._ask_stacks(None)  # every rank's counts, for the diagnosis
@@ -374,7 +375,7 @@ class Pool(Requests):
         blocks = [f"--- rank {r} ({labels.get(r, f'r{r}')}) ---\n{answers[r].get('stacks', '')}"
                   + "".join(f"in {text}\n" for text in hangs.waiting_in(answers[r].get("collectives")))
                   for r in shown]
-        return "\n".join(blocks + hangs.diagnose({r: m.get("collectives") for r, m in answers.items()}))
+        return Text("\n".join(blocks + hangs.diagnose({r: m.get("collectives") for r, m in answers.items()})))
 
     def _ask_stacks(self, ranks: Iterable[int] | None) -> dict[int, Message]:
         transport, table = self._transport, self.ranks

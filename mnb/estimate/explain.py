@@ -5,6 +5,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
+from mnb.units import Text
+
 
 @dataclass(frozen=True)
 class Explanation:
@@ -27,7 +29,8 @@ class Explanation:
         """{part: seconds}, the rows as plain data."""
         return dict(self.rows)
 
-    def table(self) -> str:
+    def table(self) -> Text:
+        """The rows as aligned text (a str that shows as text as a cell's last value)."""
         width = max([len(n) for n, _ in self.rows + self.hidden] + [10])
         lines = [f"{'part':<{width}} {'s':>10} {'share':>7}"]
         for name, sec in self.rows:
@@ -37,7 +40,7 @@ class Explanation:
             lines.append(f"{'hidden: ' + name:<{width}} {sec:10.4g}   (overlapped, not in the step)")
         lines.append(f"MFU {self.mfu:.1%} (model FLOPs), HFU {self.hfu:.1%} (with recompute), "
                      f"{self.tflops_per_gpu:.1f} TFLOP/s per GPU executed; {self.model} model")
-        return "\n".join(lines)
+        return Text("\n".join(lines))
 
     def __str__(self) -> str:
         return self.table()

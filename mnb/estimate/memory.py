@@ -156,6 +156,9 @@ class MemoryEstimate:
     def __str__(self) -> str:
         return self.summary()
 
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # a cell ending in est.memory(...): the summary
+        printer.text(str(self.summary()))
+
 
 def bytes_per_param(
     train: TrainConfig, dp: int = 1, *, grad_bytes: int | None = None, fsdp: str | None = None

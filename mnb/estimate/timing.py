@@ -117,6 +117,9 @@ class StepTimeEstimate:
         """Hardware TFLOP/s per GPU, the figure Megatron-LM papers report."""
         return (self.hardware_flops or self.model_flops) / self.total_s / self.num_gpus / 1e12
 
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # a cell ending in est.step_time(...): the table
+        printer.text(str(self.explain().table()))
+
     def explain(self) -> Explanation:
         """Where the predicted time goes, one row per part (compute by kind, bubble, each collective)."""
         rows = list(self.compute_parts) or [("compute", self.compute_s)]

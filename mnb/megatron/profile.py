@@ -189,9 +189,10 @@ class Session:
         self._step_range = torch.profiler.record_function(f"{STEP_PREFIX}{step}")
         self._step_range.__enter__()
 
-    def step_end(self, index: int, step: int) -> None:
+    def step_end(self, index: int, step: int) -> bool:
+        """After the call's ``index``-th step: whether the profiler ran through it (then it was slowed)."""
         if not self.profiled or self.done or not self._chosen(index) or self.prof is None:
-            return
+            return False
         self._step_range.__exit__(None, None, None)
         self._step_range = None
         self.step_costs.append({"step": step, "start_s": self._step_start,
@@ -199,6 +200,7 @@ class Session:
         if index == self._range()[1]:
             self.done = True  # a later training of the same cell runs unprofiled
             self.stop()
+        return True
 
     def _range(self) -> tuple[int, int]:
         return self.steps or (2, 3)

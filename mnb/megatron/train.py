@@ -440,8 +440,7 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
                 torch.cuda.empty_cache()
             raise _oom_error(err, step, meter) from err
         step_time = time.perf_counter() - t0
-        if session is not None:
-            session.step_end(i + 1, step)
+        profiled = session is not None and session.step_end(i + 1, step)
         row = {
             "step": step,
             "loss": loss,
@@ -453,6 +452,8 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
         }
         if model.fusions:
             row["compiling"] = not compiled  # ran the fused ops unfused while their kernels compiled
+        if profiled:
+            row["profiled"] = True  # the profiler ran through it: slower than the others (Run.profiled_steps)
         if tc.eval_due(i + 1):
             stop = _evaluate_now(model, tc, flag, row) or stop
         step_rows.append(row)

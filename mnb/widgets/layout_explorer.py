@@ -41,6 +41,7 @@ from traitlets import Bool, Bytes, Dict, Enum, Int, TraitError, Unicode, observe
 
 from mnb.config import FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig
 from mnb.controller.registry import measured_cpu_peak_flops
+from mnb.units import Text
 
 from . import _explorer_view as view
 from .choices import CONFIG_TRAITS, MODEL_DIMS, TRAIN_TRAITS, Derived, Settings, derive, refusal
@@ -325,9 +326,9 @@ class Explorer(widgets.VBox):
             self.predicted = derived.predictions.as_dict()
 
     # ----- text ---------------------------------------------------------------------------
-    def summary(self) -> str:
+    def summary(self) -> Text:
         """The predictions (and measurements) as text: what a front-end without widgets shows."""
-        return view.summary_text(self.model, self.gpus, self.gpu, self.predicted, self.measured, self.error)
+        return Text(view.summary_text(self.model, self.gpus, self.gpu, self.predicted, self.measured, self.error))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         bundle = super()._repr_mimebundle_(**kwargs) or {}

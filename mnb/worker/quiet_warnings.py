@@ -38,6 +38,25 @@ QUIET_WARNINGS = (
     r"The argument order of (load|save) has been changed",
 )
 
+# Notices that are only known noise when a given library raises them: (message pattern, where it is raised,
+# a part of the path).  The same message from the user's own code still reaches the cell.
+QUIET_FROM = (
+    # Megatron-Core's distributed optimizer in fp32 training zeroes `.grad` of its fp32 shards, views of the
+    # parameters (optimizer.py's _zero_grad_group_helper, from mnb.train's optimizer.zero_grad()): harmless
+    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+     f"megatron{os.sep}core{os.sep}optimizer{os.sep}"),
+)
+
+
+def is_quiet(message: str, filename: str) -> bool:
+    """Whether a warning is one of the known notices that go to the pool's log rather than the cell."""
+    if _QUIET.match(message):
+        return True
+    return any(re.match(pattern, message, re.IGNORECASE) and where in filename for pattern, where in QUIET_FROM)
+
+
+_QUIET = re.compile("|".join(f"(?:{pattern})" for pattern in QUIET_WARNINGS), re.IGNORECASE)
+
 
 def verbose_warnings() -> bool:
     """Whether ``%mnb start --verbose`` asked for every warning in the cells (``MNB_VERBOSE=1``)."""
@@ -55,12 +74,11 @@ def route_warnings(rank: int, verbose: bool) -> None:
         warnings.filterwarnings("default", message=pattern)
     if verbose or getattr(warnings.showwarning, "_mnb_routed", False):
         return
-    quiet = re.compile("|".join(f"(?:{pattern})" for pattern in QUIET_WARNINGS), re.IGNORECASE)
     show = warnings.showwarning
 
     def showwarning(message, category, filename, lineno, file=None, line=None):  # warnings' signature
         log_file = sys.__stderr__
-        if file is not None or log_file is None or not quiet.match(str(message)):
+        if file is not None or log_file is None or not is_quiet(str(message), str(filename)):
             return show(message, category, filename, lineno, file, line)
         try:
             log_file.write(f"mnb rank {rank} (to the log; %mnb start --verbose shows it in cells): "

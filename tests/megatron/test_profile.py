@@ -59,6 +59,15 @@ def test_tp2_training_profile_merged_on_one_clock(cpu_pool, shell, capsys):
     fig = prof.plot()
     assert fig.axes[0].get_xlim()[1] - fig.axes[0].get_xlim()[0] == pytest.approx(
         (prof.steps(0)[0][1] - prof.steps(0)[0][0]) / 1e3)
+    # a row per thread with events in the step (no empty pt_gloo_runloop rows), each with its bars
+    ax = fig.axes[0]
+    rows = list(zip(ax.collections[::2], ax.collections[1::2]))  # (compute, collectives) bars per row
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(rows) == len(labels) > 0
+    assert all(len(compute.get_paths()) + len(comm.get_paths()) > 0 for compute, comm in rows), labels
+    # the training's tokens/s: steps 2-3, both profiled, and the summary says so
+    assert mnb.last_run.profiled_steps == [2, 3]
+    assert "tokens/s (mean of steps 2-3, all profiled (slowed by the profiler))" in mnb.last_run.summary()
     shell.run_line_magic("mnb", "profile")
     assert str(prof.folder) in capsys.readouterr().out
     shell.run_line_magic("mnb", "profile open")

@@ -122,6 +122,30 @@ def test_plot_plan(tmp_path):
     assert any(t.get_text().endswith("GiB (off the axis)") for t in tiny.get_legend().get_texts())
 
 
+@pytest.mark.parametrize("model, gpus, gbs", [("llama-70b", 64, 128), ("llama-8b", 8, None), ("tiny", 2, None)])
+def test_plan_labels_cover_no_point_and_no_other_label(model, gpus, gbs, tmp_path):
+    """%mnb plan's scatter: each label's text sits clear of every point (its own too) and of the other labels."""
+    import numpy as np
+
+    ax = plot_plan(est.plan(model, gpus=gpus, gpu="h200", gbs=gbs))
+    save(ax, tmp_path, f"plan-{model}")  # drawn: the final layout
+    px_per_pt = ax.figure.dpi / 72
+    points = np.vstack([ax.transData.transform(c.get_offsets()) for c in ax.collections if len(c.get_offsets())])
+    from matplotlib.text import Text
+
+    boxes = [Text.get_window_extent(t) for t in ax.texts]  # the text alone (an annotation's adds its leader)
+    assert len(boxes) >= min(5, len(points) // 2), [t.get_text() for t in ax.texts]
+    for text, box in zip(ax.texts, boxes):
+        near_x = np.clip(points[:, 0], box.x0, box.x1)
+        near_y = np.clip(points[:, 1], box.y0, box.y1)
+        inside = np.hypot(points[:, 0] - near_x, points[:, 1] - near_y) < 2.5 * px_per_pt  # a marker's radius
+        assert not inside.any(), (text.get_text(), points[inside])
+        assert ax.get_window_extent().contains(box.x0, box.y0) and ax.get_window_extent().contains(box.x1, box.y1)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+
+
 def test_rejects_unknown_input():
     with pytest.raises(TypeError, match="expected a Run"):
         plot_memory(42)
