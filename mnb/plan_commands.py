@@ -8,16 +8,18 @@ live one.  Torch-free.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from IPython.core.error import UsageError
 
 from mnb.config import ParallelConfig
+from mnb.errors import OverwriteRefusedError
 from mnb.controller import current_pool
 from mnb.magic_parsers import LAYOUT_FLAGS
 
 
 def export_command(args: argparse.Namespace) -> None:
-    from mnb.exports import export
+    from mnb.exports import check_output, export
 
     settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
                                               "lr", "data") if getattr(args, k) is not None}
@@ -29,9 +31,13 @@ def export_command(args: argparse.Namespace) -> None:
                                     vpp=named.get("vpp", 1), cp=named.get("cp", 1),
                                     ep=named.get("ep", 1), sequence_parallel=bool(named.get("sp")),
                                     fsdp=named.get("fsdp"))
+        if args.output:
+            check_output(Path(args.output).expanduser(), overwrite=args.overwrite, writer="%mnb export -o",
+                         flag="--overwrite")
         exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
-                          layout=layout, output=args.output, sbatch_options=args.sbatch_arg, **settings)
-    except ValueError as exc:
+                          layout=layout, output=args.output, sbatch_options=args.sbatch_arg,
+                          overwrite=args.overwrite, **settings)
+    except (ValueError, OverwriteRefusedError) as exc:
         raise UsageError(str(exc)) from None
     if args.output:
         then = {"slurm": f"; submit it with: sbatch {args.output}", "torchrun": f"; run it: bash {args.output}"}

@@ -34,6 +34,9 @@ def profile_request(args: argparse.Namespace, pool: Any, parse_ranks: Any) -> di
         raise UsageError(f"--profile-ranks {args.profile_ranks}: rank {max(ranks)} does not exist "
                          f"in world size {pool.world_size}")
     root = Path(args.output).expanduser() if args.output else pool.workdir() / "profiles"
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"-o {args.output}: {root} is a file; name a folder (the profile goes into a new "
+                         "profile-DATE-TIME folder inside it)")
     folder = root / time.strftime("profile-%Y%m%d-%H%M%S")
     while folder.exists():
         folder = folder.with_name(folder.name + "-1")
@@ -88,9 +91,10 @@ def run_profile_command(args: argparse.Namespace, pool: Any) -> None:
               f"per-rank traces for Holistic Trace Analysis: {profile.trace_dir}")
         return
     try:
-        delete_profile(folder)
+        kept = delete_profile(folder)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if last is not None and folder == last.folder:
         set_last_profile(None)
-    print(f"deleted {folder}")
+    print(f"deleted {folder}" if not kept else
+          f"deleted the profile in {folder}; kept what mnb did not write there: {', '.join(kept)}")
