@@ -18,13 +18,10 @@ is refused here with the setting's name, so the notebook hears it before the ran
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from mnb.config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "MixtralForCausalLM", "GPT2LMHeadModel")
@@ -43,20 +40,10 @@ DEFAULT_SEQ_LENGTH = 2048
 # parameter there (rope_utils: low_freq_factor=1, high_freq_factor=4, original context 8192).
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
+
 def config_path(path: str | Path) -> Path:
-    """The ``config.json`` of a checkpoint folder (or the file itself), or ValueError naming what is missing.
-
-    A folder that ``mnb.save_hf`` was replacing when it stopped between its two renames is read
-    from the complete copy it left beside it (:func:`mnb.writes.find`); the next save renames it.
-    """
+    """The ``config.json`` of a checkpoint folder (or the file itself), or ValueError naming what is missing."""
     p = Path(path).expanduser()
-    if not p.exists() and p.suffix != ".json":
-        from mnb import writes
-
-        found = writes.find(p.absolute(), writes.HF_CHECKPOINT)
-        if found is not None:
-            logger.warning("%s was being replaced when mnb.save_hf stopped; reading %s", p, found)
-            p = found
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
