@@ -49,18 +49,24 @@ class Kind:
     """``fnmatch`` patterns of the entry names its writer writes (every one of them)."""
     complete: Callable[[Path], bool]
     """Whether a folder holds a complete output of this kind (the marker its writer writes last)."""
+    saved_time: Callable[[Path], float] = lambda folder: folder.stat().st_mtime
+    """When a complete output was written (which of two left by interrupted saves is newer)."""
 
     def owns(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.patterns)
 
 
-def _mnb_checkpoint_complete(folder: Path) -> bool:
-    """``mnb.json`` (written last, by a rename) holds a JSON object, and Megatron's ``metadata.json`` is there."""
+def _mnb_meta(folder: Path) -> dict | None:
     try:
         meta = json.loads((folder / "mnb.json").read_text())
     except (OSError, ValueError):  # missing, a folder, not UTF-8, not JSON
-        return False
-    return isinstance(meta, dict) and (folder / "metadata.json").is_file()
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _mnb_checkpoint_complete(folder: Path) -> bool:
+    """``mnb.json`` (written last, by a rename) holds a JSON object, and Megatron's ``metadata.json`` is there."""
+    return _mnb_meta(folder) is not None and (folder / "metadata.json").is_file()
 
 
 def _hf_checkpoint_complete(folder: Path) -> bool:
@@ -72,7 +78,8 @@ MNB_CHECKPOINT = Kind(
     "mnb checkpoint",
     # mnb.json (written last), Megatron's metadata.json and common.pt, torch.distributed.checkpoint's files
     ("mnb.json", "mnb.json.part", "metadata.json", "common.pt", ".metadata", "*.distcp"),
-    _mnb_checkpoint_complete)
+    _mnb_checkpoint_complete,
+    lambda folder: (_mnb_meta(folder) or {}).get("time", 0))  # mnb.json's "time"
 HF_CHECKPOINT = Kind(
     "Hugging Face checkpoint",
     # config.json (written last by mnb.save_hf), the weights, and the tokenizer files it copies
@@ -133,6 +140,29 @@ def check_file(path: Path, is_own: Callable[[Path], bool], *, overwrite: bool, w
 # -- the atomic swap ------------------------------------------------------------------------
 
 
+def prepare(path: Path, tmp: Path, kind: Kind, *, overwrite: bool, writer: str) -> tuple[str, str] | None:
+    """One process (rank 0), before anything is written: finish an interrupted swap, check that ``path``
+    may take a ``kind`` output (:func:`check_folder`), create ``tmp``.  Returns None, or the problem
+    as plain data that every rank raises alike through :func:`raise_problem` (after a broadcast)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        recover(path, kind)
+        check_folder(path, kind, overwrite=overwrite, writer=writer)
+        tmp.mkdir()
+    except OverwriteRefusedError as exc:
+        return ("refused", str(exc))
+    except OSError as exc:
+        return ("os", f"{writer}: cannot prepare {path} (and {tmp.name} beside it): {exc}")
+    return None
+
+
+def raise_problem(problem: tuple[str, str] | None) -> None:
+    """Raise what :func:`prepare` found (the same on every rank that received it), or nothing."""
+    if problem is not None:
+        kind, message = problem
+        raise OverwriteRefusedError(message) if kind == "refused" else OSError(message)
+
+
 def tmp_path(path: Path, token: str) -> Path:
     return path.with_name(f"{path.name}.tmp-{token}")
 
@@ -145,26 +175,25 @@ def glob_escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def find(path: Path, kind: Kind, newest: Callable[[Path], float] | None = None) -> Path | None:
+def find(path: Path, kind: Kind) -> Path | None:
     """The complete ``kind`` output for ``path``: itself, or what an interrupted swap left; None if none.
 
     A swap that died between "move the old one aside" and "rename the new one in" leaves
     ``path.tmp-<id>`` (complete) and ``path.old-<id>``: the new one wins; among several,
-    ``newest`` (default: the folder's modification time) decides.  Reads only: loads use it on
+    the newest by ``kind.saved_time``.  Reads only: loads use it on
     every rank at once; the next save renames (:func:`recover`).
     """
     if kind.complete(path):
         return path
     if path.exists():
         return None
-    newest = newest or (lambda p: p.stat().st_mtime)
     candidates = [p for p in _siblings(path, "tmp") + _siblings(path, "old") if kind.complete(p)]
     if not candidates:
         return None
-    return max(candidates, key=lambda p: (p.name.startswith(path.name + ".tmp-"), newest(p)))
+    return max(candidates, key=lambda p: (p.name.startswith(path.name + ".tmp-"), kind.saved_time(p)))
 
 
-def recover(path: Path, kind: Kind, newest: Callable[[Path], float] | None = None) -> None:
+def recover(path: Path, kind: Kind) -> None:
     """Finish a swap a crash interrupted, then remove what interrupted saves left behind.
 
     With ``path`` missing: the newest complete ``.tmp-``/``.old-`` sibling is renamed into
@@ -173,7 +202,7 @@ def recover(path: Path, kind: Kind, newest: Callable[[Path], float] | None = Non
     deleted; ``.tmp-`` siblings hold only the writer's own files and are deleted.
     """
     if not path.exists():
-        found = find(path, kind, newest)
+        found = find(path, kind)
         olds = _siblings(path, "old")
         if found is None and olds:
             found = max(olds, key=lambda p: p.stat().st_mtime)

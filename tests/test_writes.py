@@ -5,6 +5,7 @@ tests/megatron/test_hf.py)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -116,14 +117,16 @@ def test_find_prefers_the_new_copy_then_the_newest(tmp_path):
         (d / "mnb.json").write_text(json.dumps({"time": t}))
         return d
 
-    newest = lambda p: json.loads((p / "mnb.json").read_text())["time"]  # noqa: E731
-    old = fake("run.old-aaa", 1)
-    assert writes.find(tmp_path / "run", writes.MNB_CHECKPOINT, newest) == old
-    new = fake("run.tmp-bbb", 2)
-    assert writes.find(tmp_path / "run", writes.MNB_CHECKPOINT, newest) == new
-    (tmp_path / "run.tmp-ccc").mkdir()
-    (tmp_path / "run.tmp-ccc" / "mnb.json").write_text('{"time": 3')  # truncated: not complete
-    assert writes.find(tmp_path / "run", writes.MNB_CHECKPOINT, newest) == new
+    fake("run.old-aaa", 2)
+    older = fake("run.old-bbb", 1)
+    os.utime(older, (0, 2e9))  # the newest folder on disk, but mnb.json's "time" decides
+    assert writes.find(tmp_path / "run", writes.MNB_CHECKPOINT) == tmp_path / "run.old-aaa"
+    new = fake("run.tmp-ccc", 0)
+    assert writes.find(tmp_path / "run", writes.MNB_CHECKPOINT) == new  # the new copy wins
+    (tmp_path / "run.tmp-ddd").mkdir()
+    (tmp_path / "run.tmp-ddd" / "metadata.json").write_text("{}")
+    (tmp_path / "run.tmp-ddd" / "mnb.json").write_text('{"time": 3')  # truncated: not complete
+    assert writes.find(tmp_path / "run", writes.MNB_CHECKPOINT) == new
 
 
 def test_check_file_refuses_a_foreign_file(tmp_path):

@@ -51,7 +51,6 @@ import numpy as np
 import torch
 
 from mnb import writes
-from mnb.errors import OverwriteRefusedError
 from mnb.megatron import schedule
 from mnb.results import LoadResult
 from mnb.megatron.checkpoint_fixes import cuda_calls_on_cpu, init_empty_optimizer_state, torch_adam_step_fixes
@@ -274,36 +273,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     leaves ``path.tmp-<id>`` (complete: has ``mnb.json``) and ``path.old-<id>``;
     the newer complete one wins (:func:`mnb.writes.find`).
     """
-    return writes.find(Path(path).absolute(), writes.MNB_CHECKPOINT, newest=_saved_time)
-
-
-def _saved_time(folder: Path) -> float:
-    return (read_meta(folder) or {}).get("time", 0)
-
-
-def _recover(path: Path) -> None:
-    """Finish a swap a crash interrupted, then delete what interrupted saves left behind."""
-    writes.recover(path, writes.MNB_CHECKPOINT, newest=_saved_time)
-
-
-def _prepare_target(path: Path, tmp: Path, overwrite: bool) -> None:
-    """Before any rank writes: rank 0 finishes an interrupted swap, checks ``path`` may take a
-    checkpoint and creates ``tmp``; every rank raises the same error when it may not."""
-    problem = None
-    if _dist().get_rank() == 0:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _recover(path)
-            writes.check_folder(path, writes.MNB_CHECKPOINT, overwrite=overwrite, writer="mnb.save")
-            tmp.mkdir()
-        except OverwriteRefusedError as exc:
-            problem = ("refused", str(exc))
-        except OSError as exc:
-            problem = ("os", f"mnb.save: cannot create {tmp}: {exc}")
-    problem = _broadcast(problem)
-    if problem is not None:
-        kind, message = problem
-        raise OverwriteRefusedError(message) if kind == "refused" else OSError(message)
+    return writes.find(Path(path).absolute(), writes.MNB_CHECKPOINT)
 
 
 # -- save / load -------------------------------------------------------------------
@@ -340,7 +310,9 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     tmp = path.with_name(f"{path.name}.tmp-{save_id}")
     t0 = time.perf_counter()
 
-    _prepare_target(path, tmp, overwrite)
+    problem = writes.prepare(path, tmp, writes.MNB_CHECKPOINT, overwrite=overwrite, writer="mnb.save") \
+        if rank == 0 else None
+    writes.raise_problem(_broadcast(problem))  # the same on every rank, before anything is written
 
     with fsdp.whole_parameters(sharded):  # Megatron-FSDP's dp shards gathered: the same layout-free tensors
         state = _model_sharded_state_dict(chunks)

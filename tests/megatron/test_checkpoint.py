@@ -573,14 +573,15 @@ def test_find_checkpoint_after_a_crash_between_renames(tmp_path):
 
 
 def test_next_save_finishes_an_interrupted_swap(tmp_path):
-    from mnb.megatron.checkpoint import _recover, read_meta
+    from mnb import writes
+    from mnb.megatron.checkpoint import read_meta
 
     for name, step in (("run.old-aaa", 1), ("run.tmp-bbb", 2)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metadata.json").write_text("{}")
         (tmp_path / name / "mnb.json").write_text(json.dumps({"step": step, "time": step}))
     (tmp_path / "run.tmp-ccc").mkdir()
-    _recover(tmp_path / "run")
+    writes.recover(tmp_path / "run", writes.MNB_CHECKPOINT)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert read_meta(tmp_path / "run")["step"] == 2
 

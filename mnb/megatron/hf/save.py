@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from mnb import writes
-from mnb.errors import OverwriteRefusedError
 from mnb.hf_config import to_hf_config
 from mnb.megatron.hf.load import canonical_names, family_tensors, heads_of, tp_coords
 from mnb.megatron.hf.rules import hf_pieces
@@ -194,21 +193,9 @@ def save_hf(path: str | os.PathLike, model, *, dtype=None, max_shard_bytes: int 
     rank = dist.get_rank()
     t0 = time.perf_counter()
     tmp = path.with_name(f"{path.name}.tmp-{_broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)}")
-    problem = None
-    if rank == 0:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            writes.recover(path, writes.HF_CHECKPOINT)
-            writes.check_folder(path, writes.HF_CHECKPOINT, overwrite=overwrite, writer="mnb.save_hf")
-            tmp.mkdir()
-        except OverwriteRefusedError as exc:
-            problem = ("refused", str(exc))
-        except OSError as exc:
-            problem = ("os", f"cannot create {tmp}: {exc}")
-    problem = _broadcast(problem)
-    if problem:
-        kind, message = problem
-        raise OverwriteRefusedError(message) if kind == "refused" else ValueError(message)
+    problem = writes.prepare(path, tmp, writes.HF_CHECKPOINT, overwrite=overwrite, writer="mnb.save_hf") \
+        if rank == 0 else None
+    writes.raise_problem(_broadcast(problem))  # the same on every rank, before anything is written
     shards = _Shards(tmp, rank, max_shard_bytes)
     error = None
     try:
