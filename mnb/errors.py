@@ -180,6 +180,15 @@ class RequestRefused(ValueError):
     """
 
 
+class OverwriteRefusedError(FileExistsError):
+    """An mnb writer refused a target that holds something not its own (a user's files, another kind of output).
+
+    Its message lists what is there and names the flag that allows writing anyway
+    (``overwrite=True``, or ``--overwrite`` for a magic); even then mnb replaces only the
+    files it writes (:mod:`mnb.writes`).
+    """
+
+
 class PoolError(RuntimeError):
     """The pool cannot do what was asked (not started, busy, dead ranks).
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from mnb import writes
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem
 from mnb.export_args import megatron_lm_args
 from mnb.launch_templates import render_template
@@ -70,9 +71,12 @@ class Exported:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
-    def save(self, path: str | Path) -> Path:
-        """Write ``text`` to ``path`` (an sbatch or shell script is made executable)."""
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write ``text`` to ``path`` (an sbatch or shell script is made executable).
+
+        An existing file that is not an mnb export is refused (:func:`check_output`) unless ``overwrite``."""
         path = Path(path).expanduser()
+        check_output(path, overwrite=overwrite)
         path.write_text(self.text, encoding="utf-8")
         if self.kind != "megatron-lm":
             path.chmod(0o755)
@@ -90,17 +94,21 @@ def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | No
            model: str | ModelConfig | dict | None = None, train: TrainConfig | dict | None = None,
            layout: ParallelConfig | None = None, output: str | Path | None = None,
            job_name: str | None = None, sbatch_options: list[str] | None = None,
-           **settings: Any) -> Exported:
+           overwrite: bool = False, **settings: Any) -> Exported:
     """Megatron-LM arguments, torchrun command lines or an sbatch script for ``nodes`` x ``gpus_per_node``.
 
     ``settings`` are TrainConfig fields (``global_batch_size=64``, ``lr=1e-4``) or ModelConfig
     fields (``seq_length=4096``) that replace the notebook's.  ``gpus_per_node`` defaults to the
     notebook's world size on one node.  ``sbatch_options`` (slurm: e.g. ``["--partition=gpu",
-    "--time=4:00:00"]``) become ``#SBATCH`` lines.  ``output`` also writes the text there.
+    "--time=4:00:00"]``) become ``#SBATCH`` lines.  ``output`` also writes the text there: a new
+    file, or an earlier mnb export; any other existing file is refused before anything else
+    (:class:`~mnb.errors.OverwriteRefusedError`) unless ``overwrite=True``.
     Raises ValueError, saying what to change, when the request cannot run on the target.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown export {kind!r}; choose from {', '.join(KINDS)}")
+    if output is not None:
+        check_output(Path(output).expanduser(), overwrite=overwrite)
     remembered = _notebook_settings()
     model_cfg, train_cfg, tokenizer = _model_and_train(model, train, settings, remembered)
     if not isinstance(nodes, int) or nodes < 1:
@@ -132,8 +140,29 @@ def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | No
                         train=train_cfg, layout=resolved, nodes=nodes, gpus_per_node=gpus_per_node,
                         tokenizer=tokenizer)
     if output is not None:
-        exported.save(output)
+        exported.save(output, overwrite=overwrite)
     return exported
+
+
+EXPORT_MARK = "exported by mnb"
+"""In the first lines of every export (:func:`_header`): how an earlier export is recognised."""
+
+
+def is_export(path: Path) -> bool:
+    """Whether the file ``path`` is an earlier mnb export: :data:`EXPORT_MARK` in one of its first three lines."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            head = [handle.readline() for _ in range(3)]
+    except OSError:
+        return False
+    return any(line.startswith("#") and EXPORT_MARK in line for line in head)
+
+
+def check_output(path: Path, *, overwrite: bool, writer: str = "mnb.export", flag: str = "overwrite=True") -> None:
+    """Refuse (:class:`~mnb.errors.OverwriteRefusedError`) an existing ``path`` that is not an mnb export,
+    unless ``overwrite``; ``writer`` and ``flag`` name the call and its flag in the message."""
+    writes.check_file(path, is_export, overwrite=overwrite, writer=writer, flag=flag,
+                      what=f"an mnb export (no '# ... {EXPORT_MARK}' line at its top)")
 
 
 # ------------------------------------------------------------------ settings
@@ -228,7 +257,7 @@ def format_args(args: list[str] | tuple[str, ...], *, continuation: bool = False
 def _header(model: ModelConfig, layout: ParallelConfig, nodes: int, gpus_per_node: int) -> str:
     from mnb.version import __version__
 
-    return (f"# Megatron-LM pretrain_gpt.py, exported by mnb {__version__}: {model.name} "
+    return (f"# Megatron-LM pretrain_gpt.py, {EXPORT_MARK} {__version__}: {model.name} "
             f"({_count(model.num_parameters())} parameters), {layout.describe()} on "
             f"{nodes} node(s) x {gpus_per_node} GPU(s)")
 

@@ -383,6 +383,8 @@ def export_parser() -> MagicArgumentParser:
     p.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="G",
                    help="GPUs per node (default: the pool's world size, on one node)")
     p.add_argument("-o", "--output", default=None, metavar="FILE", help="write to FILE instead of printing (default: print)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with -o: replace FILE although it is not an earlier mnb export (default: refuse)")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="slurm: a further #SBATCH option, repeatable (default: none)")
     settings = p.add_argument_group("settings (default: the notebook's last mnb.gpt/mnb.train, else mnb's defaults)")

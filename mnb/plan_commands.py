@@ -8,23 +8,22 @@ live one.  Torch-free.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from IPython.core.error import UsageError
 
 from mnb.controller import current_pool
+from mnb.errors import OverwriteRefusedError
 from mnb.magic_parsers import layout_from_flags
 
 
 def export_command(args: argparse.Namespace) -> None:
-    from mnb.exports import export
+    from mnb.exports import check_output, export
 
     settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
                                               "lr", "data") if getattr(args, k) is not None}
     try:
-        exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
-                          layout=layout_from_flags(args), output=args.output, sbatch_options=args.sbatch_arg,
-                          **settings)
-    except ValueError as exc:
+from mnb.errors import OverwriteRefusedError
         raise UsageError(str(exc)) from None
     if args.output:
         then = {"slurm": f"; submit it with: sbatch {args.output}", "torchrun": f"; run it: bash {args.output}"}

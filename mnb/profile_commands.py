@@ -31,6 +31,9 @@ def profile_request(args: argparse.Namespace, pool: Any) -> dict[str, Any] | Non
         raise UsageError(f"--profile: {exc}") from None
     ranks = parse_ranks(args.profile_ranks, pool.world_size, "--profile-ranks")
     root = Path(args.output).expanduser() if args.output else pool.workdir() / "profiles"
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"-o {args.output}: {root} is a file; name a folder (the profile goes into a new "
+                         "profile-DATE-TIME folder inside it)")
     folder = root / time.strftime("profile-%Y%m%d-%H%M%S")
     while folder.exists():
         folder = folder.with_name(folder.name + "-1")
@@ -84,9 +87,10 @@ def run_profile_command(args: argparse.Namespace, pool: Any) -> None:
               f"per-rank traces for Holistic Trace Analysis: {profile.trace_dir}")
         return
     try:
-        delete_profile(folder)
+        kept = delete_profile(folder)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if last is not None and folder == last.folder:
         set_last_profile(None)
-    print(f"deleted {folder}")
+    print(f"deleted {folder}" if not kept else
+          f"deleted the profile in {folder}; kept what mnb did not write there: {', '.join(kept)}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -418,8 +419,23 @@ def list_profiles(root: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def delete_profile(folder: str | Path) -> None:
+PROFILE_ENTRIES = ("trace", "meta", "memory", "merged.trace.json")
+"""What a profile folder holds that mnb wrote (the ranks' ``trace/``, ``meta/``, ``memory/``; the merged trace)."""
+
+
+def delete_profile(folder: str | Path) -> list[str]:
+    """Delete what mnb wrote in the profile ``folder`` (:data:`PROFILE_ENTRIES`), and the folder when nothing
+    else is in it; returns the other entries, which stay (a user's ``notes.txt``)."""
     folder = Path(folder)
     if not (folder / "trace").is_dir():
         raise ValueError(f"{folder} is not a profile folder (no trace/ inside); %mnb profile lists them")
-    shutil.rmtree(folder)
+    for name in PROFILE_ENTRIES:
+        entry = folder / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif entry.exists() or entry.is_symlink():
+            entry.unlink()
+    kept = sorted(os.listdir(folder))
+    if not kept:
+        folder.rmdir()
+    return kept

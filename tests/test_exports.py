@@ -211,6 +211,34 @@ def test_export_takes_the_layout_flags_of_megatron_including_no_sp(capsys):
     assert layout_from_flags(export_parser().parse_args([])) is None
 
 
+def test_a_file_that_is_not_an_export_is_kept_unless_overwrite(tmp_path, capsys, monkeypatch):
+    """``-o`` onto a user's own script is refused, naming it and ``--overwrite``; an earlier export is
+    replaced without the flag; ``mnb.export(output=...)`` and ``Exported.save`` refuse alike."""
+    from mnb.errors import OverwriteRefusedError
+
+    monkeypatch.setattr(registry, "_SETTINGS", {})
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    mine = tmp_path / "train.sbatch"
+    mine.write_text("#!/bin/bash\n# my own job\nsrun my_training.py\n")
+    line = f"export slurm --model tiny --nodes 2 --gpus-per-node 4 -o {mine}"
+    with pytest.raises(UsageError, match=r"%mnb export -o: .*train.sbatch exists \(45 bytes\) and is not an mnb "
+                                         r"export.*--overwrite"):
+        shell.run_line_magic("mnb", line)
+    with pytest.raises(OverwriteRefusedError, match="overwrite=True"):
+        export("slurm", model="tiny", gpus_per_node=4, output=mine)
+    with pytest.raises(OverwriteRefusedError, match="overwrite=True"):
+        export("torchrun", model="tiny", gpus_per_node=4).save(mine)
+    with pytest.raises(OverwriteRefusedError, match="is a folder"):
+        export("torchrun", model="tiny", gpus_per_node=4, output=tmp_path, overwrite=True)
+    assert mine.read_text() == "#!/bin/bash\n# my own job\nsrun my_training.py\n"
+    shell.run_line_magic("mnb", line + " --overwrite")
+    assert "#SBATCH --nodes=2" in mine.read_text()
+    shell.run_line_magic("mnb", line.replace("--nodes 2", "--nodes 3"))  # an earlier export: no flag needed
+    assert "#SBATCH --nodes=3" in mine.read_text()
+    assert f"wrote {mine}" in capsys.readouterr().out
+
+
 def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
     """Megatron-LM's parse_args + validate_args on the exported list, as rank 0 of the target world.
 

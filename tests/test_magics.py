@@ -37,7 +37,7 @@ FLAGS = {
     "%mnb run": ["--grace", "--isolated", "--ranks", "--timeout"],
     "%mnb profile": ["delete", "list", "open"],
     "%mnb export": ["--cp", "--data", "--ep", "--fsdp", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--no-sp",
-                    "--nodes", "--output", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
+                    "--nodes", "--output", "--overwrite", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
                     "megatron-lm", "slurm", "torchrun"],
     "%%megatron": ["--cp", "--debug-ranks", "--ep", "--fsdp", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
                    "--ranks", "--sp", "--timeout", "--tp", "--vpp", "-o"],

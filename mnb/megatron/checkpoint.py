@@ -24,8 +24,10 @@ of 128 * tp; the tiny preset's 512 is the same for tp 1, 2 and 4): padding rows
 are real logits.
 
 Atomic: ranks write into ``<path>.tmp-<id>``; after every rank finished (barrier)
-rank 0 moves the previous checkpoint aside, renames the new one into place, then
-deletes the old one. A save interrupted at any point leaves the last complete
+rank 0 moves the previous checkpoint aside, renames the new one into place, moves
+over what the user kept in the folder, then deletes the old one (:mod:`mnb.writes`,
+shared with ``mnb.save_hf``). A folder holding something other than a checkpoint is
+refused unless ``overwrite=True``. A save interrupted at any point leaves the last complete
 checkpoint loadable (:func:`load` also finds it if the process died between the
 two renames; the next save completes that swap and deletes leftovers). The
 checkpoint folder must be on storage that every rank sees (one host, or a
@@ -40,7 +42,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -49,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mnb import writes
 from mnb.errors import DamagedCheckpointError
 from mnb.megatron import schedule
 from mnb.results import LoadResult
@@ -203,10 +205,6 @@ def read_meta(path: str | os.PathLike) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _complete(path: Path) -> bool:
-    return read_meta(path) is not None and (path / MEGATRON_META_FILE).is_file()
-
-
 def _damaged(folder: Path, name: str, problem: str) -> DamagedCheckpointError:
     return DamagedCheckpointError(f"checkpoint {folder} is damaged: {name} {problem}; re-save it or load another")
 
@@ -269,42 +267,27 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
 
     A save that died between "move the old one aside" and "rename the new one in"
     leaves ``path.tmp-<id>`` (complete: has ``mnb.json``) and ``path.old-<id>``;
-    the newer complete one wins.
+    the newer complete one wins (:func:`mnb.writes.find`).
     """
-    path = Path(path).absolute()
-    if _complete(path):
-        return path
-    if path.exists():
-        return None
-    siblings = sorted(path.parent.glob(path.name + ".tmp-*")) + sorted(path.parent.glob(path.name + ".old-*"))
-    complete = [p for p in siblings if _complete(p)]
-    if not complete:
-        return None
-    return max(complete, key=lambda p: (p.name.startswith(path.name + ".tmp-"), read_meta(p).get("time", 0)))
-
-
-def _recover(path: Path) -> None:
-    """Finish a swap a crash interrupted, then delete what interrupted saves left behind."""
-    if not path.exists():
-        found = find_checkpoint(path)
-        if found is not None and found != path:
-            os.replace(found, path)
-            logger.warning("restored %s from %s (a save stopped mid-swap)", path, found.name)
-    for stale in [*path.parent.glob(path.name + ".tmp-*"), *path.parent.glob(path.name + ".old-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
+    return writes.find(Path(path).absolute(), writes.MNB_CHECKPOINT)
 
 
 # -- save / load -------------------------------------------------------------------
 
 
 def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | None = None,
-         extra: dict | None = None) -> Path:
+         extra: dict | None = None, overwrite: bool = False) -> Path:
     """Write a distributed checkpoint of ``model`` (and its optimizer) to ``path``; collective.
 
     ``model``: the model from ``mnb.gpt`` (its ``.chunks``; its ``.optimizer`` when
     ``optimizer`` is None), a Megatron module, or a list of chunks. ``step`` (default
     ``model.steps_done``) and ``extra`` (JSON-serialisable) go into ``mnb.json``.
     Returns the checkpoint's absolute path.
+
+    ``path`` may be new, empty or an mnb checkpoint (replaced once the new one is complete);
+    a folder holding anything else is refused (:class:`~mnb.errors.OverwriteRefusedError`,
+    the same on every rank, before anything is written) unless ``overwrite=True``.  Either
+    way, entries that are not the checkpoint's own files (a ``notes.txt``, a ``sub/``) stay.
     """
     from megatron.core import dist_checkpointing
 
@@ -323,11 +306,9 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     tmp = path.with_name(f"{path.name}.tmp-{save_id}")
     t0 = time.perf_counter()
 
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _recover(path)
-        tmp.mkdir()
-    dist.barrier()
+    problem = writes.prepare(path, tmp, writes.MNB_CHECKPOINT, overwrite=overwrite, writer="mnb.save") \
+        if rank == 0 else None
+    writes.raise_problem(_broadcast(problem))  # the same on every rank, before anything is written
 
     with fsdp.whole_parameters(sharded):  # Megatron-FSDP's dp shards gathered: the same layout-free tensors
         state = _model_sharded_state_dict(chunks)
@@ -350,11 +331,7 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     dist.barrier()  # every rank finished writing; the new checkpoint is complete
 
     if rank == 0:
-        old = path.with_name(f"{path.name}.old-{save_id}")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        writes.swap(tmp, path, writes.MNB_CHECKPOINT)
     dist.barrier()
     logger.info("saved %s (step %s) in %.2f s", path, step, time.perf_counter() - t0)
     return path

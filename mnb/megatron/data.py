@@ -51,6 +51,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from mnb.config import ModelConfig
+from mnb.errors import OverwriteRefusedError
 from mnb.megatron.corpora import (  # noqa: F401 - re-exported: data.CORPORA, data.resolve_text_files
     CORPORA,
     Corpus,
@@ -169,8 +170,19 @@ def read_meta(prefix: str) -> dict | None:
         return None
 
 
+def _check_own_prefix(prefix: str, overwrite: bool) -> None:
+    """Refuse (:class:`~mnb.errors.OverwriteRefusedError`) ``prefix.bin``/``.idx`` that mnb did not build
+    (no ``prefix.mnb.json`` beside them), unless ``overwrite``."""
+    theirs = [prefix + suffix for suffix in (".bin", ".idx") if os.path.lexists(prefix + suffix)]
+    if theirs and not overwrite and not _meta_path(prefix).exists():
+        raise OverwriteRefusedError(
+            f"the corpus cache: {', '.join(theirs)} exist and mnb did not build them (no {_meta_path(prefix).name} "
+            f"beside them); read them as data={prefix!r}, choose another output prefix, or pass overwrite=True "
+            "to replace them")
+
+
 def build_indexed_dataset(text_files: Sequence[str | os.PathLike], output_prefix: str,
-                          tokenizer=None) -> str:
+                          tokenizer=None, *, overwrite: bool = False) -> str:
     """Tokenize ``text_files`` into Megatron's ``output_prefix.{bin,idx}``; return the prefix.
 
     One document per file (files over :data:`MAX_DOCUMENT_BYTES` are cut at blank
@@ -179,7 +191,8 @@ def build_indexed_dataset(text_files: Sequence[str | os.PathLike], output_prefix
     ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` into temporary
     files renamed into place, under a file lock; the sidecar ``output_prefix.mnb.json``
     (written last) records the content hash, so a second call with the same content
-    returns immediately. Read back with ``IndexedDataset(output_prefix)``.
+    returns immediately. Read back with ``IndexedDataset(output_prefix)``.  A ``.bin``/``.idx``
+    pair at ``output_prefix`` without that sidecar (not mnb's) is refused unless ``overwrite``.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -200,6 +213,7 @@ def build_indexed_dataset(text_files: Sequence[str | os.PathLike], output_prefix
         meta = read_meta(output_prefix)
         if meta and meta.get("sha256") == digest:  # built by another process meanwhile
             return output_prefix
+        _check_own_prefix(output_prefix, overwrite)  # under the lock: every process sees the same files
         t0 = time.perf_counter()
         tmp = f"{output_prefix}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         dtype = DType.optimal_dtype(tokenizer.vocab_size)
@@ -219,7 +233,8 @@ def build_indexed_dataset(text_files: Sequence[str | os.PathLike], output_prefix
                 raise ValueError(
                     f"corpus for {output_prefix} is empty: {len(files)} file(s), 0 bytes of text"
                 )
-            _meta_path(output_prefix).unlink(missing_ok=True)
+            # the old sidecar no longer describes the files, but the files stay mnb's until the new one
+            _meta_path(output_prefix).write_text(json.dumps({"building": True}))
             os.replace(tmp + ".bin", output_prefix + ".bin")
             os.replace(tmp + ".idx", output_prefix + ".idx")
             meta = {

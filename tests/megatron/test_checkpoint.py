@@ -183,7 +183,63 @@ def rank_round_trip(path: str) -> dict:
     return {"diff": differences(saved, snapshot(model)),
             "progress": [model.steps_done, model.consumed_samples],
             "info": {k: info[k] for k in ("step", "optimizer_loaded", "rng_loaded", "extra")},
-            "files": sorted(os.listdir(Path(path).parent))}
+            "files": sorted(os.listdir(Path(path).parent)),
+            "users": users_files_and_crash(Path(path), model)}
+
+
+def _users_files(folder: Path) -> None:
+    import torch
+
+    if torch.distributed.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "notes.txt").write_text("mine")
+        (folder / "sub").mkdir()
+        (folder / "sub" / "data.csv").write_text("1,2")
+    torch.distributed.barrier()
+
+
+def _listing(folder: Path) -> dict:
+    """Every entry under ``folder``'s parent that is ``folder`` or its siblings, and the user's files' text."""
+    return {"siblings": sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(folder.name)),
+            "notes": (folder / "notes.txt").read_text() if (folder / "notes.txt").exists() else None,
+            "data": (folder / "sub" / "data.csv").read_text() if (folder / "sub" / "data.csv").exists() else None}
+
+
+def users_files_and_crash(path: Path, model) -> dict:
+    """A user's notes.txt and sub/ in a checkpoint folder survive the next save; a folder of theirs is
+    refused (the same on every rank) and, with overwrite=True, keeps them; a save stopped between its
+    two renames is read by the next load and finished by the next save."""
+    import torch
+
+    from mnb.errors import OverwriteRefusedError
+    from mnb.megatron import checkpoint
+
+    out: dict = {}
+    _users_files(path)
+    checkpoint.save(path, model, extra={"which": "second"})
+    out["resaved"] = _listing(path)
+    theirs = path.with_name("theirs")
+    _users_files(theirs)
+    try:
+        checkpoint.save(theirs, model)
+        out["refused"] = None
+    except OverwriteRefusedError as exc:
+        out["refused"] = str(exc)
+    out["after_refusal"] = _listing(theirs) | {"entries": sorted(os.listdir(theirs))}
+    checkpoint.save(theirs, model, overwrite=True, extra={"which": "theirs"})  # the ranks are still in step
+    out["overwritten"] = _listing(theirs) | {"extra": checkpoint.load(theirs, model)["extra"]}
+    # a save stopped between its renames: the new checkpoint complete in path.tmp-<id>, the old one moved aside
+    newer = path.with_name("newer")
+    checkpoint.save(newer, model, extra={"which": "newer"})
+    if torch.distributed.get_rank() == 0:
+        os.replace(newer, path.with_name(f"{path.name}.tmp-crashed"))
+        os.replace(path, path.with_name(f"{path.name}.old-crashed"))  # the first rename; the second never came
+    torch.distributed.barrier()
+    out["crashed"] = _listing(path)
+    out["loaded_meanwhile"] = checkpoint.load(path, model)["extra"]
+    checkpoint.save(path, model, extra={"which": "after"})
+    out["recovered"] = _listing(path) | {"extra": checkpoint.load(path, model)["extra"]}
+    return out
 
 
 def rank_train_and_save(path: str, steps: int, extra_steps: int, dist_opt: bool) -> dict:
@@ -396,14 +452,34 @@ def rank_load_damaged(path: str) -> dict:
 # -- tests (parent side) -----------------------------------------------------------------
 
 
-def test_round_trip_is_bitwise(tmp_path):
-    results = _run("rank_round_trip", 2, tmp_path, path=str(tmp_path / "ckpt" / "a"))
-    for r in results:
+@pytest.fixture(scope="module")
+def round_trip(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("round-trip")
+    return _run("rank_round_trip", 2, tmp_path, path=str(tmp_path / "ckpt" / "a"))
+
+
+def test_round_trip_is_bitwise(round_trip):
+    for r in round_trip:
         assert r["diff"] == []
         assert r["progress"] == [2, 8]  # steps_done, consumed_samples restored
         assert r["info"] == {"step": 2, "optimizer_loaded": True, "rng_loaded": True,
                              "extra": {"note": "after 2 steps"}}
         assert r["files"] == ["a"]  # no .tmp-/.old- leftovers
+
+
+def test_a_save_keeps_the_users_files_and_finishes_a_crashed_swap(round_trip):
+    kept = {"notes": "mine", "data": "1,2"}
+    for r in (u["users"] for u in round_trip):
+        assert r["resaved"] == {"siblings": ["a"], **kept}, r["resaved"]
+        refused = r["refused"]
+        assert refused is not None and refused == round_trip[0]["users"]["refused"]  # the same on every rank
+        assert refused.startswith("mnb.save: ") and "theirs is not empty and holds no mnb checkpoint: " \
+            "notes.txt, sub/ (2 entries)" in refused and "overwrite=True" in refused, refused
+        assert r["after_refusal"] == {"siblings": ["theirs"], **kept, "entries": ["notes.txt", "sub"]}
+        assert r["overwritten"] == {"siblings": ["theirs"], **kept, "extra": {"which": "theirs"}}
+        assert r["crashed"] == {"siblings": ["a.old-crashed", "a.tmp-crashed"], "notes": None, "data": None}
+        assert r["loaded_meanwhile"] == {"which": "newer"}  # the complete new one, before any rename
+        assert r["recovered"] == {"siblings": ["a"], **kept, "extra": {"which": "after"}}
 
 
 @pytest.mark.slow
@@ -497,14 +573,15 @@ def test_find_checkpoint_after_a_crash_between_renames(tmp_path):
 
 
 def test_next_save_finishes_an_interrupted_swap(tmp_path):
-    from mnb.megatron.checkpoint import _recover, read_meta
+    from mnb import writes
+    from mnb.megatron.checkpoint import read_meta
 
     for name, step in (("run.old-aaa", 1), ("run.tmp-bbb", 2)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metadata.json").write_text("{}")
         (tmp_path / name / "mnb.json").write_text(json.dumps({"step": step, "time": step}))
     (tmp_path / "run.tmp-ccc").mkdir()
-    _recover(tmp_path / "run")
+    writes.recover(tmp_path / "run", writes.MNB_CHECKPOINT)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert read_meta(tmp_path / "run")["step"] == 2
 

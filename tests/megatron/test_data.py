@@ -77,6 +77,28 @@ def test_cache_hit_reuses_the_built_files(corpus, tmp_path):
     assert os.stat(prefix + ".bin").st_mtime_ns != stamp
 
 
+def test_a_bin_idx_pair_mnb_did_not_build_is_kept_unless_overwrite(corpus, tmp_path):
+    """The corpus cache never writes over a .bin/.idx it did not build (a user's Megatron preprocess output);
+    one it was building when it stopped (its sidecar says so) is rebuilt without the flag."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from mnb.errors import OverwriteRefusedError
+
+    files = data.resolve_text_files(corpus)
+    prefix = str(tmp_path / "theirs")
+    for suffix in (".bin", ".idx"):
+        (tmp_path / ("theirs" + suffix)).write_bytes(b"user data" + suffix.encode())
+    with pytest.raises(OverwriteRefusedError) as info:
+        data.build_indexed_dataset(files, prefix)
+    assert f"the corpus cache: {prefix}.bin, {prefix}.idx exist and mnb did not build them (no theirs.mnb.json" \
+        in str(info.value) and "overwrite=True" in str(info.value), str(info.value)
+    assert (tmp_path / "theirs.bin").read_bytes() == b"user data.bin"  # untouched
+    assert data.build_indexed_dataset(files, prefix, overwrite=True) == prefix
+    assert len(IndexedDataset(prefix)) == 2
+    data._meta_path(prefix).write_text(json.dumps({"building": True}))  # as a build that stopped leaves it
+    assert data.build_indexed_dataset(files, prefix) == prefix and data.read_meta(prefix)["num_documents"] == 2
+
+
 def _build_in_child(files, prefix, queue):
     queue.put(data.build_indexed_dataset(files, prefix))
 

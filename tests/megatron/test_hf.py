@@ -272,3 +272,45 @@ def test_save_hf_under_ep2_and_from_an_mnb_gpt_model(cpu_pool, checkpoints):
     assert saved["architectures"] == ["LlamaForCausalLM"] and saved["num_key_value_heads"] == 2
     err = float(np.abs(reference_logits(gpt, tokens) - results[0]).max())
     assert err < ATOL, err
+
+
+def _siblings(folder) -> list[str]:
+    return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(folder.name))
+
+
+def test_save_hf_keeps_a_users_files_and_finishes_a_crashed_swap(cpu_pool, checkpoints):
+    """A folder of the user's files is refused alike on every rank (the pool stays usable); with overwrite=True,
+    and on every later save, notes.txt and sub/ stay; a save stopped between its two renames is read by
+    from_hf meanwhile and finished by the next save_hf."""
+    tokens, out = checkpoints["tokens"], checkpoints["root"] / "users" / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / "sub" / "data.csv").write_text("1,2")
+    model = "_g = mnb.gpt('tiny', vocab_size=300, num_layers=2)\n"
+    with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
+        cpu_pool.run(model + f"mnb.save_hf({str(out)!r}, _g)", quiet=True)
+    text = str(info.value)
+    assert "[r0-1] OverwriteRefusedError: mnb.save_hf: " in text, text  # one error, the same on both ranks
+    assert "out is not empty and holds no Hugging Face checkpoint: notes.txt, sub/ (2 entries)" in text, text
+    assert "overwrite=True" in text, text
+    assert _siblings(out) == ["out"] and sorted(p.name for p in out.iterdir()) == ["notes.txt", "sub"]
+
+    def kept():
+        assert (out / "notes.txt").read_text() == "mine" and (out / "sub" / "data.csv").read_text() == "1,2"
+
+    cpu_pool.run(model + f"mnb.save_hf({str(out)!r}, _g, overwrite=True)", quiet=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt", "sub"]
+    kept()
+    cpu_pool.run(f"mnb.save_hf({str(out)!r}, _g)", quiet=True)  # its own kind now: no flag needed
+    kept()
+    newer = out.with_name("newer")
+    cpu_pool.run(f"_n = mnb.gpt('tiny', vocab_size=300, num_layers=2, seed=7)\nmnb.save_hf({str(newer)!r}, _n)",
+                 quiet=True)
+    newer.rename(out.with_name("out.tmp-crashed"))  # the new folder complete beside the old one,
+    out.rename(out.with_name("out.old-crashed"))  # the old one moved aside; the second rename never came
+    diffs = cpu_pool.run(f"float((mnb.logits(mnb.from_hf({str(out)!r}), {tokens!r}) - mnb.logits(_n, {tokens!r}))"
+                         ".abs().max())", quiet=True)
+    assert diffs == {0: 0.0, 1: 0.0}  # from_hf read the new folder
+    cpu_pool.run(f"mnb.save_hf({str(out)!r}, _g)", quiet=True)
+    assert _siblings(out) == ["out"]
+    kept()

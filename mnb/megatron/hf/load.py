@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mnb import writes
 from mnb.hf_config import architecture, config_path, hf_config, read_config
 from mnb.megatron.hf.reader import Checkpoint
 from mnb.megatron.hf.rules import Heads, Rule, read_local
@@ -102,6 +103,18 @@ def heads_of(cfg) -> Heads:
     return Heads(cfg.num_attention_heads, cfg.query_groups, cfg.head_dim)
 
 
+def _interrupted_save(path: Path) -> Path:
+    """``path``, or when ``mnb.save_hf`` stopped between the two renames of its swap, the complete copy it
+    left beside it (:func:`mnb.writes.find`; reads only: the next ``save_hf`` to ``path`` renames it)."""
+    if path.exists() or path.suffix == ".json":
+        return path
+    found = writes.find(path.absolute(), writes.HF_CHECKPOINT)
+    if found is None:
+        return path
+    logger.warning("%s was being replaced when mnb.save_hf stopped; reading %s", path, found)
+    return found
+
+
 def from_hf(path: str | Path, *, fusions: bool | str = "auto", **overrides: Any):
     """This rank's part of the Hugging Face checkpoint in folder ``path``, for the current layout.
 
@@ -119,7 +132,7 @@ def from_hf(path: str | Path, *, fusions: bool | str = "auto", **overrides: Any)
     parallel = _layout.require_layout()
     if "sequence_parallel" in overrides:
         parallel = dataclasses.replace(parallel, sequence_parallel=bool(overrides.pop("sequence_parallel")))
-    folder = config_path(path).parent
+    folder = config_path(_interrupted_save(Path(path).expanduser())).parent
     source = read_config(folder)
     arch = architecture(source, str(folder / "config.json"))
     cfg = hf_config(folder, **overrides)

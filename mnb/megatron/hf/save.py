@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mnb import writes
 from mnb.hf_config import to_hf_config
 from mnb.megatron.hf.load import canonical_names, family_tensors, heads_of, tp_coords
 from mnb.megatron.hf.rules import hf_pieces
@@ -164,13 +165,21 @@ def _write_local(model, rules, dtype: torch.dtype, shards: _Shards) -> None:
     shards.flush()
 
 
-def save_hf(path: str | os.PathLike, model, *, dtype=None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def save_hf(path: str | os.PathLike, model, *, dtype=None, max_shard_bytes: int = MAX_SHARD_BYTES,
+            overwrite: bool = False) -> Path:
     """Write ``model`` (any layout) as a Hugging Face checkpoint folder at ``path``; returns its absolute path.
 
     ``dtype``: the weights' dtype on disk (default: bf16 for a model trained in bf16, else the
     source checkpoint's, else fp32).  ``max_shard_bytes``: the largest safetensors shard.
     Collective: every rank of the pool calls it.  ValueError for a model no supported
     architecture describes (e.g. an ``mnb.gpt`` model with LayerNorm and SwiGLU).
+
+    ``path`` may be new, empty or a Hugging Face checkpoint (replaced once the new one is
+    complete, :mod:`mnb.writes`); a folder holding anything else is refused
+    (:class:`~mnb.errors.OverwriteRefusedError`, the same on every rank, before anything is
+    written) unless ``overwrite=True``.  Either way, entries that are not the checkpoint's own
+    files (a ``notes.txt``, a ``sub/``) stay.  A save that stopped between its two renames is
+    finished by the next ``save_hf`` to ``path``; ``mnb.from_hf`` reads it meanwhile.
     """
     import torch.distributed as dist
 
@@ -184,16 +193,9 @@ def save_hf(path: str | os.PathLike, model, *, dtype=None, max_shard_bytes: int 
     rank = dist.get_rank()
     t0 = time.perf_counter()
     tmp = path.with_name(f"{path.name}.tmp-{_broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)}")
-    problem = None
-    if rank == 0:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-        except OSError as exc:
-            problem = f"cannot create {tmp}: {exc}"
-    problem = _broadcast(problem)
-    if problem:
-        raise ValueError(problem)
+    problem = writes.prepare(path, tmp, writes.HF_CHECKPOINT, overwrite=overwrite, writer="mnb.save_hf") \
+        if rank == 0 else None
+    writes.raise_problem(_broadcast(problem))  # the same on every rank, before anything is written
     shards = _Shards(tmp, rank, max_shard_bytes)
     error = None
     try:
@@ -230,15 +232,12 @@ def _finish(tmp: Path, path: Path, files: list[tuple[str, dict[str, int]]], conf
     if count > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     source = getattr(model, "hf", None)
     if source is not None:
         names = set(TOKENIZER_FILES) | {Path(f).name for f in getattr(model.tokenizer, "files", None) or ()}
         for name in sorted(names):
             if (Path(source.folder) / name).is_file():
                 shutil.copy2(Path(source.folder) / name, tmp / name)
-    old = path.with_name(f"{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    (tmp / "config.json.part").write_text(json.dumps(config, indent=2, sort_keys=True))
+    os.replace(tmp / "config.json.part", tmp / "config.json")  # last: the folder is complete
+    writes.swap(tmp, path, writes.HF_CHECKPOINT)
