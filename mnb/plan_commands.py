@@ -23,7 +23,13 @@ def export_command(args: argparse.Namespace) -> None:
     settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
                                               "lr", "data") if getattr(args, k) is not None}
     try:
-from mnb.errors import OverwriteRefusedError
+        if args.output:
+            check_output(Path(args.output).expanduser(), overwrite=args.overwrite, writer="%mnb export -o",
+                         flag="--overwrite")
+        exported = export(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, model=args.model,
+                          layout=layout_from_flags(args), output=args.output, sbatch_options=args.sbatch_arg,
+                          overwrite=args.overwrite, **settings)
+    except (ValueError, OverwriteRefusedError) as exc:
         raise UsageError(str(exc)) from None
     if args.output:
         then = {"slurm": f"; submit it with: sbatch {args.output}", "torchrun": f"; run it: bash {args.output}"}
