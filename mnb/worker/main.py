@@ -151,6 +151,8 @@ class Rank:
         if not script:
             sandbox.apply_environ(kernel.get("environ"))
         cwd = kernel.get("cwd")
+        if not cwd:  # a request from Python without the kernel's context: the rank stays where it is
+            return
         if sandbox.follow_cwd(cwd):
             self.cwd_missing = None
         elif cwd != self.cwd_missing:

@@ -59,11 +59,9 @@ def apply_environ(changes: dict[str, Any] | None) -> None:
             os.environ.pop(key, None)
 
 
-def follow_cwd(cwd: str | None) -> bool:
+def follow_cwd(cwd: str) -> bool:
     """Go to the notebook kernel's directory ``cwd`` (every cell and script does, first); False when
     this host has no such folder, and the rank stays where it is (``mnb.worker.main`` says so once)."""
-    if not cwd:
-        return True
     try:
         os.chdir(cwd)
     except OSError:  # another host of the pool without that folder, or one it may not enter
