@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mnb.config import ModelConfig
+from mnb.units import cwd_note
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "MixtralForCausalLM", "GPT2LMHeadModel")
@@ -47,7 +48,7 @@ def config_path(path: str | Path) -> Path:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise ValueError(f"{p} does not exist: a Hugging Face checkpoint folder holds config.json "
+        raise ValueError(f"{p} does not exist{cwd_note(p)}: a Hugging Face checkpoint folder holds config.json "
                          "(save one with transformers' save_pretrained or mnb.save_hf)")
     return p
 

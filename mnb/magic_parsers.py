@@ -207,7 +207,10 @@ def stop_parser() -> MagicArgumentParser:
 
 def restart_parser() -> MagicArgumentParser:
     return _parser("%mnb restart", "Stop and start the same pool (same size, device, GPUs and flags) "
-                   "without restarting the Jupyter kernel; names defined in cells are gone.", ["%mnb restart"])
+                   "without restarting the Jupyter kernel; names defined in cells are gone, the layout stays "
+                   "(as after an automatic restart). A cell naming layout flags changes it (%%megatron --tp 1: "
+                   "the default); from Python: mnb.pool().restart(layout=mnb.ParallelConfig()).",
+                   ["%mnb restart"])
 
 
 def stacks_parser() -> MagicArgumentParser:

@@ -8,7 +8,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
                [--timings] [--standby off|on|auto]
     %mnb status          per rank: pid, state (idle/busy/restarting/dead), device, memory, layout; the standby
     %mnb stop            stop every rank; no process is left behind
-    %mnb restart         stop and start the same pool (same size, device and GPUs)
+    %mnb restart         stop and start the same pool (same size, device, GPUs and layout)
     %mnb stacks          each rank's Python stack and the collective it waits in (where is it stuck?)
     %mnb debug [RANK]    post-mortem pdb where a rank's last cell failed (default: the root cause)
     %mnb plot memory|timeline|mfu|loss plots of mnb.last_run, predicted beside measured
@@ -29,10 +29,13 @@ Cell magic (``%%megatron?`` or ``%%megatron --help`` prints its flags)::
 A cell means the same every time it runs: a cell that names any layout flag
 (--tp --pp --vpp --cp --ep --sp/--no-sp --fsdp) runs under exactly that layout, the
 dimensions it does not name being 1 and sequence parallelism and FSDP off; a cell that
-names none keeps the pool's current layout.  So ``%%megatron --pp 2`` after
+names none keeps the pool's current layout (``%mnb restart`` keeps it too).  So ``%%megatron --pp 2`` after
 ``%%megatron --tp 2`` on 2 ranks runs under tp1 pp2.  dp is always
 world_size / (tp * pp * cp).  The parallel state is re-initialised in the live
 processes only when the layout changes.
+
+Cells run where the notebook is: in the kernel's directory (``%cd`` is followed) on
+every host that has that folder, with the kernel's environment changes (``%env``).
 
 Failures never need ``%mnb restart``: a rank that fails while the others wait
 for it is shown at once and the others get ``--grace`` seconds; ranks that
@@ -173,7 +176,7 @@ class MegatronMagics(Magics):
         try:
             with pool_request("cell"):
                 pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace,
-                         kernel=kernel_changes(pool, cwd=False), profile=profile, debug_ranks=debug_ranks)
+                         kernel=kernel_changes(pool), profile=profile, debug_ranks=debug_ranks)
         finally:
             shown = take_profile(pool.last_cell_profile or (profile["dir"] if profile else None))
         if pool.last_cell_records:  # the ranks' record of what the cell trained: mnb.last_run, %mnb export

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mnb.config import ModelConfig, model_config
+from mnb.units import cwd_note
 
 
 def checkpoint_folder(model: Any) -> Path | None:
@@ -52,7 +53,7 @@ def resolve_model(model: str | os.PathLike | ModelConfig | dict, **overrides: An
     if isinstance(model, os.PathLike) or (isinstance(model, str) and _looks_like_path(model)):
         path = Path(model).expanduser()
         where = "is a folder without config.json" if path.is_dir() else "does not exist"
-        raise ValueError(f"model {os.fspath(model)!r} {where}: pass a Hugging Face checkpoint folder "
+        raise ValueError(f"model {os.fspath(model)!r} {where}{cwd_note(path)}: pass a Hugging Face checkpoint folder "
                          "(with its config.json) or a preset name")
     return model_config(model, **overrides)
 

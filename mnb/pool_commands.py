@@ -14,6 +14,7 @@ from IPython.core.error import UsageError
 
 from mnb.controller import Pool, current_pool, set_current_pool
 from mnb.controller import standby as standbys
+from mnb.controller.repair import layout_kept
 from mnb.magic_parsers import parse_gpus
 from mnb.units import format_bytes
 
@@ -91,7 +92,7 @@ def restart_command(args: argparse.Namespace) -> None:
     began = time.perf_counter()
     pool.restart()
     print(f"restarted: {pool.world_size} ranks ready in {time.perf_counter() - began:.1f} s ({pool.start_note}); "
-          f"layout {pool.layout.describe()}")
+          f"{layout_kept(pool.layout)} (a cell with layout flags changes it)")
 
 
 def slurm_request(args: argparse.Namespace) -> Any:

@@ -18,14 +18,16 @@ from IPython.core.error import UsageError
 
 from mnb.controller import Pool, current_pool, last_run
 from mnb.controller.kernel_context import kernel_context
+from mnb.controller.repair import layout_kept
 from mnb.errors import RequestRefused, interrupted
 from mnb.magic_parsers import parse_ranks
+from mnb.units import cwd_note
 
 
-def kernel_changes(pool: Any, *, cwd: bool) -> dict[str, Any] | None:
-    """The kernel's cwd (scripts) and environment changes since the pool started, for the ranks."""
+def kernel_changes(pool: Any) -> dict[str, Any] | None:
+    """The kernel's cwd and environment changes since the pool started, for the ranks' cells and scripts."""
     since = getattr(pool, "environ_at_start", None)
-    return kernel_context(since, cwd=cwd) if since is not None else None
+    return kernel_context(since) if since is not None else None
 
 
 @contextlib.contextmanager
@@ -48,39 +50,37 @@ def run_command(args: argparse.Namespace) -> None:
         raise UsageError("no pool is running; start one with %mnb start")
     ranks = parse_ranks(args.ranks, pool.world_size)
     if not os.path.isfile(os.path.expanduser(args.script)):
-        raise UsageError(f"no script {args.script!r} (relative paths start in {os.getcwd()}); "
+        raise UsageError(f"no script {args.script!r}{cwd_note(args.script)}; "
                          "%mnb run's own options come before the script, its arguments after it")
     if args.isolated:
         run_isolated(pool, args, ranks)
     else:
         with pool_request("script"):
             pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace,
-                            kernel=kernel_changes(pool, cwd=True))
+                            kernel=kernel_changes(pool))
     if pool.last_cell_records:
         print(last_run().summary())
 
 
 def run_isolated(pool: Pool, args: argparse.Namespace, ranks: list[int] | None) -> None:
-    """``%mnb run --isolated``: a restart of the pool before and after the script, layout kept."""
-    layout = pool.layout
+    """``%mnb run --isolated``: a restart of the pool before and after the script (the layout stays, as
+    every restart keeps it)."""
     records: list = []
 
     def fresh() -> float:
         t0 = time.perf_counter()
         pool.restart()
-        if pool.layout != layout:
-            pool.run("None", layout=layout, quiet=True)
         pool.last_cell_records = records
         return time.perf_counter() - t0
 
     before = fresh()
     print(f"mnb: --isolated: fresh rank processes for the script ({pool.world_size} ranks restarted in "
-          f"{before:.1f} s; they restart again after it, layout {layout.describe()} kept, names of earlier "
-          "cells gone; a plain %mnb run needs no restart)")
+          f"{before:.1f} s; they restart again after it; {layout_kept(pool.layout)}; a plain %mnb run needs "
+          "no restart)")
     try:
         with pool_request("script"):
             pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace,
-                            kernel=kernel_changes(pool, cwd=True))
+                            kernel=kernel_changes(pool))
         records = pool.last_cell_records
     finally:
         after = fresh()

@@ -13,6 +13,7 @@ without importing IPython (both are only true when something else already import
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -60,6 +61,16 @@ def format_percent(fraction: float) -> str:
     if fraction == 0 or abs(fraction) >= 0.001:
         return f"{fraction:.1%}"
     return f"{fraction * 100:.2g}%"
+
+
+def cwd_note(path: str | os.PathLike) -> str:
+    """``" (relative paths start in CWD)"`` for a relative ``path``, ``""`` for an absolute one: the
+    directory a missing path was looked for in (on a rank, the notebook's when that host has it).
+
+    >>> cwd_note("/abs/model")
+    ''
+    """
+    return "" if os.path.isabs(os.path.expanduser(os.fspath(path))) else f" (relative paths start in {os.getcwd()})"
 
 
 def ipython_shell() -> Any:

@@ -50,7 +50,7 @@ def reset_pool(pool) -> None:
         pool.run("pass", layout=ParallelConfig(), quiet=True, timeout=120)
     except Exception:  # noqa: BLE001 - whatever the last test left: start the same pool again
         pool.seen_pids |= set(pool.pids())
-        pool.restart()
+        pool.restart(layout=ParallelConfig())  # a restart keeps the layout: ask for the default
     pool.seen_pids |= set(pool.pids())
 
 

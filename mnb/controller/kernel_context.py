@@ -22,8 +22,9 @@ def environ_changes(since: Mapping[str, str], now: Mapping[str, str] | None = No
     return {"set": changed, "unset": removed}
 
 
-def kernel_context(environ_at_start: Mapping[str, str], *, cwd: bool) -> dict[str, Any]:
-    """The request header's ``kernel`` field: environment changes, and the cwd when ``cwd``."""
+def kernel_context(environ_at_start: Mapping[str, str], *, cwd: bool = True) -> dict[str, Any]:
+    """The request header's ``kernel`` field: the kernel's cwd (unless ``cwd=False``: the ranks stay
+    where they are) and its environment changes."""
     context: dict[str, Any] = {"environ": environ_changes(environ_at_start)}
     if cwd:
         context["cwd"] = os.getcwd()

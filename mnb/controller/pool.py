@@ -233,18 +233,21 @@ class Pool(Requests):
         standbys.park(self._repair.take_standby())  # %mnb start in this kernel may adopt it
         self._remove_files()
 
-    def restart(self) -> "Pool":
-        """Stop every process and start the same pool again (same size, device, GPUs; default layout).
+    def restart(self, *, layout: ParallelConfig | None = None) -> "Pool":
+        """Stop every process and start the same pool again (same size, device, GPUs), in the same
+        layout, as an automatic restart keeps it (``layout``: another one, e.g. ``ParallelConfig()``
+        for the default); names defined in earlier cells are gone.
 
         As :meth:`stop`, a request another thread runs is cancelled and waited for first.
         """
+        target = (self.layout if layout is None else layout).resolve(self.world_size)  # ValueError: not this size
         self._repair.stop()
         with self._gate.taken_over("restart", "the pool was restarted (%mnb restart) while this request ran",
                                    STOP_REQUEST_WAIT_S):
             if self._repair.generation is not None:
                 self._repair.generation.close()
-            self.layout = ParallelConfig().resolve(self.world_size)
-            self._repair.launch()
+            self.layout = target  # what status shows meanwhile: the layout the new ranks will have
+            self._repair.launch(target)
         return self
 
     def _remove_files(self) -> None:

@@ -2,7 +2,8 @@
 
 Every way the pool's processes change goes through :class:`Repair`:
 
-- ``launch`` (``Pool.start``/``restart``): a new generation, in the caller's thread;
+- ``launch`` (``Pool.start``/``restart``): a new generation, in the caller's thread; a restart's
+  in the pool's layout, restored as an automatic restart restores it (one path: ``_adopt_in``);
 - ``after(outcome)``, the one entry point after each request's outcome, and
   ``replace(why)``: ranks died or cannot be released, so every process is
   replaced in the background with the same size, device and layout (one line
@@ -43,6 +44,11 @@ log = logging.getLogger(__name__)
 STOPPED = "the pool was stopped"
 
 
+def layout_kept(layout: ParallelConfig) -> str:
+    """What every restart (automatic, ``%mnb restart``, ``--isolated``) says it kept and lost."""
+    return f"names defined in earlier cells are gone, the layout {layout.describe()} stays"
+
+
 class Repair:
     """The pool's current generation and everything that replaces or ends it."""
 
@@ -76,14 +82,16 @@ class Repair:
         """Why the last generation was replaced (``%mnb debug`` says it when the frames it wants are gone)."""
 
     # ------------------------------------------------------------ in the caller's thread
-    def launch(self) -> Generation:
-        """A new generation for ``Pool.start``/``restart`` (default layout), adopted before it returns."""
+    def launch(self, layout: ParallelConfig | None = None) -> Generation:
+        """A new generation for ``Pool.start``/``restart``, put in ``layout`` (None: the default, as the
+        ranks start) and adopted before it returns."""
         with self._lock:
             self.stopped, self.broken = False, None
             self._cancel.clear()
+            self._restore_latch = InterruptLatch()  # a stop cancelled the last one
             if self.generation is not None:
                 self.replaced_why = "the pool was restarted (%mnb restart)"
-        self.adopt(self._build())
+        self._adopt_in(self._build(), layout)
         self.prepare_standby()
         return self.generation
 
@@ -186,8 +194,8 @@ class Repair:
                         "run %mnb restart to submit a new one")
             return (f"{why}; the pool spans {self.spec.nnodes} hosts, so mnb cannot restart it on its own: "
                     "run %mnb restart, then the join command on the other hosts")
-        return (f"mnb is restarting all {self.spec.world_size} ranks ({why}); names defined in earlier cells are "
-                f"gone, the layout {layout.describe()} stays, and the next cell waits for the new ranks.")
+        return (f"mnb is restarting all {self.spec.world_size} ranks ({why}); {layout_kept(layout)}, "
+                "and the next cell waits for the new ranks.")
 
     def replace_if_dead(self, layout: ParallelConfig) -> str:
         """Replace the ranks in the background if one died while no request watched them ("" if none did).
@@ -261,7 +269,9 @@ class Repair:
         } for rank, row in sorted(progress.items())]
 
     def _stage(self, stage: str, rank: int | None = None, **fields: Any) -> None:
-        progress = self._progress or {}
+        progress = self._progress
+        if progress is None:  # Pool.start/restart in the caller's thread: status waits for it, shows no progress
+            return
         ranks = [rank] if rank is not None else list(progress)
         self._progress = {**progress, **{r: {**progress.get(r, {}), **fields, "stage": stage} for r in ranks}}
 
@@ -284,15 +294,7 @@ class Repair:
                 old.close(grace_s=0)  # stuck or dead ranks: nothing to wait for
             if self._cancel.is_set():
                 return
-            generation = self._build(on_launched=self._on_launched, on_hello=self._on_hello)
-            try:
-                if layout != ParallelConfig().resolve(self.spec.world_size):
-                    self._stage(f"restoring {layout.describe()}")
-                    self._restore_layout(generation, layout)
-                self.adopt(generation)
-            except BaseException:
-                generation.close(grace_s=0)
-                raise
+            self._adopt_in(self._build(on_launched=self._on_launched, on_hello=self._on_hello), layout)
             self.restart_line = (f"the {self.spec.world_size} ranks restarted in {time.perf_counter() - began:.1f} s "
                                  f"({self.start_note})")
             self.prepare_standby()
@@ -306,6 +308,17 @@ class Repair:
         finally:
             with self._lock:
                 self._building, self._progress = None, None
+
+    def _adopt_in(self, generation: Generation, layout: ParallelConfig | None) -> None:
+        """Put ``generation`` in ``layout`` (the default needs nothing), then adopt it; closed if either fails."""
+        try:
+            if layout is not None and layout != ParallelConfig().resolve(self.spec.world_size):
+                self._stage(f"restoring {layout.describe()}")
+                self._restore_layout(generation, layout)
+            self.adopt(generation)
+        except BaseException:
+            generation.close(grace_s=0)
+            raise
 
     def _restore_layout(self, generation: Generation, layout: ParallelConfig) -> None:
         """Put the new ranks in the layout the pool promised, through the generation's own inbox."""

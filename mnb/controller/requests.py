@@ -31,6 +31,7 @@ from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDie
 from mnb.fields import check_ranks
 from mnb.protocol import Message
 from mnb.timeouts import DEATH_REPORT_WAIT_S, REMOTE_RANK_SILENCE_S, VALUES_TIMEOUT_S
+from mnb.units import cwd_note
 from mnb.values import ValueDecodeError, decode_values, encode_push
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class Requests:
         """
         script = Path(path).expanduser()
         if not script.is_file():
-            raise FileNotFoundError(f"no script {str(script)!r} (relative paths start in {os.getcwd()})")
+            raise FileNotFoundError(f"no script {str(script)!r}{cwd_note(script)}")
         targets = self._targets(ranks)
         header: dict[str, Any] = {
             "code": "", "script": {"path": str(script.resolve()), "args": [str(a) for a in args]},

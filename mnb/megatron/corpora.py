@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, Union
 
+from mnb.units import cwd_note
+
 DataSpec = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 TEXT_PROBE_BYTES = 8192
 """A file with a NUL byte in its first this many bytes is binary, never read as text."""
@@ -112,9 +114,9 @@ def resolve_text_files(spec: DataSpec) -> list[Path]:
         files = [Path(m) for m in matches if Path(m).is_file()]
         if files:
             return files
-        raise FileNotFoundError(f"data glob {text!r} matches no files")
+        raise FileNotFoundError(f"data glob {text!r} matches no files{cwd_note(text)}")
     raise FileNotFoundError(
-        f"data {text!r} does not exist: expected 'mock', a corpus preset "
+        f"data {text!r} does not exist{cwd_note(text)}: expected 'mock', a corpus preset "
         f"({', '.join(CORPORA)}), a text file, a folder, a glob, or a Megatron "
         ".bin/.idx prefix"
     )

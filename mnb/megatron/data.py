@@ -61,6 +61,7 @@ from mnb.megatron.corpora import (  # noqa: F401 - re-exported: data.CORPORA, da
     stdlib_files,
 )
 from mnb.megatron.tokenizer import EOD_ID, ByteTokenizer, MockTokenizer
+from mnb.units import cwd_note
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ def build_indexed_dataset(text_files: Sequence[str | os.PathLike], output_prefix
     files = [Path(f) for f in text_files]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise FileNotFoundError(f"{len(missing)} text file(s) not found: {', '.join(missing[:5])}")
+        raise FileNotFoundError(f"{len(missing)} text file(s) not found: {', '.join(missing[:5])}"
+                                f"{cwd_note(missing[0])}")
     if not files:
         raise ValueError(f"no text files given for {output_prefix}")
     output_prefix = os.fspath(output_prefix)

@@ -42,6 +42,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from mnb.units import cwd_note
+
 NUM_BYTES = 256
 EOD_ID = 256
 NO_TOKEN = -1
@@ -325,7 +327,7 @@ def load_hf_tokenizer(folder: str | Path) -> HFTokenizer | None:
     """
     path = Path(folder).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a folder: pass a Hugging Face checkpoint folder")
+        raise FileNotFoundError(f"{path} is not a folder{cwd_note(path)}: pass a Hugging Face checkpoint folder")
     if not (path / "tokenizer.json").is_file():
         return None
     return HFTokenizer(path)

@@ -64,6 +64,8 @@ class Rank:
         """Where ``mnb.train(profile=...)`` writes outside a ``--profile`` cell (the pool's folder)."""
         self.last_failure: BaseException | None = None
         """The last cell's failure with its frames, for ``%mnb debug``; released when the next cell starts."""
+        self.cwd_missing: str | None = None
+        """The notebook's directory this host lacks, once said (``follow_kernel``); None while cells follow it."""
 
     # -------------------------------------------------------------- start
     def start(self) -> None:
@@ -145,6 +147,21 @@ class Rank:
         with stdin.forwarded(self.channel, self.rank, message.id, message.get("debug_ranks")):
             self._execute(message)
 
+    def follow_kernel(self, kernel: dict[str, Any], *, script: bool) -> None:
+        """Run where the notebook is: its directory, where this host has it (else one line, once per
+        directory, says where the rank stays); a cell's environment changes (a script's: its sandbox)."""
+        if not script:
+            sandbox.apply_environ(kernel.get("environ"))
+        cwd = kernel.get("cwd")
+        if not cwd:  # a request from Python without the kernel's context: the rank stays where it is
+            return
+        if sandbox.follow_cwd(cwd):
+            self.cwd_missing = None
+        elif cwd != self.cwd_missing:
+            self.cwd_missing = cwd
+            print(f"mnb: the notebook's directory {cwd} does not exist on {socket.gethostname()}: this host's "
+                  f"ranks stay in {os.getcwd()}, where their relative paths start (said once)", flush=True)
+
     def _execute(self, message: Message) -> None:
         from mnb.megatron import events, layout
 
@@ -154,7 +171,7 @@ class Rank:
             counting.begin_cell()
         profile_dir = None  # the folder this rank wrote the cell's profile to (mnb.megatron.profile)
         kernel = message.get("kernel") or {}  # the notebook's cwd and environment changes
-        sandbox.apply_environ(kernel.get("environ") if not message.get("script") else None)
+        self.follow_kernel(kernel, script=bool(message.get("script")))
         requested = message.get("layout")
         if requested:
             try:

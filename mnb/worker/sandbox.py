@@ -10,10 +10,11 @@ the script's run, cheaply:
   the rank's original ``sys.path`` are forgotten.  Bytecode is not written meanwhile
   (no ``__pycache__`` in your folders, no stale ``.pyc`` after an edit).
 - **directory**: the script runs in the notebook kernel's current directory (as
-  IPython's ``%run`` does; ``%cd`` is followed); the rank's directory is restored after.
+  IPython's ``%run`` does; ``%cd`` is followed), as every cell does (:func:`follow_cwd`,
+  called by :mod:`mnb.worker.main` for both); a ``chdir`` of the script's is undone after it.
 - **environment**: the notebook's ``os.environ`` changes since the pool started
-  (``%env``) are applied (:func:`apply_environ`; cells get them too); what the script
-  changes in ``os.environ`` is undone after it.
+  (``%env``) are applied (:func:`apply_environ`; cells get them too, and keep them); what
+  the script changes in ``os.environ`` is undone after it.
 - **library singletons**: accelerate's ``PartialState``/``AcceleratorState``/
   ``GradientState`` start empty (Megatron's globals and RNG tracker: :mod:`mnb.megatron.adopt`);
   torch's default dtype and grad mode are restored after.
@@ -56,6 +57,16 @@ def apply_environ(changes: dict[str, Any] | None) -> None:
     for key in changes.get("unset") or ():
         if not _protected(key):
             os.environ.pop(key, None)
+
+
+def follow_cwd(cwd: str) -> bool:
+    """Go to the notebook kernel's directory ``cwd`` (every cell and script does, first); False when
+    this host has no such folder, and the rank stays where it is (``mnb.worker.main`` says so once)."""
+    try:
+        os.chdir(cwd)
+    except OSError:  # another host of the pool without that folder, or one it may not enter
+        return False
+    return True
 
 
 def _module_folder(module: Any) -> str | None:
@@ -127,10 +138,7 @@ class ScriptSandbox:
         importlib.invalidate_caches()  # files added to the folders since the last import are found
         self._modules = set(sys.modules)
         self._bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-        self._cwd = os.getcwd()
-        cwd = self.kernel.get("cwd")
-        if cwd and os.path.isdir(cwd):  # a rank on another host without that folder stays where it is
-            os.chdir(cwd)
+        self._cwd = os.getcwd()  # the kernel's, where this host has it (follow_cwd, before the script)
         self._environ = dict(os.environ)
         apply_environ(self.kernel.get("environ"))
         self._names = {k: self.namespace[k] for k in MNB_NAMES if k in self.namespace}

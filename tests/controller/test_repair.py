@@ -213,6 +213,22 @@ def test_a_rank_that_raised_in_a_cell_while_another_waits_in_a_collective_is_nam
     assert cpu_pool.pids() == pids  # released by the interrupt: the same processes
 
 
+def test_mnb_restart_keeps_the_layout_and_says_so_as_the_automatic_restart_does(shell, cpu_pool, capsys):
+    shell.run_cell_magic("megatron", "--tp 2", "defined_before = 1")
+    pids = set(cpu_pool.pids())
+    capsys.readouterr()
+    shell.run_line_magic("mnb", "restart")
+    out = capsys.readouterr().out
+    assert "restarted: 2 ranks ready in" in out, out
+    assert "names defined in earlier cells are gone, the layout tp2 pp1 dp1 stays" in out, out  # the automatic one's words
+    assert not pids & set(cpu_pool.pids())  # new processes
+    shell.run_cell_magic("megatron", "", "print('tp', ps.get_tensor_model_parallel_world_size(), "
+                                         "'defined_before' in globals())")
+    out = capsys.readouterr().out
+    assert "tp 2 False" in out, out  # a cell without layout flags runs under the kept tp2
+    assert cpu_pool.layout == ParallelConfig(tp=2).resolve(2)
+
+
 def test_a_stopped_pool_is_not_relaunched_by_a_late_failure(cpu_pool, monkeypatch):
     """The death of a rank is being reported when another thread stops the pool: no torchrun again."""
     stopped, stopper, restarts = threading.Event(), [], cpu_pool.restarts

@@ -8,6 +8,8 @@ unmodified.
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,34 @@ def test_exit_codes_and_the_failure_of_one_rank_then_a_cell_runs(shell, cpu_pool
     shell.run_cell_magic("megatron", "", "pass")
     assert cpu_pool.layout.tp == 2
     shell.run_cell_magic("megatron", "--tp 1", "pass")
+
+
+def test_cells_run_where_the_notebook_is_and_a_missing_path_names_that_folder(shell, cpu_pool, tmp_path, capsys):
+    folder = Path(os.path.realpath(tmp_path))
+    (folder / "notes.txt").write_text("read by a relative path\n")
+    here = os.getcwd()
+    try:
+        shell.run_line_magic("cd", str(folder))
+        capsys.readouterr()
+        shell.run_cell_magic("megatron", "", "print(open('notes.txt').read().strip(), 'on rank', rank)")
+        out = capsys.readouterr().out
+        assert "read by a relative path on rank 0" in out and "read by a relative path on rank 1" in out, out
+        with pytest.raises(CompositeRankError) as info:
+            shell.run_cell_magic("megatron", "", "mnb.from_hf('tiny-llama')")
+        assert f"tiny-llama does not exist (relative paths start in {folder})" in str(info.value), str(info.value)
+    finally:
+        os.chdir(here)
+    # A host of the pool without the notebook's folder: its ranks stay where they are and say so once.
+    gone = str(folder / "not-on-this-host")
+    said = (f"the notebook's directory {gone} does not exist on {socket.gethostname()}: this host's ranks stay "
+            f"in {folder}, where their relative paths start (said once)")
+    outs = []
+    for _ in range(2):
+        cpu_pool.run("import os\nprint('cwd:', os.getcwd())", kernel={"cwd": gone})
+        outs.append(capsys.readouterr().out)
+        cpu_pool.run("pass")  # a request without the kernel's context between them changes nothing
+    assert said in outs[0] and f"cwd: {folder}" in outs[0], outs[0]
+    assert "does not exist" not in outs[1] and f"cwd: {folder}" in outs[1], outs[1]
 
 
 def test_clear_early_errors(shell, cpu_pool):
