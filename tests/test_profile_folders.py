@@ -41,5 +41,5 @@ def test_an_output_that_is_a_file_is_refused_before_the_cell(tmp_path):
     target.write_text("mine")
     args = argparse.Namespace(profile="", profile_ranks=None, output=str(target), memory=False)
     with pytest.raises(UsageError, match=f"-o {target}: {target} is a file; name a folder"):
-        profile_request(args, argparse.Namespace(world_size=2), lambda text: [])
+        profile_request(args, argparse.Namespace(world_size=2))
     assert target.read_text() == "mine"
