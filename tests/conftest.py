@@ -1,22 +1,84 @@
-"""Shared fixtures: real pools of CPU ranks (no mocks), cleaned up after use."""
+"""Shared fixtures: real pools of CPU ranks (no mocks), cleaned up after use.
+
+One 2-rank pool (here) and one 4-rank pool (tests/megatron/conftest.py) serve the whole
+session: a pool's start is most of what a test module costs.  ``reset_pool`` gives each
+module and each test a pool as fresh as it needs (running ranks, the default layout, no
+event handlers; each module also no names from earlier modules).  Every module ends by
+checking that it left no new process behind; the session ends by stopping the shared
+pools and checking every process they ever had is gone.
+"""
 
 from __future__ import annotations
+
+import time
 
 import psutil
 import pytest
 
+from tests import session_report
+
+_SHARED: dict[int, object] = {}
+"""The session's shared pools by size (``shared_pool``)."""
+
+_FILE_TIMES = session_report.FileTimes()
+
+
+# ------------------------------------------------------------ the session's report
+def pytest_sessionstart(session):
+    session_report.install()
+
+
+def pytest_runtest_logreport(report):
+    _FILE_TIMES.add(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    write = terminalreporter.write_line
+    for line in _FILE_TIMES.lines():
+        write(line)
+    write(session_report.launches_line())
+
+
+# ------------------------------------------------------------ the shared pools
+def shared_pool(nproc: int, timeout: float):
+    """The session's pool of ``nproc`` CPU ranks, started on first use, stopped at the session's end."""
+    from mnb.controller import Pool
+
+    pool = _SHARED.get(nproc)
+    if pool is None:
+        pool = Pool.start(nproc, device="cpu", timeout=timeout)
+        pool.seen_pids = set(pool.pids())  # every process it had, also those a restart replaced
+        _SHARED[nproc] = pool
+    return pool
+
+
+def for_module(pool):
+    """The shared pool for one module (a generator for a module-scoped fixture): reset as it begins
+    (also no names an earlier module defined on the ranks); its names dropped as it ends, so the
+    models it made hold no memory while other modules run."""
+    reset_pool(pool, names=True)
+    yield pool
+    try:
+        pool.run(CLEAR_NAMES + "import gc\ngc.collect()", quiet=True, timeout=60)
+    except Exception:  # noqa: BLE001 - a pool the last test left broken: the next module's reset restarts it
+        pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_pools():
+    yield
+    seen: set[int] = set()
+    for pool in _SHARED.values():
+        seen |= pool.seen_pids | set(pool.pids())
+        pool.stop()
+    _SHARED.clear()
+    assert_no_orphans(sorted(seen))
+
 
 @pytest.fixture(scope="module")
 def module_pool():
-    """A 2-rank CPU pool started once per test module; tests take :func:`cpu_pool`, which resets it."""
-    from mnb.controller import Pool
-
-    pool = Pool.start(2, device="cpu", timeout=180)
-    pool.seen_pids = set(pool.pids())  # every process it had, also those an earlier restart replaced
-    yield pool
-    pool.seen_pids |= set(pool.pids())
-    pool.stop()
-    assert_no_orphans(sorted(pool.seen_pids))
+    """The session's 2-rank CPU pool, reset for this module; tests take :func:`cpu_pool`, which resets it."""
+    yield from for_module(shared_pool(2, timeout=180))
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +102,29 @@ def cpu_pool(module_pool):
     return module_pool
 
 
-def reset_pool(pool) -> None:
-    """Running ranks (restarted if the last test broke, interrupted or left them busy), the default
-    layout, no event handlers a test added."""
+CLEAR_NAMES = (
+    "from mnb.worker.sandbox import MNB_NAMES as _keep\n"
+    "for _name in [n for n in globals() if n not in _keep and not n.startswith('__')]:\n"
+    "    del globals()[_name]\n"
+)
+"""A cell that leaves the ranks' namespace as a new pool has it (mnb's names only)."""
+
+
+def reset_pool(pool, *, names: bool = False) -> None:
+    """Running ranks (restarted if the last test broke, stopped, interrupted or left them busy), the
+    default layout, no event handlers a test added; with ``names``, none of the names cells defined."""
     from mnb.config import ParallelConfig
 
     pool.event_handlers.clear()
     try:
-        pool.run("pass", layout=ParallelConfig(), quiet=True, timeout=120)
+        pool.run(CLEAR_NAMES if names else "pass", layout=ParallelConfig(), quiet=True, timeout=120)
     except Exception:  # noqa: BLE001 - whatever the last test left: start the same pool again
         pool.seen_pids |= set(pool.pids())
         pool.restart()
     pool.seen_pids |= set(pool.pids())
 
 
+# ------------------------------------------------------------ processes left behind
 def alive_pids(pids: list[int]) -> list[int]:
     """The pids that still name a running (not zombie) process."""
     alive = []
@@ -69,3 +140,50 @@ def alive_pids(pids: list[int]) -> list[int]:
 def assert_no_orphans(pids: list[int]) -> None:
     left = alive_pids(pids)
     assert not left, f"processes left behind: {left}"
+
+
+def _descendants() -> dict[int, psutil.Process]:
+    found = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = proc
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _kept_pids() -> set[int]:
+    """Processes that outlive a module on purpose: the shared pools' and a standby ``%mnb stop`` parked."""
+    from mnb.controller import standby
+
+    kept = {pid for pool in _SHARED.values() for pid in pool.descendants()}
+    parked = standby._parked
+    if parked is not None and parked.launcher is not None:
+        kept |= {proc.pid for proc in parked.launcher.descendants()}
+    return kept
+
+
+LEFTOVER_WAIT_S = 30.0
+"""How long a module's processes get to exit after its last fixture's teardown (a loaded machine)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_new_descendants():
+    """Each module ends with no process it started still running (the shared pools aside)."""
+    before = set(_descendants())
+    yield
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while True:
+        kept = _kept_pids()
+        new = {pid: proc for pid, proc in _descendants().items() if pid not in before and pid not in kept}
+        if not new or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    described = []
+    for pid, proc in new.items():
+        try:
+            described.append(f"{pid}: {' '.join(proc.cmdline())[:200]}")
+        except psutil.Error:
+            continue
+    assert not described, "processes this module started are still running:\n" + "\n".join(described)
