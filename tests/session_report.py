@@ -123,6 +123,8 @@ class FileTimes:
     def lines(self, top: int = 15) -> list[str]:
         totals = {path: sum(parts.values()) for path, parts in self.seconds.items()}
         ranked = sorted(totals, key=totals.get, reverse=True)
+        if not ranked:
+            return []
         lines = [f"seconds per test file (top {min(top, len(ranked))} of {len(ranked)}; "
                  f"set-up = fixtures, e.g. a pool's start; all files: {sum(totals.values()):.0f} s):"]
         for path in ranked[:top]:
