@@ -19,6 +19,13 @@ from tests import session_report
 
 _SHARED: dict[int, object] = {}
 """The session's shared pools by size (``shared_pool``)."""
+_SEEN_PIDS: set[int] = set()
+"""Every process a shared pool had, also of one stopped already (the session's last check)."""
+_USERS = {2: {"module_pool", "cpu_pool", "shell", "started"}, 4: {"pool4"}}
+"""The fixtures that take each shared pool (``shell``, ``started``: also their namesakes that do not)."""
+_LAST_USER: dict[int, str] = {}
+"""The last module of the run that takes each shared pool: its end stops the pool, so no idle ranks
+hold memory while the rest of the session runs."""
 
 _FILE_TIMES = session_report.FileTimes()
 
@@ -40,6 +47,14 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # ------------------------------------------------------------ the shared pools
+@pytest.hookimpl(trylast=True)  # after -k, -m and --deselect took their items out
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        for size, names in _USERS.items():
+            if names & set(getattr(item, "fixturenames", ())):
+                _LAST_USER[size] = item.nodeid.split("::", 1)[0]
+
+
 def shared_pool(nproc: int, timeout: float):
     """The session's pool of ``nproc`` CPU ranks, started on first use, stopped at the session's end."""
     from mnb.controller import Pool
@@ -52,33 +67,41 @@ def shared_pool(nproc: int, timeout: float):
     return pool
 
 
-def for_module(pool):
-    """The shared pool for one module (a generator for a module-scoped fixture): reset as it begins
-    (also no names an earlier module defined on the ranks); its names dropped as it ends, so the
-    models it made hold no memory while other modules run."""
+def for_module(size: int, request, timeout: float):
+    """The shared pool of ``size`` ranks for one module (a generator for a module-scoped fixture):
+    reset as it begins (also no names an earlier module defined on the ranks); as it ends, its names
+    dropped (the models it made hold no memory while other modules run), or the pool stopped when
+    no later module of the run takes it."""
+    pool = shared_pool(size, timeout)
     reset_pool(pool, names=True)
     yield pool
+    if _LAST_USER.get(size) == request.node.nodeid.split("::", 1)[0]:
+        _stop_shared(size)
+        return
     try:
         pool.run(CLEAR_NAMES + "import gc\ngc.collect()", quiet=True, timeout=60)
     except Exception:  # noqa: BLE001 - a pool the last test left broken: the next module's reset restarts it
         pass
 
 
+def _stop_shared(size: int) -> None:
+    pool = _SHARED.pop(size)
+    _SEEN_PIDS.update(pool.seen_pids, pool.pids())
+    pool.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_shared_pools():
     yield
-    seen: set[int] = set()
-    for pool in _SHARED.values():
-        seen |= pool.seen_pids | set(pool.pids())
-        pool.stop()
-    _SHARED.clear()
-    assert_no_orphans(sorted(seen))
+    for size in list(_SHARED):
+        _stop_shared(size)
+    assert_no_orphans(sorted(_SEEN_PIDS))
 
 
 @pytest.fixture(scope="module")
-def module_pool():
+def module_pool(request):
     """The session's 2-rank CPU pool, reset for this module; tests take :func:`cpu_pool`, which resets it."""
-    yield from for_module(shared_pool(2, timeout=180))
+    yield from for_module(2, request, timeout=180)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,14 @@ What each number counts:
 * pools: ``Launcher.start`` calls made inside ``Pool.start`` in this process (a torchrun tree);
 * restarts: the other ``Launcher.start`` calls in this process (``Pool.restart``, automatic
   relaunches after a failure, standbys launched ahead);
-* rank launches: ``tests/megatron/ranks.py``'s ``run_ranks`` (one launch of N fresh gloo ranks);
-* kernels: pools started by other processes this session started (a Jupyter kernel's
-  ``%mnb start`` and its restarts, a notebook, a script run in a subprocess): each torchrun
-  agent (``mnb.worker.agent``) seen among this process's descendants whose parent is not
-  this process.  Jupyter kernels themselves import no torch (tests/test_no_torch.py); the
-  count of kernel processes follows in brackets.
+* rank launches: ``tests/megatron/ranks.py``'s ``run_ranks`` (one launch of N fresh gloo ranks),
+  and plain torchruns this process started (``torch.distributed.run``/``torchrun``: a script's
+  reference run, another node joining a pool);
+* kernels: pools and torchruns started by other processes this session started (a Jupyter
+  kernel's ``%mnb start`` and its restarts, a notebook, a script run in a subprocess): each
+  torchrun (a pool's agent ``mnb.worker.agent``, or ``torch.distributed.run``) seen among this
+  process's descendants whose parent is not this process.  Jupyter kernels themselves import
+  no torch (tests/test_no_torch.py); the count of kernel processes follows in brackets.
 
 The total is the sum of the four.  The descendants are sampled once a second: an agent
 lives for its ranks' imports (seconds), so none is missed.
@@ -92,9 +94,14 @@ def _sample(me: int) -> None:
         try:
             cmdline = proc.cmdline()
             key = (proc.pid, proc.create_time())
-            if "mnb.worker.agent" in cmdline and proc.ppid() != me and key not in _seen_agents:
+            agent = "mnb.worker.agent" in cmdline  # a pool's torchrun
+            torchrun = "torch.distributed.run" in cmdline or any(arg.endswith("/torchrun") for arg in cmdline)
+            if (agent or torchrun) and key not in _seen_agents:
                 _seen_agents.add(key)
-                COUNTS["kernels"] += 1
+                if proc.ppid() != me:
+                    COUNTS["kernels"] += 1
+                elif not agent:  # a plain torchrun this process started (e.g. a script's reference run)
+                    COUNTS["rank launches"] += 1
             elif "ipykernel_launcher" in " ".join(cmdline) and key not in _kernel_procs:
                 _kernel_procs.add(key)
         except psutil.Error:
