@@ -37,6 +37,6 @@ def ok(result):
 @pytest.fixture(scope="module")
 def pool4(request):
     """The session's 4-rank CPU pool (tp2*pp2 and cp2*tp2 layouts), reset for this module."""
-    from tests.conftest import for_module
+    from tests.shared_pools import for_module
 
     yield from for_module(4, request, timeout=240)
