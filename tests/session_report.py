@@ -3,9 +3,9 @@
 CI's time goes to process starts, not to assertions, so the session ends with two reports
 (``tests/conftest.py`` installs them; ``.ci/run`` shows them per leg)::
 
-    mnb launches: 9 (pools 2, restarts 3, rank launches 2, kernels 2)
-    ...
-    seconds per test file (top 15 of 12; set-up = fixtures, e.g. a pool's start):
+    seconds per test file (top 12 of 12; set-up = fixtures, e.g. a pool's start; all files: 1530 s):
+      ...
+    mnb launches: 9 (pools 2, restarts 3, rank launches 2, kernels 2)  [2 Jupyter kernel process(es) started]
 
 What each number counts:
 
