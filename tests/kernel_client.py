@@ -99,20 +99,34 @@ class Kernel:
                     continue
             else:
                 msg = self.client.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
-            parent = msg["parent_header"].get("msg_id")
-            if parent not in self._sent:
-                continue
-            into = self._sent[parent]
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                into.text += content["text"]
-                into.streams.append((time.time(), content["text"]))
-            elif kind == "error":
-                into.errors.append(content)
-            elif kind == "status" and content["execution_state"] == "idle":
-                into.ended = time.time()
-                if parent == msg_id:
-                    return result
+            if self._record(msg) == msg_id:
+                return result
+
+    def _record(self, msg: dict) -> str | None:
+        """Add one iopub message to its cell's result; the cell's msg_id when it says the kernel went idle."""
+        parent = msg["parent_header"].get("msg_id")
+        if parent not in self._sent:
+            return None
+        into = self._sent[parent]
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            into.text += content["text"]
+            into.streams.append((time.time(), content["text"]))
+        elif kind == "error":
+            into.errors.append(content)
+        elif kind == "status" and content["execution_state"] == "idle":
+            into.ended = time.time()
+            return parent
+        return None
+
+    def wait_for_text(self, msg_id: str, needle: str, timeout: float = 300) -> None:
+        """Read the kernel's messages until the running cell ``msg_id`` printed ``needle`` (an event to
+        wait on instead of a sleep); what it printed stays in its result for :meth:`wait`."""
+        result = self._sent[msg_id]
+        deadline = time.monotonic() + timeout
+        while needle not in result.text:
+            assert not result.ended, f"the cell ended without printing {needle!r}: {result.text[-2000:]}"
+            self._record(self.client.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic())))
 
     def execute(self, code: str, timeout: float = 300, answers: list[str | None] | None = None) -> CellResult:
         return self.wait(self.send(code, answers), timeout)

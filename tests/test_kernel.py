@@ -1,65 +1,17 @@
-"""A real Jupyter kernel: Kernel -> Interrupt reaches the ranks; shutdown leaves no worker;
-the "Python 3 (mnb)" kernel has mnb from the start; a sweep renders once."""
+"""A real Jupyter kernel: the "Python 3 (mnb)" kernel has mnb from the start; a sweep renders once.
+
+Kernel -> Interrupt reaching the ranks, and a kernel's shutdown leaving no worker, are
+tests/controller/test_recovery.py's (its print-loop test and its module kernel's teardown)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
 
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from tests.conftest import alive_pids
-
 pytestmark = pytest.mark.slow
-
-
-def execute(client, code: str, timeout: float = 180) -> tuple[str, list[dict]]:
-    # stop_on_error=False: a request sent right after the interrupted cell's error must
-    # not be aborted by the kernel's "stop on error" window.
-    msg_id = client.execute(code, stop_on_error=False)
-    text, errors = "", []
-    while True:
-        msg = client.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            text += content["text"]
-        elif kind == "error":
-            errors.append(content)
-        elif kind == "status" and content["execution_state"] == "idle":
-            return text, errors
-
-
-def test_interrupt_from_jupyter_and_no_orphans_after_shutdown():
-    manager, client = start_new_kernel(kernel_name="python3")
-    try:
-        execute(client, "%load_ext mnb")
-        text, errors = execute(client, "%mnb start -n 2 --device cpu")
-        assert not errors and "2 ranks ready" in text, (text, errors)
-        pids = json.loads(execute(client, "import json, mnb\nprint(json.dumps(mnb.pool().pids()))")[0])
-        msg_id = client.execute("%%megatron\nimport time\ndone = -1\nfor done in range(600):\n    time.sleep(0.05)",
-                                stop_on_error=False)
-        time.sleep(2.0)
-        manager.interrupt_kernel()  # what Kernel -> Interrupt does: SIGINT to the kernel's process group
-        while True:
-            msg = client.get_iopub_msg(timeout=30)
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "error":
-                assert msg["content"]["ename"] == "KeyboardInterrupt"
-                break
-        text, errors = execute(client, "%%megatron\nprint('still here', rank, 'stopped early:', done < 599)")
-        assert not errors, errors  # the same ranks, their names kept; both loops cut short by the interrupt
-        assert "still here 0 stopped early: True" in text and "still here 1 stopped early: True" in text, text
-    finally:
-        manager.shutdown_kernel(now=False)
-        client.stop_channels()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and alive_pids(pids):
-        time.sleep(0.2)
-    assert alive_pids(pids) == []
 
 
 def messages(client, code: str, timeout: float = 300) -> list[dict]:
@@ -83,22 +35,25 @@ def errors_of(found: list[dict]) -> list[dict]:
     return [m["content"] for m in found if m["msg_type"] == "error"]
 
 
-@pytest.fixture
-def mnb_kernel(tmp_path, monkeypatch):
-    """The "Python 3 (mnb)" kernel, installed the documented way into a temporary prefix."""
-    subprocess.run([sys.executable, "-m", "mnb.kernelspec", "install", "--prefix", str(tmp_path)], check=True,
+@pytest.fixture(scope="module")
+def mnb_kernel(tmp_path_factory):
+    """The "Python 3 (mnb)" kernel, installed the documented way into a temporary prefix; one for the
+    module (its first test reads it as it starts, the sweep test then starts a pool in it)."""
+    prefix = tmp_path_factory.mktemp("kernelspec")
+    subprocess.run([sys.executable, "-m", "mnb.kernelspec", "install", "--prefix", str(prefix)], check=True,
                    capture_output=True)
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
-    from jupyter_client.kernelspec import KernelSpecManager
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+        from jupyter_client.kernelspec import KernelSpecManager
 
-    spec = KernelSpecManager().get_kernel_spec("mnb")
-    assert spec.display_name == "Python 3 (mnb)" and str(tmp_path) in spec.resource_dir
-    manager, client = start_new_kernel(kernel_name="mnb")
-    try:
-        yield client
-    finally:
-        manager.shutdown_kernel(now=False)
-        client.stop_channels()
+        spec = KernelSpecManager().get_kernel_spec("mnb")
+        assert spec.display_name == "Python 3 (mnb)" and str(prefix) in spec.resource_dir
+        manager, client = start_new_kernel(kernel_name="mnb")
+        try:
+            yield client
+        finally:
+            manager.shutdown_kernel(now=False)
+            client.stop_channels()
 
 
 def test_mnb_kernel_has_mnb_bound_and_load_ext_is_silent(mnb_kernel):

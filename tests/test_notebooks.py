@@ -1,7 +1,8 @@
 """The tutorial notebooks execute headless on CPU ranks, as a learner would run them.
 
 Each exercise check must raise on the notebook's wrong answer and pass on its solution
-(tests/notebook_runner.py says how the cells are marked)."""
+(tests/notebook_runner.py says how the cells are marked).  CI runs each notebook once: .ci/run
+splits them between its two legs (LEG1_SKIP, LEG2_SKIP)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import pytest
 from mnb.controller import Pool
 from mnb.errors import CompositeRankError
 from mnb.values import Unportable
-from tests.conftest import assert_no_orphans
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +37,10 @@ GUARDED = "_values.kernel_safe = _kernel_safe"
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    pool = Pool.start(2, device="cpu", timeout=180, workdir=tmp_path_factory.mktemp("values-pool"))
-    pool.run(CELL)
-    yield pool
-    pids = pool.pids()
-    pool.stop()
-    assert_no_orphans(pids)
+def pool(module_pool):
+    """The session's 2-rank pool (tests/conftest.py) with CELL's values defined."""
+    module_pool.run(CELL)
+    return module_pool
 
 
 def assert_usable(pool: Pool) -> None:

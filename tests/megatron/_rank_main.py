@@ -15,9 +15,10 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(1)
-        from mnb.megatron import cpu
+        if os.environ.get("MNB_TEST_CPU_MODE", "1") == "1":  # run_ranks(cpu_mode=False): Megatron's own CUDA calls
+            from mnb.megatron import cpu
 
-        cpu.install()
+            cpu.install()
         torch.distributed.init_process_group("gloo")
         spec = importlib.util.spec_from_file_location(f"_mnb_test_{Path(path).stem}", path)
         module = importlib.util.module_from_spec(spec)

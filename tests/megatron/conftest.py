@@ -35,13 +35,8 @@ def ok(result):
 
 
 @pytest.fixture(scope="module")
-def pool4():
-    """One 4-rank CPU pool per test module that asks for it (tp2*pp2 and cp2*tp2 layouts)."""
-    from mnb.controller import Pool
-    from tests.conftest import assert_no_orphans
+def pool4(request):
+    """The session's 4-rank CPU pool (tp2*pp2 and cp2*tp2 layouts), reset for this module."""
+    from tests.shared_pools import for_module
 
-    pool = Pool.start(4, device="cpu", timeout=240)
-    yield pool
-    pids = pool.pids()
-    pool.stop()
-    assert_no_orphans(pids)
+    yield from for_module(4, request, timeout=240)

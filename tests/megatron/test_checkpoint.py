@@ -2,10 +2,11 @@
 
     python -m pytest tests/megatron/test_checkpoint.py -q
 
-Each test starts fresh rank processes: this file run as a script
-(``python test_checkpoint.py FUNCTION OUTDIR``) with torchrun's environment
-variables on 127.0.0.1; a rank calls ``mnb.megatron.cpu.install()``,
-``init_process_group("gloo")`` and the named function.
+The ranks are ``tests/megatron/ranks.py``'s (``run_ranks``: ``cpu.install()``,
+``init_process_group("gloo")``, then a function of this file).  Three launches serve the
+file: one runs every scenario in turn (``rank_scenarios``: each on its own folder, its result
+or its traceback kept apart from the others'), one is killed in the middle of a save (a
+process must die), one runs without mnb's CPU mode (a process cannot leave it).
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -24,63 +22,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
 
-
-# -- launcher (parent side) --------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(fn: str, world: int, out: Path, cache: Path, **kwargs) -> list[subprocess.Popen]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kwargs.json").write_text(json.dumps(kwargs))
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MNB_CACHE=str(cache),
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, __file__, fn, str(out)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-        log.close()
-    return procs
-
-
-def _wait(procs, out: Path, timeout_s: float = 240) -> list:
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(2)  # let the others report their own error
-                break
-            time.sleep(0.05)
-    finally:
-        _kill(procs)
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        logs = "\n".join(f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text()[-3000:]
-                         for r in failed)
-        raise RuntimeError(f"ranks {failed} failed:\n{logs}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(procs))]
-
-
-def _kill(procs) -> None:
-    """SIGKILL each rank this test started and what it started (Megatron's async checkpoint
-    writers): every rank leads its own session, so its process group holds both."""
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
+from conftest import ok  # noqa: E402
+from ranks import run_ranks, start_ranks  # noqa: E402
 
 
 def _group_alive(group: int, wait_s: float = 5.0) -> bool:
@@ -93,11 +38,6 @@ def _group_alive(group: int, wait_s: float = 5.0) -> bool:
             return False
         time.sleep(0.1)
     return True
-
-
-def _run(fn: str, world: int, tmp_path: Path, **kwargs) -> list:
-    out = tmp_path / f"{fn}-{time.monotonic_ns()}"
-    return _wait(_start(fn, world, out, tmp_path / "cache", **kwargs), out)
 
 
 # -- rank side: mnb.gpt + mnb.train (Megatron schedule, DDP, optimizer) -------------
@@ -349,8 +289,8 @@ def rank_mismatch(path: str) -> dict:
     try:
         checkpoint.load(path, other)
     except ValueError as err:
-        return {"error": str(err)}
-    return {"error": None}
+        return {"refused": str(err)}
+    return {"refused": None}
 
 
 def rank_without_cpu_mode(path: str) -> dict:
@@ -446,20 +386,72 @@ def rank_load_damaged(path: str) -> dict:
             errors[case] = None
     fresh = _sharded(-1.0)
     checkpoint.load(path, fresh)
-    return {"errors": errors, "intact": bool(torch.equal(fresh.w, torch.full((2, 3), rank + 1.0)))}
+    return {"path": path, "errors": errors, "intact": bool(torch.equal(fresh.w, torch.full((2, 3), rank + 1.0)))}
+
+
+def rank_scenarios(root: str, killed: str) -> dict:
+    """Every scenario that needs no process of its own, in turn, each on its own folder under ``root``;
+    a scenario that raises leaves its traceback (``{"error": ...}``) and the next one still runs.
+    ``killed``: the checkpoint whose next save was killed midway (``killed_save``)."""
+    import torch
+
+    def guarded(run, *args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the test shows the rank's traceback
+            return {"error": traceback.format_exc()}
+        finally:
+            torch.distributed.barrier()
+
+    base = Path(root)
+
+    def resume() -> dict:  # save at tp2 after 2 steps; a fresh model at pp2 loads it
+        path = str(base / "resume" / "run")
+        straight = rank_train_and_save(path, steps=2, extra_steps=2, dist_opt=True)
+        return {"straight": straight,
+                "resumed": rank_load_and_continue(path, tp=1, pp=2, extra_steps=2, dist_opt=True)}
+
+    return {
+        "round_trip": guarded(rank_round_trip, str(base / "round-trip" / "a")),
+        "resume": guarded(resume),
+        "schedule": guarded(rank_schedule_continues, str(base / "schedule" / "sched")),
+        "failed_save": guarded(rank_save_then_fail, str(base / "failed" / "run"), mode="raise"),
+        "after_killed_save": guarded(rank_load_good, killed),
+        "mismatch": guarded(rank_mismatch, str(base / "mismatch" / "m")),
+        "damaged": guarded(rank_load_damaged, str(base / "damaged" / "ckpt" / "good")),
+    }
 
 
 # -- tests (parent side) -----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def round_trip(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("round-trip")
-    return _run("rank_round_trip", 2, tmp_path, path=str(tmp_path / "ckpt" / "a"))
+def killed_save(tmp_path_factory) -> dict:
+    """Save after a step, then kill both ranks in the middle of the next save."""
+    tmp = tmp_path_factory.mktemp("killed")
+    path = tmp / "ckpt" / "run"
+    ranks = start_ranks(rank_save_then_fail, 2, tmp, path=str(path), mode="hang")
+    try:
+        deadline = time.monotonic() + 240
+        while not (path.parent / "save-started").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.procs), ranks.log(0)[-3000:]
+            time.sleep(0.1)
+    finally:
+        ranks.kill()  # mid-save: new tensors written into run.tmp-*, nothing renamed
+    return {"path": path, "partial": list(path.parent.glob("run.tmp-*")),
+            "outlived": [p.pid for p in ranks.procs if _group_alive(p.pid)]}
 
 
-def test_round_trip_is_bitwise(round_trip):
-    for r in round_trip:
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory, killed_save) -> list[dict]:
+    """``rank_scenarios``' results, rank by rank (one launch)."""
+    tmp = tmp_path_factory.mktemp("scenarios")
+    return run_ranks(rank_scenarios, 2, tmp, timeout_s=900, root=str(tmp / "ckpt"), killed=str(killed_save["path"]))
+
+
+def test_round_trip_is_bitwise(scenarios):
+    for r in scenarios:
+        r = ok(r["round_trip"])
         assert r["diff"] == []
         assert r["progress"] == [2, 8]  # steps_done, consumed_samples restored
         assert r["info"] == {"step": 2, "optimizer_loaded": True, "rng_loaded": True,
@@ -467,12 +459,12 @@ def test_round_trip_is_bitwise(round_trip):
         assert r["files"] == ["a"]  # no .tmp-/.old- leftovers
 
 
-def test_a_save_keeps_the_users_files_and_finishes_a_crashed_swap(round_trip):
+def test_a_save_keeps_the_users_files_and_finishes_a_crashed_swap(scenarios):
     kept = {"notes": "mine", "data": "1,2"}
-    for r in (u["users"] for u in round_trip):
+    for r in (ok(u["round_trip"])["users"] for u in scenarios):
         assert r["resaved"] == {"siblings": ["a"], **kept}, r["resaved"]
         refused = r["refused"]
-        assert refused is not None and refused == round_trip[0]["users"]["refused"]  # the same on every rank
+        assert refused is not None and refused == ok(scenarios[0]["round_trip"])["users"]["refused"]  # the same on every rank
         assert refused.startswith("mnb.save: ") and "theirs is not empty and holds no mnb checkpoint: " \
             "notes.txt, sub/ (2 entries)" in refused and "overwrite=True" in refused, refused
         assert r["after_refusal"] == {"siblings": ["theirs"], **kept, "entries": ["notes.txt", "sub"]}
@@ -482,34 +474,28 @@ def test_a_save_keeps_the_users_files_and_finishes_a_crashed_swap(round_trip):
         assert r["recovered"] == {"siblings": ["a"], **kept, "extra": {"which": "after"}}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dist_opt", [True], ids=["distributed-optimizer"])
-def test_resume_in_another_layout_continues_the_loss(tmp_path, dist_opt):
-    """Save at tp=2 after 2 steps, load at pp=2: the next 2 losses equal the uninterrupted run's.
+def test_resume_in_another_layout_continues_the_loss(scenarios):
+    """Save at tp=2 after 2 steps (distributed optimizer), load at pp=2 into a model with other
+    weights: the next 2 losses equal the uninterrupted run's.
 
     Plain Adam's case is test_schedule_and_data_continue_across_calls_saves_and_layouts."""
-    path = str(tmp_path / "ckpt" / "run")
-    straight = _run("rank_train_and_save", 2, tmp_path, path=path, steps=2, extra_steps=2,
-                    dist_opt=dist_opt)
-    resumed = _run("rank_load_and_continue", 2, tmp_path, path=path, tp=1, pp=2, extra_steps=2,
-                   dist_opt=dist_opt)
-    expected = straight[0]["next_losses"]
-    for r in resumed:
+    expected = ok(scenarios[0]["resume"])["straight"]["next_losses"]
+    for r in scenarios:
+        r = ok(r["resume"])["resumed"]
         assert r["step"] == 2 and r["optimizer_loaded"] and not r["rng_loaded"]
         assert r["next_losses"] == pytest.approx(expected, abs=1e-5), (r["next_losses"], expected)
 
 
-def test_schedule_and_data_continue_across_calls_saves_and_layouts(tmp_path):
+def test_schedule_and_data_continue_across_calls_saves_and_layouts(scenarios):
     """Warm-up + cosine over 10 steps: a restarted schedule would warm up again from lr 0."""
-    results = _run("rank_schedule_continues", 2, tmp_path, path=str(tmp_path / "ckpt" / "sched"))
-    for r in results:
+    for r in (ok(r["schedule"]) for r in scenarios):
         once, first, second = r["once"], r["first"], r["second"]
         assert once["lr"][0] == 0.0 and once["lr"][3] == pytest.approx(3e-3) and once["lr"][-1] > 3e-4
         assert first["lr"] + second["lr"] == once["lr"]  # the same schedule, step by step
         assert first["loss"] + second["loss"] == once["loss"]
         assert second["step"] == [6, 7, 8, 9, 10] and second["schedule_steps"] == 10
         assert r["past"]["lr"] == [pytest.approx(3e-4)] and r["past"]["step"] == [11]
-        assert len(r["past"]["warned"]) == (1 if r is results[0] else 0)
+        assert len(r["past"]["warned"]) == (1 if r is ok(scenarios[0]["schedule"]) else 0)
         assert all("schedule of 10 steps is at step 10" in w and "schedule_steps" in w for w in r["past"]["warned"])
         for name, resumed in r["resumed"].items():
             assert resumed["schedule_loaded"] and resumed["step"] == [6, 7, 8, 9, 10], name
@@ -519,37 +505,27 @@ def test_schedule_and_data_continue_across_calls_saves_and_layouts(tmp_path):
             assert resumed["loss"] == pytest.approx(once["loss"][5:], abs=1e-5), (name, resumed["loss"], once["loss"])
 
 
-@pytest.mark.slow
-def test_failed_save_keeps_the_last_checkpoint(tmp_path):
-    path = tmp_path / "ckpt" / "run"
-    for r in _run("rank_save_then_fail", 2, tmp_path, path=str(path), mode="raise"):
+def test_failed_save_keeps_the_last_checkpoint(scenarios):
+    for r in scenarios:
+        r = ok(r["failed_save"])
         assert r["diff"] == [] and r["step"] == 1
 
 
-@pytest.mark.slow
-def test_killed_save_keeps_the_last_checkpoint(tmp_path):
-    path = tmp_path / "ckpt" / "run"
-    out = tmp_path / "killed"
-    procs = _start("rank_save_then_fail", 2, out, tmp_path / "cache", path=str(path), mode="hang")
-    deadline = time.monotonic() + 240
-    while not (path.parent / "save-started").exists():
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
-            (out / "rank0.log").read_text()[-3000:])
-        time.sleep(0.1)
-    _kill(procs)  # mid-save: new tensors written into run.tmp-*, nothing renamed
-    assert list(path.parent.glob("run.tmp-*"))
-    assert not [p.pid for p in procs if _group_alive(p.pid)], "a rank's checkpoint writers outlived it"
-    for r in _run("rank_load_good", 2, tmp_path, path=str(path)):
+def test_killed_save_keeps_the_last_checkpoint(killed_save, scenarios):
+    assert killed_save["partial"]  # killed after writing into run.tmp-*
+    assert not killed_save["outlived"], "a rank's checkpoint writers outlived it"
+    for r in scenarios:
+        r = ok(r["after_killed_save"])
         assert r["diff"] == [] and r["step"] == 1
 
 
-def test_load_into_a_different_model_says_what_differs(tmp_path):
-    for r in _run("rank_mismatch", 2, tmp_path, path=str(tmp_path / "ckpt" / "m")):
-        assert "num_layers: checkpoint 4, model 2" in r["error"]
+def test_load_into_a_different_model_says_what_differs(scenarios):
+    for r in scenarios:
+        assert "num_layers: checkpoint 4, model 2" in ok(r["mismatch"])["refused"]
 
 
 def test_save_without_cpu_mode_uses_the_local_fallback(tmp_path):
-    results = _run("rank_without_cpu_mode", 2, tmp_path, path=str(tmp_path / "ckpt" / "w"))
+    results = run_ranks(rank_without_cpu_mode, 2, tmp_path, cpu_mode=False, path=str(tmp_path / "ckpt" / "w"))
     assert [r["ok"] for r in results] == [True, True]
 
 
@@ -587,57 +563,24 @@ def test_next_save_finishes_an_interrupted_swap(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def damaged_loads(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("damaged")
-    return tmp / "ckpt", _run("rank_load_damaged", 2, tmp, path=str(tmp / "ckpt" / "good"))
+def damaged_loads(scenarios):
+    return [ok(r["damaged"]) for r in scenarios]
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGES))
 def test_damaged_checkpoint_names_folder_file_and_fault(damaged_loads, case):
-    folder, results = damaged_loads
+    folder = Path(damaged_loads[0]["path"]).parent
     expected = f"DamagedCheckpointError: checkpoint {folder / ('good-' + case)} is damaged: {DAMAGES[case][2]}"
-    assert results[0]["errors"][case].startswith(expected), results[0]["errors"][case]
+    assert damaged_loads[0]["errors"][case].startswith(expected), damaged_loads[0]["errors"][case]
 
 
 def test_damaged_checkpoint_error_says_what_to_do(damaged_loads):
-    _, results = damaged_loads
-    assert all(e.endswith("; re-save it or load another") for e in results[0]["errors"].values())
+    assert all(e.endswith("; re-save it or load another") for e in damaged_loads[0]["errors"].values())
 
 
 def test_every_rank_reports_the_same_damage(damaged_loads):
-    _, results = damaged_loads
-    assert results[0]["errors"] == results[1]["errors"]
+    assert damaged_loads[0]["errors"] == damaged_loads[1]["errors"]
 
 
 def test_intact_checkpoint_loads_after_the_damaged_ones(damaged_loads):
-    _, results = damaged_loads
-    assert [r["intact"] for r in results] == [True, True]
-
-
-# -- rank entry point ------------------------------------------------------------------
-
-
-def _rank_entry() -> None:
-    fn, out = sys.argv[1], Path(sys.argv[2])
-    rank = int(os.environ["RANK"])
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        if not fn.endswith("_without_cpu_mode"):
-            from mnb.megatron import cpu
-
-            cpu.install()
-        torch.distributed.init_process_group("gloo")
-        result = globals()[fn](**json.loads((out / "kwargs.json").read_text()))
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
-    _rank_entry()
+    assert [r["intact"] for r in damaged_loads] == [True, True]
