@@ -41,9 +41,13 @@ def test_interrupt_from_jupyter_and_no_orphans_after_shutdown():
         text, errors = execute(client, "%mnb start -n 2 --device cpu")
         assert not errors and "2 ranks ready" in text, (text, errors)
         pids = json.loads(execute(client, "import json, mnb\nprint(json.dumps(mnb.pool().pids()))")[0])
-        msg_id = client.execute("%%megatron\nimport time\ndone = -1\nfor done in range(600):\n    time.sleep(0.05)",
-                                stop_on_error=False)
-        time.sleep(2.0)
+        msg_id = client.execute("%%megatron\nimport time\ndone = -1\nprint('looping', flush=True)\n"
+                                "for done in range(600):\n    time.sleep(0.05)", stop_on_error=False)
+        while True:  # the ranks run the loop: their line reached the notebook
+            msg = client.get_iopub_msg(timeout=120)
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
+                    and "looping" in msg["content"]["text"]):
+                break
         manager.interrupt_kernel()  # what Kernel -> Interrupt does: SIGINT to the kernel's process group
         while True:
             msg = client.get_iopub_msg(timeout=30)
@@ -56,7 +60,7 @@ def test_interrupt_from_jupyter_and_no_orphans_after_shutdown():
     finally:
         manager.shutdown_kernel(now=False)
         client.stop_channels()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # a few seconds by design; a loaded 2-core machine takes longer
     while time.monotonic() < deadline and alive_pids(pids):
         time.sleep(0.2)
     assert alive_pids(pids) == []

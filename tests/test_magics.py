@@ -295,14 +295,19 @@ def started(shell):
 
 
 @pytest.mark.slow
-def test_pool_errors_render_short_in_a_notebook(shell, started, capsys):
+def test_pool_errors_render_short_in_a_notebook(shell, started, capsys, tmp_path):
     pool = started
-    holder = threading.Thread(target=lambda: pool.run("import time; time.sleep(4)", quiet=True))
+    release = tmp_path / "release"  # the holder's cell runs until the refused cell was tried
+    holder = threading.Thread(target=lambda: pool.run(
+        f"import os, time\nwhile not os.path.exists({str(release)!r}):\n    time.sleep(0.02)", quiet=True, timeout=300))
     holder.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while not pool._gate.holder and time.monotonic() < deadline:  # the holder's request has the pool
+        holder.join(0.02)
     try:
         error, busy = _rendered(shell, "%%megatron\nprint('never runs')", capsys)
     finally:
+        release.touch()
         holder.join()
     assert type(error).__name__ == "PoolError" and "busy" in busy[0] and len(busy) <= 6, busy
 
@@ -312,13 +317,21 @@ def test_pool_errors_render_short_in_a_notebook(shell, started, capsys):
     error, layout = _rendered(shell, "%%megatron --tp 3\npass", capsys)
     assert isinstance(error, UsageError) and "does not divide" in layout[0] and len(layout) <= 6, layout
 
-    timer = threading.Timer(2.0, _thread.interrupt_main)
-    timer.start()
+    looping: set[int] = set()
+
+    def interrupt_once_both_loop(rank: int, kind: str, payload: dict) -> None:
+        if kind == "test-looping":
+            looping.add(rank)
+            if len(looping) == 2:
+                _thread.interrupt_main()  # Kernel -> Interrupt, once every rank runs the loop
+
+    pool.event_handlers.append(interrupt_once_both_loop)
     try:
-        error, interrupted = _rendered(shell, "%%megatron\nimport time\nfor _ in range(600):\n    time.sleep(0.05)",
-                                       capsys)
+        error, interrupted = _rendered(shell, "%%megatron\nimport time\nfrom mnb.megatron import events\n"
+                                              "events.emit('test-looping', {})\nfor _ in range(600):\n"
+                                              "    time.sleep(0.05)", capsys)
     finally:
-        timer.cancel()
+        pool.event_handlers.remove(interrupt_once_both_loop)
     assert isinstance(error, KeyboardInterrupt) and len(interrupted) <= 6, interrupted
     assert "interrupted rank(s) [0, 1]" in interrupted[0] and "mnb/" not in "\n".join(interrupted)
 

@@ -97,9 +97,18 @@ def test_invalid_requests_are_refused_before_ranks_run(cpu_pool):
 
 def test_interrupt_reaches_every_rank_and_stops_the_cell(cpu_pool):
     """How fast is a benchmark; here: every rank stopped its loop early and kept its names."""
-    threading.Timer(0.8, _thread.interrupt_main).start()
+    looping: set[int] = set()
+
+    def interrupt_once_both_loop(rank: int, kind: str, payload: dict) -> None:
+        if kind == "test-looping":
+            looping.add(rank)
+            if len(looping) == 2:
+                _thread.interrupt_main()  # Kernel -> Interrupt, once every rank runs the loop
+
+    cpu_pool.event_handlers.append(interrupt_once_both_loop)
     with pytest.raises(KeyboardInterrupt):
-        cpu_pool.run("import time\ndone = -1\nfor done in range(600):\n    time.sleep(0.05)")
+        cpu_pool.run("import time\nfrom mnb.megatron import events\ndone = -1\nevents.emit('test-looping', {})\n"
+                     "for done in range(600):\n    time.sleep(0.05)")
     assert all(done < 599 for done in cpu_pool.pull("done").values())  # no rank ran its loop out
     assert cpu_pool.run("rank") == {0: 0, 1: 1}
 
