@@ -33,8 +33,10 @@ def interrupt_line(outcome: Outcome, targets: list[int], labels: Labels) -> str:
              for r in stuck]
     train = {m.get("evalue") for m in replies.values() if str(m.get("evalue", "")).startswith("mnb.train stopped")}
     finished = sorted(r for r, m in replies.items() if m.get("ok"))
-    if train:
-        parts.append(f"rank(s) {sorted(replies)}: {sorted(train)[0]}")  # the same step on every rank
+    if train:  # the same step on every rank, stopped in the same cell line
+        place = next(filter(None, (user_place(m.get("traceback", "")) for m in replies.values())), "")
+        parts.append(f"interrupted rank(s) {sorted(replies)}" + (f" at {place}" if place else "")
+                     + f": {sorted(train)[0]}")
     else:
         places: dict[str, list[int]] = {}
         for rank in sorted(r for r in replies if r not in finished):

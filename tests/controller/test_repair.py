@@ -262,6 +262,25 @@ def test_an_interrupt_says_what_output_it_dropped_and_why(cpu_pool, capsys):
     assert "after" not in capsys.readouterr().out  # never replayed into the next cell
 
 
+def test_an_interrupted_training_is_reported_in_the_same_shape(cpu_pool):
+    """Which ranks, the cell line, then the step mnb.train stopped after (it was "rank(s) [0, 1]: mnb.train ...")."""
+    progressed: set[int] = set()
+
+    def interrupt_after_a_step(rank: int, kind: str, payload: dict) -> None:
+        if kind == "progress":
+            progressed.add(rank)
+            if len(progressed) == 1:
+                _thread.interrupt_main()
+
+    cpu_pool.event_handlers.append(interrupt_after_a_step)
+    with pytest.raises(KeyboardInterrupt) as info:
+        cpu_pool.run("model = mnb.gpt('tiny')\n"
+                     "mnb.train(model, steps=100000, micro_batch_size=2, global_batch_size=4)", quiet=True)
+    message = str(info.value)
+    assert re.fullmatch(r"interrupted rank\(s\) \[0, 1\] at cell line 2 `mnb\.train\(model, steps=100000, "
+                        r"micro_batch_size=2, global_batch_size=4\)`: mnb\.train stopped after step \d+ .*", message), message
+
+
 def test_a_stopped_pool_is_not_relaunched_by_a_late_failure(cpu_pool, monkeypatch):
     """The death of a rank is being reported when another thread stops the pool: no torchrun again."""
     stopped, stopper, restarts = threading.Event(), [], cpu_pool.restarts
