@@ -188,11 +188,11 @@ def test_a_rank_interrupted_while_taking_the_cells_layout_restarts_the_pool_in_t
         cpu_pool.run("print('cell', rank)", layout=ParallelConfig(pp=2), quiet=True)
     assert in_place.is_set(), "within 120 s rank 1 never held in its layout change or rank 0 never finished"
     message = str(info.value)
+    assert cpu_pool.layout.describe() == "tp1 pp2 dp1", message  # not rank 1's "tp1 pp1 dp2", whatever came last
     assert message.startswith("interrupted rank(s) [1] at cell line 5 `threading.Event().wait()`; "
                               "rank(s) [0] had finished"), message
     assert ("mnb is restarting all 2 ranks (rank(s) [1] did not take the layout tp1 pp2 dp1); names defined in "
             "earlier cells are gone, the layout tp1 pp2 dp1 stays") in message, message
-    assert cpu_pool.layout.describe() == "tp1 pp2 dp1"  # not rank 1's "tp1 pp1 dp2", whatever came last
     capsys.readouterr()
     cpu_pool.run("print('pp', ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())")
     out = capsys.readouterr().out
