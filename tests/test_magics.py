@@ -335,14 +335,19 @@ def started(shell):
 
 
 @pytest.mark.slow
-def test_pool_errors_render_short_in_a_notebook(shell, started, capsys):
+def test_pool_errors_render_short_in_a_notebook(shell, started, capsys, tmp_path):
     pool = started
-    holder = threading.Thread(target=lambda: pool.run("import time; time.sleep(4)", quiet=True))
+    release = tmp_path / "release"  # the holder's cell runs until the refused cell was tried
+    holder = threading.Thread(target=lambda: pool.run(
+        f"import os, time\nwhile not os.path.exists({str(release)!r}):\n    time.sleep(0.02)", quiet=True, timeout=300))
     holder.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while not pool._gate.holder and time.monotonic() < deadline:  # the holder's request has the pool
+        holder.join(0.02)
     try:
         error, busy = _rendered(shell, "%%megatron\nprint('never runs')", capsys)
     finally:
+        release.touch()
         holder.join()
     assert type(error).__name__ == "PoolError" and "busy" in busy[0] and len(busy) <= 6, busy
 

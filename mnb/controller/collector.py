@@ -31,6 +31,7 @@ A rank that has not returned a short while after its interrupt is
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import re
 import sys
@@ -75,7 +76,12 @@ class Outcome:
     died: bool = False
     timed_out: bool = False
     interrupted: bool = False
-    dropped_lines: int = 0
+    dropped_after_interrupt: dict[int, int] = field(default_factory=dict)
+    """Lines of output per rank that arrived once the cell was being stopped: dropped, never shown
+    (they would otherwise spill into the next cell)."""
+    dropped_overflow: int = 0
+    """Lines dropped while the cell ran: the ranks printed faster than the notebook showed them
+    (``transport.STREAM_QUEUE_MAX_CHARS`` queued characters at most)."""
     timeout_s: float | None = None
     """The timeout that ended the wait (``timed_out``)."""
     last_step_time_s: float | None = None
@@ -90,6 +96,16 @@ class Outcome:
     @property
     def pending(self) -> list[int]:
         return sorted(self.waiting)
+
+    @property
+    def dropped_lines(self) -> int:
+        return sum(self.dropped_after_interrupt.values()) + self.dropped_overflow
+
+    def drop_muted(self, message: Message) -> None:
+        """Count a stream message of a cell being stopped as dropped (by rank)."""
+        rank = message.get("rank")
+        self.dropped_after_interrupt[rank] = (self.dropped_after_interrupt.get(rank, 0)
+                                              + (message["text"].count("\n") or 1))
 
 
 class Collector:
@@ -258,7 +274,7 @@ class Collector:
         for rank in (where_for if where_for is not None else self._pending()):  # as they were when stopped
             self.outcome.waiting[rank] = last_frame(self.outcome.stacks.get(rank, "")) or "(no stack: no answer)"
         self._drop_queued_output()
-        self.outcome.dropped_lines += self.transport.take_dropped(self.request_id)
+        self.outcome.dropped_overflow += self.transport.take_dropped(self.request_id)
         return self.outcome
 
     def _drop_queued_output(self) -> None:
@@ -269,7 +285,7 @@ class Collector:
             except queue.Empty:
                 return
             if message.type == "stream" and message.get("cell") == self.request_id and self._muted:
-                self.outcome.dropped_lines += message["text"].count("\n") or 1
+                self.outcome.drop_muted(message)
             else:
                 self._handle(message)
 
@@ -303,7 +319,7 @@ class Collector:
             self.on_stray(message)
         elif message.type == "stream":
             if self._muted:
-                self.outcome.dropped_lines += message["text"].count("\n") or 1
+                self.outcome.drop_muted(message)
             elif self.folder and rank in self.folder.labels:
                 self.folder.feed(rank, message["name"], message["text"])
         elif message.type == "display":
@@ -389,11 +405,8 @@ def _stack_texts(answers: dict[int, Message]) -> dict[int, str]:
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
 
-def last_frame(stack_text: str) -> str:
-    """Where a stack (or traceback) stands: the innermost cell line, then the innermost frame.
-
-    e.g. ``cell line 3 `dist.all_reduce(x)` -> distributed_c10d.py:3252 in all_reduce``.
-    """
+def _frames(stack_text: str) -> list[tuple[str, str, str, str]]:
+    """(file, line, function, source) of each frame of a stack or traceback text, outermost first."""
     frames: list[tuple[str, str, str, str]] = []
     lines = stack_text.splitlines()
     for index, line in enumerate(lines):
@@ -401,13 +414,46 @@ def last_frame(stack_text: str) -> str:
         if match:
             code = lines[index + 1].strip() if index + 1 < len(lines) and not _FRAME.match(lines[index + 1]) else ""
             frames.append((match["file"], match["line"], match["func"], code))
+    return frames
+
+
+def last_frame(stack_text: str) -> str:
+    """Where a stack (or traceback) stands: the innermost line of the user's code (:func:`user_place`),
+    then the innermost frame when that is another (where a call into a library waits).
+
+    e.g. ``cell line 3 `dist.all_reduce(x)` -> distributed_c10d.py:3252 in all_reduce``;
+    ``train.py line 12 `done.wait()` -> threading.py:327 in wait``.
+    """
+    frames = _frames(stack_text)
     if not frames:
         return ""
-    cell = [f for f in frames if f[0].startswith("<cell-")]
     inner = frames[-1]
     where = f"{inner[0].rsplit('/', 1)[-1]}:{inner[1]} in {inner[2]}"
-    if cell and cell[-1] is not inner:
-        return f"cell line {cell[-1][1]} `{cell[-1][3]}` -> {where}"
-    if cell:
-        return f"cell line {inner[1]} `{inner[3]}`"
-    return where + (f": {inner[3]}" if inner[3] else "")
+    place = user_place(stack_text)
+    if not place:
+        return where + (f": {inner[3]}" if inner[3] else "")
+    return place if _users(inner[0]) else f"{place} -> {where}"
+
+
+_MNB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY = re.compile(r"/lib/python3\.\d+/|/(site|dist)-packages/|/mnb/(worker|megatron|controller|plot|widgets)/")
+"""A frame of the standard library, an installed package or mnb itself (also on a rank whose paths differ)."""
+
+
+def _users(path: str) -> bool:
+    if path.startswith("<"):  # <cell-3> is the user's; <frozen runpy>, <string> are not
+        return path.startswith("<cell-")
+    return not path.startswith(_MNB_DIR) and not _LIBRARY.search(path)
+
+
+def user_place(stack_text: str) -> str:
+    """Where in the user's own code a stack (or traceback) stands: its innermost frame of a cell
+    (``cell line 4 `dist.barrier()` ``) or of the user's files, a script of ``%mnb run`` or a module
+    beside it (``train.py line 12 `dist.barrier()` ``); never a frame of mnb, the standard library
+    or an installed package.  "" when no frame is the user's (mnb was starting or ending the cell).
+    """
+    for path, line, _, code in reversed(_frames(stack_text)):
+        if _users(path):
+            name = "cell" if path.startswith("<cell-") else path.rsplit("/", 1)[-1]
+            return f"{name} line {line}" + (f" `{code}`" if code else "")
+    return ""

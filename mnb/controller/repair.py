@@ -157,14 +157,21 @@ class Repair:
             generation.close(grace_s=0)
             raise PoolError(f"{STOPPED}; the new ranks were ended")
 
-    def after(self, outcome: Outcome, layout: ParallelConfig, died: list[int] | None = None) -> str:
-        """The one entry point after each outcome: what is repaired, as the line that says so ("" for nothing)."""
+    def after(self, outcome: Outcome, layout: ParallelConfig, died: list[int] | None = None,
+              unlaid: list[int] | None = None) -> str:
+        """The one entry point after each outcome: what is repaired, as the line that says so ("" for nothing).
+
+        ``layout``: the cell's, decided once (a restart restores it); ``unlaid``: ranks that kept
+        another layout while the others took it (interrupted while applying it).
+        """
         if outcome.cancelled:
             return ""
         if outcome.died:
             return self.replace(f"rank(s) {died if died is not None else []} died", layout)
         if outcome.unreleased:
             return self.replace(f"rank(s) {outcome.unreleased} could not be released", layout)
+        if unlaid:
+            return self.replace(f"rank(s) {unlaid} did not take the layout {layout.describe()}", layout)
         return ""
 
     def replace(self, why: str, layout: ParallelConfig) -> str:

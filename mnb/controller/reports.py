@@ -9,7 +9,7 @@ says what happened, where each rank was, and what happens next.
 from __future__ import annotations
 
 from mnb.controller import hangs
-from mnb.controller.collector import Outcome, last_frame
+from mnb.controller.collector import Outcome, user_place
 from mnb.errors import CompositeRankError, RankError, format_rank_set
 
 Labels = dict[int, str]
@@ -17,30 +17,57 @@ Labels = dict[int, str]
 
 
 def interrupt_line(outcome: Outcome, targets: list[int], labels: Labels) -> str:
-    """One line: the ranks that could not be stopped (stuck in C code or a collective) first, with where
-    each was stuck; then which ranks stopped and where (the training step, or the cell line)."""
+    """Every interrupt in one shape: which ranks, where in the user's code, and what was dropped and why.
+
+    First the ranks that could not be stopped (stuck in C code or a collective): where each was
+    stuck (its innermost line of the cell or script, then the call it waits in).  Then the ranks
+    the interrupt stopped, grouped by where in the user's code each was
+    (:func:`~mnb.controller.collector.user_place`: a cell or script line, never mnb's or the
+    standard library's frame), or mnb.train's step; then the ranks that had finished before it
+    reached them; then the output that was dropped, by reason.
+    """
     replies = {r: outcome.replies[r] for r in targets if r in outcome.replies}
     stuck = [r for r in outcome.unreleased if r in targets]
     parts = [f"rank {r} ({labels.get(r, f'r{r}')}) did not stop: stuck at {outcome.waiting.get(r) or '(no stack)'}"
              + "".join(f"; in {text}" for text in hangs.waiting_in(outcome.collectives.get(r)))
              for r in stuck]
     train = {m.get("evalue") for m in replies.values() if str(m.get("evalue", "")).startswith("mnb.train stopped")}
-    finished = [r for r, m in replies.items() if m.get("ok")]
-    if train:
-        parts.append(f"rank(s) {sorted(replies)}: {sorted(train)[0]}")  # the same step on every rank
-    else:  # beside a stuck rank, only those the interrupt stopped count as interrupted
-        stopped = sorted(r for r in replies if r not in finished) if stuck else sorted(replies)
-        places = {last_frame(replies[r].get("traceback", "")) for r in stopped} - {""}
-        if stopped or not stuck:
-            parts.append(f"interrupted rank(s) {stopped}" + (f" at {'; '.join(sorted(places))}" if places else ""))
-        if finished and stuck:
-            parts.append(f"rank(s) {sorted(finished)} had finished")
+    finished = sorted(r for r, m in replies.items() if m.get("ok"))
+    if train:  # the same step on every rank, stopped in the same cell line
+        place = next(filter(None, (user_place(m.get("traceback", "")) for m in replies.values())), "")
+        parts.append(f"interrupted rank(s) {sorted(replies)}" + (f" at {place}" if place else "")
+                     + f": {sorted(train)[0]}")
+    else:
+        places: dict[str, list[int]] = {}
+        for rank in sorted(r for r in replies if r not in finished):
+            place = user_place(replies[rank].get("traceback", ""))
+            where = f"at {place}" if place else "outside the user's code (while mnb started or ended the cell)"
+            places.setdefault(where, []).append(rank)
+        if places:
+            parts.append("interrupted " + ", ".join(f"rank(s) {ranks} {where}" for where, ranks in places.items()))
+        if finished:
+            parts.append(f"rank(s) {finished} had finished")
     text = "; ".join(parts)
-    if outcome.dropped_lines:
-        text += f" ({outcome.dropped_lines:,} line(s) of its output were dropped)"
+    dropped = dropped_text(outcome)
+    if dropped:
+        text += f" ({dropped})"
     if stuck:  # what the ranks' call counts say, one line per group that cannot go on
         text += "".join(f"\n{line}" for line in hangs.diagnose(outcome.collectives))
     return text
+
+
+def dropped_text(outcome: Outcome) -> str:
+    """What output a stopped cell dropped and why ("" when none was)."""
+    said = []
+    late = outcome.dropped_after_interrupt
+    if late:
+        ranks = sorted(r for r in late if r is not None)
+        said.append(f"{sum(late.values()):,} line(s) of output from rank(s) {ranks} that arrived after the "
+                    "interrupt were dropped, so that none spills into the next cell")
+    if outcome.dropped_overflow:
+        said.append(f"{outcome.dropped_overflow:,} line(s) of output were dropped while the cell ran: the ranks "
+                    "printed faster than the notebook could show")
+    return "; ".join(said)
 
 
 def timeout_text(outcome: Outcome, targets: list[int], labels: Labels, note: str) -> str:

@@ -126,9 +126,30 @@ class Requests:
                 self.layout = resolved
         outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
         errors, values = self._absorb(outcome)
+        unlaid = self._confirm_layout(outcome)
         self._keep_failure(targets, errors, died=outcome.died)
-        self._raise_for(outcome, targets, errors, code=code)
+        self._raise_for(outcome, targets, errors, code=code, unlaid=unlaid)
         return values
+
+    def _confirm_layout(self, outcome: Outcome) -> list[int]:
+        """The cell's layout, decided once in :meth:`run` (``self.layout``), against what the replies say.
+
+        Each reply names the layout its rank has.  Only when every rank replied with one other
+        layout (the change failed on all of them alike) does the pool take the ranks' word;
+        otherwise the cell's layout stays, whatever reply came first: it is the one an automatic
+        restart promises and restores.  Returns the ranks that kept another layout while the cell's
+        stands (interrupted while applying it): the pool cannot run on ranks laid out differently.
+        """
+        kept = {r: ParallelConfig(**m["layout"]) for r, m in outcome.replies.items() if m.get("layout")}
+        others = sorted(r for r, layout in kept.items() if layout != self.layout)
+        if not others:
+            return []
+        if len(others) == self.world_size and all(kept[r] == kept[others[0]] for r in others):
+            self.layout = kept[others[0]]
+            for rank in others:
+                self.ranks[rank].coords = outcome.replies[rank].get("coords") or self.ranks[rank].coords
+            return []
+        return others
 
     def _keep_failure(self, targets: list[int], errors: list[RankError], died: bool = False) -> None:
         """Remember the root-cause rank of a failed cell for ``%mnb debug`` (its rank keeps the frames).
@@ -210,8 +231,9 @@ class Requests:
         errors, _ = self._absorb(outcome)
         self._keep_failure(targets, [])  # a script's failure keeps no frames (mnb.worker.script)
         records = self.last_cell_records
-        if not (outcome.died or outcome.unreleased or outcome.waiting):
-            # Every rank is idle: rebuild the pool's layout (collectives) in a request of its own.
+        if not (outcome.died or outcome.unreleased or outcome.cancelled):
+            # Every rank is idle (an interrupted script's waiting ranks were released): rebuild the pool's
+            # layout (collectives) in a request of its own, so the next cell finds it.
             after = self._exchange("execute", targets, {"code": "None", "after_script": True, "want_value": False},
                                    timeout=self.start_timeout_s, stream=False)
             errors += self._absorb(after)[0]
@@ -231,8 +253,6 @@ class Requests:
         for rank, reply in outcome.replies.items():
             info = self.ranks[rank]
             info.coords = reply.get("coords") or info.coords
-            if reply.get("layout"):
-                self.layout = ParallelConfig(**reply["layout"])
             payload = reply.payload or {}
             records.extend(payload.get("records") or [])
             last_records.extend((payload.get("records") or [])[-1:])
@@ -380,14 +400,15 @@ class Requests:
         return dict(sorted(outcome.replies.items()))
 
     def _raise_for(self, outcome: Outcome, targets: list[int], errors: list[RankError],
-                   code: str | None = None) -> None:
+                   code: str | None = None, unlaid: list[int] | None = None) -> None:
         """Turn an outcome into the one error the notebook shows, after the repair part acted on it.
-        ``code``: the cell's, so that a crash report can quote the line a rank died on."""
+        ``code``: the cell's, so that a crash report can quote the line a rank died on; ``unlaid``:
+        ranks that did not take the cell's layout (``_confirm_layout``)."""
         if outcome.cancelled:
             raise PoolError(outcome.cancelled)
         if outcome.died:
             raise self._died_error(outcome, code)
-        note = self._repair.after(outcome, self.layout)
+        note = self._repair.after(outcome, self.layout, unlaid=unlaid)
         if outcome.error is not None:
             raise outcome.error
         if outcome.interrupted:

@@ -106,34 +106,53 @@ def test_an_event_handler_that_raises_is_logged_once_and_the_request_completes(c
     assert cpu_pool.pids() == pids and cpu_pool.restarts == restarts
 
 
+def _inside_gloo_barrier(stack: str) -> bool:
+    """The innermost frame is torch's barrier at its ``work.wait()``: the rank is inside gloo's wait, where
+    no interrupt reaches it (a stack that only shows the cell's ``dist.barrier()`` line may still be in
+    Python, in mnb's counting wrapper, and the interrupt then stops it)."""
+    lines = stack.rstrip().splitlines()
+    return (len(lines) >= 2 and "distributed_c10d.py" in lines[-2] and lines[-2].endswith("in barrier")
+            and lines[-1].strip() == "work.wait()")
+
+
 def test_an_interrupted_stuck_barrier_under_pp2_keeps_the_layout_and_names_the_stuck_rank(cpu_pool, capsys):
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "mnb")
     set_current_pool(cpu_pool)
+    both_in_place = threading.Event()
 
-    def interrupt_once_rank_0_waits(rank: int, kind: str, payload: dict) -> None:
+    def interrupt_once_rank_0_waits_and_rank_1_finished(rank: int, kind: str, payload: dict) -> None:
         if kind != "test-stuck":
             return
-        for _ in range(1000):  # rank 0 emitted this just before its barrier: interrupt once it is in it
-            if "barrier" in cpu_pool.stacks([0]).get(0, ""):
-                break
+        # rank 0 emitted this just before its barrier; rank 1 may still be applying the layout (seeding
+        # after the groups are built) or sending its reply: interrupt once rank 0 is inside gloo's wait
+        # and rank 1's cell is over (not busy), as a user would after a look at %mnb stacks
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not both_in_place.is_set():
+            answers = cpu_pool._transport.ask("stacks", [0, 1], 10)
+            if (_inside_gloo_barrier(answers.get(0, {}).get("stacks", "") if 0 in answers else "")
+                    and 1 in answers and not answers[1].get("busy")):
+                both_in_place.set()
+            else:
+                both_in_place.wait(0.05)  # ask again 50 ms later
         _thread.interrupt_main()  # Kernel -> Interrupt; the request's latch takes it
 
-    cpu_pool.event_handlers.append(interrupt_once_rank_0_waits)
+    cpu_pool.event_handlers.append(interrupt_once_rank_0_waits_and_rank_1_finished)
     try:
         with pytest.raises(KeyboardInterrupt) as info:
             shell.run_cell_magic("megatron", "--pp 2",
                                  EMIT + "if rank == 0:\n    events.emit('test-stuck', {})\n    dist.barrier()")
     finally:
-        cpu_pool.event_handlers.remove(interrupt_once_rank_0_waits)
+        cpu_pool.event_handlers.remove(interrupt_once_rank_0_waits_and_rank_1_finished)
+    assert both_in_place.is_set(), "within 120 s rank 0 never waited inside gloo's barrier or rank 1 never finished"
     message = str(info.value)
     assert "rank 0 (r0 tp0 pp0 dp0) did not stop: stuck at cell line 4 `dist.barrier()`" in message, message
-    assert "rank(s) [1] had finished" in message and "interrupted rank(s) [1]" not in message
+    assert "rank(s) [1] had finished" in message and "interrupted rank(s) [1]" not in message, message
     assert re.search(r"in barrier; in barrier #\d+ of world group \[0,1\]", message), message
     assert "\nrank 1 " in message and "— rank 1 skipped one (or rank 0 ran one more)" in message, message
-    assert "the layout tp1 pp2 dp1 stays" in message
+    assert "the layout tp1 pp2 dp1 stays" in message, message
     assert cpu_pool.layout.describe() == "tp1 pp2 dp1"  # also while the restart runs: what %%megatron reads
     capsys.readouterr()
     shell.run_cell_magic("megatron", "", "print('pp', ps.get_pipeline_model_parallel_world_size(), "
@@ -141,6 +160,127 @@ def test_an_interrupted_stuck_barrier_under_pp2_keeps_the_layout_and_names_the_s
     out = capsys.readouterr().out
     assert "pp 2 0" in out and "pp 2 1" in out, out  # the restarted ranks are at tp1 pp2
     assert cpu_pool.layout == ParallelConfig(pp=2).resolve(2)
+
+
+def test_a_rank_interrupted_while_taking_the_cells_layout_restarts_the_pool_in_that_layout(cpu_pool, capsys):
+    """The layout is the cell's, decided once: a reply saying "I kept the old one" (rank 1, interrupted
+    while applying it) neither becomes the pool's layout nor leaves the ranks split (rank 0 took it)."""
+    cpu_pool.run("from mnb.megatron import layout, events\nimport threading\n"
+                 "def _hold(old, new):\n    events.emit('test-applying', {})\n    threading.Event().wait()\n"
+                 "if rank == 1:\n    layout.on_layout_change(_hold)", quiet=True)
+    restarts, in_place = cpu_pool.restarts, threading.Event()
+
+    def interrupt_once_rank_1_holds_and_rank_0_finished(rank: int, kind: str, payload: dict) -> None:
+        if kind != "test-applying":
+            return
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not in_place.is_set():
+            answers = cpu_pool._transport.ask("stacks", [0, 1], 10)
+            if (1 in answers and "in _hold" in answers[1].get("stacks", "") and 0 in answers
+                    and not answers[0].get("busy")):
+                in_place.set()
+            else:
+                in_place.wait(0.05)  # ask again 50 ms later
+        _thread.interrupt_main()
+
+    cpu_pool.event_handlers.append(interrupt_once_rank_1_holds_and_rank_0_finished)
+    with pytest.raises(KeyboardInterrupt) as info:
+        cpu_pool.run("print('cell', rank)", layout=ParallelConfig(pp=2), quiet=True)
+    assert in_place.is_set(), "within 120 s rank 1 never held in its layout change or rank 0 never finished"
+    message = str(info.value)
+    assert cpu_pool.layout.describe() == "tp1 pp2 dp1", message  # not rank 1's "tp1 pp1 dp2", whatever came last
+    assert message.startswith("interrupted rank(s) [1] at cell line 5 `threading.Event().wait()`; "
+                              "rank(s) [0] had finished"), message
+    assert ("mnb is restarting all 2 ranks (rank(s) [1] did not take the layout tp1 pp2 dp1); names defined in "
+            "earlier cells are gone, the layout tp1 pp2 dp1 stays") in message, message
+    capsys.readouterr()
+    cpu_pool.run("print('pp', ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())")
+    out = capsys.readouterr().out
+    assert "pp 2 0" in out and "pp 2 1" in out, out  # the restarted ranks are at tp1 pp2
+    assert cpu_pool.restarts == restarts + 1
+
+
+def test_an_interrupted_training_is_reported_in_the_same_shape(cpu_pool):
+    """Which ranks, the cell line, then the step mnb.train stopped after (it was "rank(s) [0, 1]: mnb.train ...")."""
+    progressed: set[int] = set()
+
+    def interrupt_after_a_step(rank: int, kind: str, payload: dict) -> None:
+        if kind == "progress":
+            progressed.add(rank)
+            if len(progressed) == 1:
+                _thread.interrupt_main()
+
+    cpu_pool.event_handlers.append(interrupt_after_a_step)
+    with pytest.raises(KeyboardInterrupt) as info:
+        cpu_pool.run("model = mnb.gpt('tiny')\n"
+                     "mnb.train(model, steps=100000, micro_batch_size=2, global_batch_size=4)", quiet=True)
+    message = str(info.value)
+    assert re.fullmatch(r"interrupted rank\(s\) \[0, 1\] at cell line 2 `mnb\.train\(model, steps=100000, "
+                        r"micro_batch_size=2, global_batch_size=4\)`: mnb\.train stopped after step \d+ .*", message), message
+
+
+def _interrupt_when_all_emitted(pool, kind: str, ready=lambda stacks: True):
+    """An event handler that interrupts the request (Kernel -> Interrupt) once every rank emitted
+    ``kind`` and ``ready`` holds for their stacks (asked again until it does, for at most 120 s)."""
+    seen: set[int] = set()
+
+    def handler(rank: int, event: str, payload: dict) -> None:
+        if event != kind:
+            return
+        seen.add(rank)
+        if len(seen) < pool.world_size:
+            return
+        deadline, again = time.monotonic() + 120, threading.Event()
+        while time.monotonic() < deadline and not ready(pool.stacks()):
+            again.wait(0.05)
+        _thread.interrupt_main()  # the request's latch takes it
+
+    return handler
+
+
+def test_an_interrupt_names_the_users_line_in_a_cell_and_a_script_never_the_stdlibs(cpu_pool, tmp_path):
+    """Issue 35 item 9: the location was ``threading.py:327 in wait`` for a script waiting on an Event."""
+    waits = "import threading\nfrom mnb.megatron import events\nevents.emit('test-waiting', {})\nthreading.Event().wait()\n"
+    script = tmp_path / "wait_forever.py"
+    script.write_text(waits)
+
+    def in_wait(stacks: dict[int, str]) -> bool:  # both ranks inside Event.wait (threading.py)
+        return len(stacks) == 2 and all(len(text.splitlines()) >= 2 and text.rstrip().splitlines()[-2].endswith(
+            "in wait") for text in stacks.values())
+
+    restarts = cpu_pool.restarts
+    cpu_pool.event_handlers.append(_interrupt_when_all_emitted(cpu_pool, "test-waiting", in_wait))
+    with pytest.raises(KeyboardInterrupt) as in_script:
+        cpu_pool.run_script(script, quiet=True)
+    # the pool's layout is back after an interrupted script (it was skipped whenever a rank had waited)
+    assert cpu_pool.run("ps.model_parallel_is_initialized()", quiet=True) == {0: True, 1: True}
+    with pytest.raises(KeyboardInterrupt) as in_cell:
+        cpu_pool.run(waits, quiet=True)
+    script_line, cell_line = str(in_script.value), str(in_cell.value)
+    assert script_line == "interrupted rank(s) [0, 1] at wait_forever.py line 4 `threading.Event().wait()`", script_line
+    assert cell_line == "interrupted rank(s) [0, 1] at cell line 4 `threading.Event().wait()`", cell_line
+    assert cpu_pool.run("rank", quiet=True) == {0: 0, 1: 1}  # both released: no restart
+    assert cpu_pool.restarts == restarts
+
+
+def test_an_interrupt_says_what_output_it_dropped_and_why(cpu_pool, capsys):
+    """Issue 35 item 9: "(5 line(s) of its output were dropped)" said neither whose nor why."""
+    cell = ("from mnb.megatron import events\nimport time\nevents.emit('test-printing', {})\ntry:\n"
+            "    while True:\n        print('before', rank, flush=True)\n        time.sleep(0.01)\n"
+            "except KeyboardInterrupt:\n    for i in range(50):\n        print('after', rank, i, flush=True)\n"
+            "    raise\n")
+    cpu_pool.event_handlers.append(_interrupt_when_all_emitted(cpu_pool, "test-printing"))
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt) as info:
+        cpu_pool.run(cell)
+    message, out = str(info.value), capsys.readouterr().out
+    assert "after" not in out, out  # nothing printed once it was stopped is shown
+    dropped = re.search(r"\((\d+) line\(s\) of output from rank\(s\) \[0, 1\] that arrived after the interrupt were "
+                        r"dropped, so that none spills into the next cell\)$", message)
+    assert message.startswith("interrupted rank(s) [0, 1] at cell line ") and dropped, message
+    assert int(dropped[1]) >= 100  # the 50 lines each rank printed once the interrupt reached it, at least
+    cpu_pool.run("print('next', rank)")
+    assert "after" not in capsys.readouterr().out  # never replayed into the next cell
 
 
 RAISES_ON_RANK_1 = """
