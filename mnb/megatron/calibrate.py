@@ -106,7 +106,7 @@ def measure(budget_s: float | None = None, shapes: list[tuple[int, int, int]] | 
         took = _best_collective_time(lambda: dist.all_reduce(buf), device, per_item)
         result.update(
             world_size=world,
-            allreduce_bus_bytes_per_s=2 * (world - 1) / world * nbytes / float(local.item()),
+            allreduce_bus_bytes_per_s=2 * (world - 1) / world * nbytes / took,
             intra_node=_local_world() == world,
         )
     return result
