@@ -131,6 +131,17 @@ the pool's until they said hello)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
+def fresh_notebook_state():
+    """Each module starts as a new notebook does: no last run and no remembered settings (a shared
+    pool's earlier module trained, and %mnb export would otherwise carry that run's settings)."""
+    from mnb.controller import registry
+
+    registry._LAST_RUN.clear()
+    registry._SETTINGS.clear()
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
 def no_new_descendants():
     """Each module ends with no process it started still running (the shared pools aside)."""
     before = set(_descendants())
