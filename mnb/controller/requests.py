@@ -134,22 +134,24 @@ class Requests:
     def _confirm_layout(self, outcome: Outcome) -> list[int]:
         """The cell's layout, decided once in :meth:`run` (``self.layout``), against what the replies say.
 
-        Each reply names the layout its rank has.  Only when every rank replied with one other
-        layout (the change failed on all of them alike) does the pool take the ranks' word;
-        otherwise the cell's layout stays, whatever reply came first: it is the one an automatic
-        restart promises and restores.  Returns the ranks that kept another layout while the cell's
-        stands (interrupted while applying it): the pool cannot run on ranks laid out differently.
+        Each reply names the layout its rank has (None: interrupted inside a change, no groups at
+        all).  Only when every rank replied with one other layout (the change failed on all of them
+        alike) does the pool take the ranks' word; otherwise the cell's layout stays, whatever reply
+        came first: it is the one an automatic restart promises and restores.  Returns the ranks
+        that kept another layout, or none, while the cell's stands: the pool cannot run on them.
         """
-        kept = {r: ParallelConfig(**m["layout"]) for r, m in outcome.replies.items() if m.get("layout")}
-        others = sorted(r for r, layout in kept.items() if layout != self.layout)
-        if not others:
+        said = {r: m.get("layout") for r, m in outcome.replies.items() if "layout" in m.header}
+        bare = [r for r, layout in said.items() if not layout]  # a rank with no groups agrees with no one
+        kept = {r: ParallelConfig(**layout) for r, layout in said.items() if layout}
+        others = [r for r, layout in kept.items() if layout != self.layout]
+        if not others and not bare:
             return []
-        if len(others) == self.world_size and all(kept[r] == kept[others[0]] for r in others):
+        if not bare and len(others) == self.world_size and all(kept[r] == kept[others[0]] for r in others):
             self.layout = kept[others[0]]
             for rank in others:
                 self.ranks[rank].coords = outcome.replies[rank].get("coords") or self.ranks[rank].coords
             return []
-        return others
+        return sorted(others + bare)
 
     def _keep_failure(self, targets: list[int], errors: list[RankError], died: bool = False) -> None:
         """Remember the root-cause rank of a failed cell for ``%mnb debug`` (its rank keeps the frames).

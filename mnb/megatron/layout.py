@@ -152,6 +152,7 @@ def apply_layout(parallel: ParallelConfig, *, seed: int = 1234) -> bool:
     if ps.model_parallel_is_initialized():
         for callback in list(_before_change):
             callback(now, resolved)
+        _current = None  # from here until the new groups exist this rank has no layout, and says so
         ps.destroy_model_parallel()
     with _reuse_groups():
         _call_megatron(

@@ -86,7 +86,6 @@ def start(rank: Any) -> None:
 
         layout.apply_layout(ParallelConfig())
         autorecord.install()  # a cell's or script's own get_forward_backward_func calls are measured
-    rank.layout = layout.current_layout().as_dict()
     events.set_sink(rank.send_event)
 
     import mnb

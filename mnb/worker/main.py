@@ -53,7 +53,6 @@ class Rank:
                                collectives_fn=_collectives_snapshot)
         self.device: Any = None
         """``torch.device`` of this rank, set by :func:`boot.start` (torch is not imported before then)."""
-        self.layout: dict[str, Any] | None = None
         self.namespace: dict[str, Any] = {"__name__": "__mnb__"}
         self.stdout = RankStream("stdout", self.channel, self.rank, sys.__stdout__)
         self.stderr = RankStream("stderr", self.channel, self.rank, sys.__stderr__)
@@ -66,6 +65,19 @@ class Rank:
         """The last cell's failure with its frames, for ``%mnb debug``; released when the next cell starts."""
         self.cwd_missing: str | None = None
         """The notebook's directory this host lacks, once said (``follow_kernel``); None while cells follow it."""
+
+    @property
+    def layout(self) -> dict[str, Any] | None:
+        """The layout this rank's process groups have now; None before boot or while a change is half done.
+
+        Read from ``mnb.megatron.layout`` at each ask, never stored here: an interrupt that lands
+        inside a layout change (after Megatron's groups went, before the new ones came) must be
+        answered with "no layout", not with the layout the rank had before (a CI run found a
+        rank reporting its old layout with no groups at all, which the controller then trusted).
+        """
+        module = sys.modules.get("mnb.megatron.layout")
+        current = module.current_layout() if module is not None else None
+        return current.as_dict() if current is not None else None
 
     # -------------------------------------------------------------- start
     def start(self) -> None:
@@ -127,8 +139,11 @@ class Rank:
                     log.warning("rank %d could not handle %s: %s", self.rank, message.type, outcome.evalue)
                     evalue = f"could not handle {message.type!r}: {outcome.evalue}"  # the label names the rank
                     text = outcome.traceback
+                # a cell's reply names the layout the rank has, also when the interrupt landed in mnb's own code
+                where = {"layout": self.layout} if message.type == "execute" else {}
                 try:
-                    self.channel.reply(message, ok=False, ename=outcome.ename, evalue=evalue, traceback=text)
+                    self.channel.reply(message, ok=False, ename=outcome.ename, evalue=evalue, traceback=text,
+                                       **where)
                 except Exception as reply_exc:  # plain strings: only a closing channel gets here
                     log.error("rank %d could not send the error reply: %s", self.rank, reply_exc)
             finally:
@@ -178,7 +193,6 @@ class Rank:
                 from mnb.config import ParallelConfig
 
                 layout.apply_layout(ParallelConfig(**requested))
-                self.layout = layout.current_layout().as_dict()
             except BaseException as exc:
                 outcome = describe_exception(exc)
         if outcome is None and message.get("script"):  # %mnb run SCRIPT ARGS (mnb.worker.script)

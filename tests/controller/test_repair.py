@@ -162,10 +162,6 @@ def test_an_interrupted_stuck_barrier_under_pp2_keeps_the_layout_and_names_the_s
     assert cpu_pool.layout == ParallelConfig(pp=2).resolve(2)
 
 
-@pytest.mark.skip(reason="open race (CI run of 2026-12-03): rank 0, interrupted while still finishing its own layout "
-                         "change, replies with the old layout and is left with none; both replies then agree on the "
-                         "old layout and _confirm_layout accepts it. Fix the rank side (an interrupt inside "
-                         "apply_layout) before enabling")
 def test_a_rank_interrupted_while_taking_the_cells_layout_restarts_the_pool_in_that_layout(cpu_pool, capsys):
     """The layout is the cell's, decided once: a reply saying "I kept the old one" (rank 1, interrupted
     while applying it) neither becomes the pool's layout nor leaves the ranks split (rank 0 took it)."""
@@ -179,9 +175,12 @@ def test_a_rank_interrupted_while_taking_the_cells_layout_restarts_the_pool_in_t
             return
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not in_place.is_set():
-            answers = cpu_pool._transport.ask("stacks", [0, 1], 10)
-            if (1 in answers and "in _hold" in answers[1].get("stacks", "") and 0 in answers
-                    and not answers[0].get("busy")):
+            # rank 0 finished: its whole cell ran (not busy) in the new layout, which it reports from its groups
+            # (a rank not yet started on the cell is not busy either: that was the race a CI run found)
+            held = cpu_pool._transport.ask("stacks", [1], 10)
+            done = cpu_pool._transport.ask("status", [0], 10)
+            if (1 in held and "in _hold" in held[1].get("stacks", "") and 0 in done
+                    and not done[0].get("busy") and done[0].get("layout") == ParallelConfig(pp=2).resolve(2).as_dict()):
                 in_place.set()
             else:
                 in_place.wait(0.05)  # ask again 50 ms later
@@ -201,6 +200,42 @@ def test_a_rank_interrupted_while_taking_the_cells_layout_restarts_the_pool_in_t
     cpu_pool.run("print('pp', ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())")
     out = capsys.readouterr().out
     assert "pp 2 0" in out and "pp 2 1" in out, out  # the restarted ranks are at tp1 pp2
+    assert cpu_pool.restarts == restarts + 1
+
+
+def test_a_rank_interrupted_after_its_groups_went_says_it_has_none_and_the_pool_restarts_in_the_cells_layout(
+        cpu_pool, capsys):
+    """The CI race itself: rank 0 interrupted inside its layout change, after Megatron's groups went and
+    before the new ones came, used to reply with the layout it had before; rank 1 (held before its own
+    change) kept that one too, so both replies agreed and the pool believed them, with rank 0 laid out
+    nowhere.  A rank with no groups agrees with no one: the pool restarts in the cell's layout."""
+    cpu_pool.run("from mnb.megatron import layout, events\nimport threading\n"
+                 "from megatron.core import parallel_state\n"
+                 "def _hold(*args, **kwargs):\n    events.emit('test-applying', {})\n    threading.Event().wait()\n"
+                 "if rank == 0:\n    parallel_state.initialize_model_parallel = _hold\n"
+                 "else:\n    layout.on_layout_change(_hold)", quiet=True)
+    restarts, in_place = cpu_pool.restarts, threading.Event()
+    holding: set[int] = set()
+
+    def interrupt_once_both_hold(rank: int, kind: str, payload: dict) -> None:
+        if kind != "test-applying":
+            return
+        holding.add(rank)
+        if len(holding) == 2:
+            in_place.set()
+            _thread.interrupt_main()
+
+    cpu_pool.event_handlers.append(interrupt_once_both_hold)
+    with pytest.raises(KeyboardInterrupt) as info:
+        cpu_pool.run("print('cell', rank)", layout=ParallelConfig(pp=2), quiet=True)
+    assert in_place.is_set(), f"only rank(s) {sorted(holding)} held in the layout change"
+    message = str(info.value)
+    assert cpu_pool.layout.describe() == "tp1 pp2 dp1", message  # the old layout both replies named is not taken
+    assert ("mnb is restarting all 2 ranks (rank(s) [0, 1] did not take the layout tp1 pp2 dp1)") in message, message
+    capsys.readouterr()
+    cpu_pool.run("print('pp', ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())")
+    out = capsys.readouterr().out
+    assert "pp 2 0" in out and "pp 2 1" in out, out
     assert cpu_pool.restarts == restarts + 1
 
 
