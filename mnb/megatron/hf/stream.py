@@ -180,6 +180,8 @@ class OnePass:
         self.threads = threads or read_threads()
         self.log = ReadLog()
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:  # the side stream writes parameters the current stream made
+            self.stream.wait_stream(torch.cuda.current_stream(device))
         self._staged_bytes = 0
 
     def compute(self):
@@ -207,6 +209,7 @@ class OnePass:
         hosts: list[torch.Tensor | None] = [None] * self.buffers
         events: list[torch.cuda.Event | None] = [None] * self.buffers
         log = self.log
+        host_bytes = min(self.capacity, max((c.nbytes for c in chunks), default=0))
 
         def read(chunk: _Chunk, outs: list[np.ndarray], after) -> None:
             if after is not None:
@@ -220,8 +223,7 @@ class OnePass:
             if self.cuda:
                 slot = k % self.buffers
                 if hosts[slot] is None:
-                    hosts[slot] = torch.empty(min(self.capacity, max(c.nbytes for c in chunks)),
-                                              dtype=torch.uint8, pin_memory=True)
+                    hosts[slot] = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
                     log.host_buffer_bytes += hosts[slot].numel()
                 flat, outs, at = hosts[slot].numpy(), [], 0
                 for piece in chunk.pieces:
@@ -235,8 +237,6 @@ class OnePass:
                 outs.append(staging[piece.request].numpy()[piece.at:piece.at + piece.span.nbytes])
             return pool.submit(read, chunk, outs, None)
 
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         pending = deque(submit(k) for k in range(min(self.buffers, len(chunks))))
         try:
             for k, chunk in enumerate(chunks):
