@@ -44,7 +44,11 @@ import sys, json
 from pathlib import Path
 sys.path.insert(0, {here!r})
 from hf_gpu import build_checkpoint
-print("BUILT " + json.dumps({{s: build_checkpoint(s, Path(f), sys.argv[2]) for s, f in json.loads(sys.argv[1]).items()}}))
+import platform, safetensors, torch, transformers
+built = {{s: build_checkpoint(s, Path(f), sys.argv[2]) for s, f in json.loads(sys.argv[1]).items()}}
+built["versions"] = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+                         safetensors=safetensors.__version__)
+print("BUILT " + json.dumps(built))
 """
 
 RAW = r"""
