@@ -10,8 +10,9 @@ then that many bytes of JSON mapping each tensor to its ``dtype``, ``shape`` and
 relative to the end of the header), so a slice of a tensor is a byte range of a file:
 :meth:`Checkpoint.span` turns rows ``[a, b)`` of a row-major tensor into one contiguous
 :class:`Span`, columns ``[a, b)`` into one strided span (a segment per row).  Reading them is
-:mod:`.stream`'s job.  Parsing took 1-2 ms per shard on the CPU machine, about what
-``safe_open`` takes to parse and map one, and leaves no file mapped.
+:mod:`.stream`'s job.  Parsing a 255-tensor header took 11 ms on the (loaded) CPU machine against
+4 ms for ``safe_open`` with every shape asked; both are small beside the reads (0.1-0.2 s for a
+3B model on one H200), and safetensors' API gives no byte offsets.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ MAX_HEADER_BYTES = 100 * 2**20
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
+ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class TensorInfo:
 
     @property
     def element_bytes(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return ELEMENT_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)

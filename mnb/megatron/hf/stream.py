@@ -8,7 +8,8 @@ read-only map of the file for column slices, one segment per row).
 - **CUDA ranks**: each chunk is read into one of :data:`BUFFERS` pinned host buffers, then copied to
   the slices' staging tensors on the GPU with ``non_blocking`` copies on a side stream; an event per
   chunk tells the thread that reads into that buffer next when the copy is done.  Reads overlap the
-  copies; the host holds at most ``BUFFERS * BUFFER_BYTES`` (128 MiB) at any time, released at the end.
+  copies; the host holds at most ``BUFFERS * BUFFER_BYTES`` (128 MiB), which torch's pinned-memory cache
+  keeps for the next load (measured on one H200: RSS 1.34 -> 1.58 GiB at the first load, then flat).
 - **CPU ranks**: the same reads go straight into each slice's staging tensor (no second copy).
 
 :meth:`OnePass.staged` yields each slice as soon as all its bytes are on the device, so the caller
@@ -139,8 +140,9 @@ class _Files:
     def mapped(self, name: str) -> np.ndarray:
         with self._lock:
             if name not in self._maps:
-                fd = self._fds.get(name) or os.open(self.folder / name, os.O_RDONLY)
-                self._fds[name] = fd
+                if name not in self._fds:
+                    self._fds[name] = os.open(self.folder / name, os.O_RDONLY)
+                fd = self._fds[name]
                 self._maps[name] = np.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ), dtype=np.uint8)
             return self._maps[name]
 
