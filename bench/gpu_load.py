@@ -46,8 +46,8 @@ sys.path.insert(0, {here!r})
 from hf_gpu import build_checkpoint
 import platform, safetensors, torch, transformers
 built = {{s: build_checkpoint(s, Path(f), sys.argv[2]) for s, f in json.loads(sys.argv[1]).items()}}
-built["versions"] = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-                         safetensors=safetensors.__version__)
+built["versions"] = dict(python=platform.python_version(), torch=torch.__version__,
+                         transformers=transformers.__version__, safetensors=safetensors.__version__)
 print("BUILT " + json.dumps(built))
 """
 

@@ -3,8 +3,9 @@
 A :class:`Rule` names the HF tensors behind one Megatron parameter and how they are split
 over tensor parallelism.  :func:`read_local` builds this rank's slice from only the rows or
 columns it needs (``reader.slice(name, dim, start, stop)``: :mod:`.load` calls it once on
-meta tensors to learn which slices, then on the slices staged on the rank's device); :func:`hf_pieces` turns every tp rank's
-local tensor back into the HF tensors (the inverse, applied once per tensor on the writer).
+meta tensors to learn which slices, then on the slices staged on the rank's device);
+:func:`hf_pieces` turns every tp rank's local tensor back into the HF tensors (the inverse,
+applied once per tensor on the writer).
 
 Kinds (shapes in Megatron's orientation, ``[out, in]``):
 
