@@ -43,13 +43,15 @@ SHAPES = {  # the Llama-3.2 configs' shapes (tied embeddings, llama3 RoPE scalin
                num_key_value_heads=8, head_dim=64),
     "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                num_key_value_heads=8, head_dim=128),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # smoke tests
+                 num_key_value_heads=2, head_dim=16),
 }
 PRESET = {"1b": "llama-1b", "3b": "llama-3b"}
 TRAIN = "steps=6, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True"
 PROMPT_TOKENS, NEW_TOKENS = 128, 256
 
 
-def build_checkpoint(size: str, folder: Path) -> dict:
+def build_checkpoint(size: str, folder: Path, device: str = "cuda") -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,11 +61,12 @@ def build_checkpoint(size: str, folder: Path) -> dict:
                       tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001, **SHAPES[size])
     start = time.perf_counter()
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="2GB")
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     files = sorted(folder.glob("*.safetensors"))
     return {"build_and_save_s": round(time.perf_counter() - start, 1), "shards": len(files),
             "bytes": sum(f.stat().st_size for f in files)}

@@ -314,3 +314,26 @@ def test_save_hf_keeps_a_users_files_and_finishes_a_crashed_swap(cpu_pool, check
     cpu_pool.run(f"mnb.save_hf({str(out)!r}, _g)", quiet=True)
     assert _siblings(out) == ["out"]
     kept()
+
+
+def test_each_rank_reads_only_its_slices_once(cpu_pool, checkpoints):
+    """model.hf.read on real ranks: under tp2 the two ranks share only the replicated norms, under pp2
+    nothing; each rank reads every byte range at most once, and together they read the whole checkpoint."""
+    from mnb.megatron.hf.reader import Checkpoint
+
+    folder = checkpoints["models"]["llama-bf16-sharded"][0]
+    tensors = Checkpoint(folder).tensors
+    total = sum(i.end - i.begin for i in tensors.values())
+    norms = sum(i.end - i.begin for name, i in tensors.items() if name.endswith("norm.weight"))
+    cell = (f"_r = mnb.from_hf({folder!r}).hf.read\n"
+            "sorted((s.file, a, b) for s in _r.spans for a, b in s.ranges()), _r.bytes_read")
+    for layout, shared in ((ParallelConfig(tp=2), norms), (ParallelConfig(pp=2), 0)):
+        got = cpu_pool.run(cell, layout=layout, quiet=True)
+        (ranges0, read0), (ranges1, read1) = got[0], got[1]
+        for ranges, read in ((ranges0, read0), (ranges1, read1)):
+            assert read == sum(b - a for _, a, b in ranges), layout
+            assert all(f0 != f1 or b0 <= a1 for (f0, _, b0), (f1, a1, _) in zip(ranges, ranges[1:])), layout
+        bytes0, bytes1 = ({(f, x) for f, a, b in r for x in range(a, b)} for r in (ranges0, ranges1))
+        assert len(bytes0 & bytes1) == shared and len(bytes0 | bytes1) == total, layout.describe()
+        assert read0 + read1 == total + shared, (layout.describe(), read0, read1, total, shared)
+        assert max(read0, read1) < 0.7 * total, (layout.describe(), read0, read1, total)

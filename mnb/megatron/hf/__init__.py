@@ -2,8 +2,9 @@
 
 Rank side.  One module per architecture family's name mapping (:mod:`.llama` for
 Llama/Mistral/Qwen2, :mod:`.mixtral` for its experts, :mod:`.gpt2`), the generic slicing
-rules they use (:mod:`.rules`), the reader of safetensors checkpoints (:mod:`.reader`),
-the loader (:mod:`.load`) and the saver (:mod:`.save`).  The notebook-side half,
+rules they use (:mod:`.rules`), the safetensors headers and byte ranges (:mod:`.reader`),
+the one-pass reads of a rank's slices (:mod:`.stream`), the loader (:mod:`.load`) and the
+saver (:mod:`.save`).  The notebook-side half,
 ``config.json`` -> :class:`mnb.config.ModelConfig`, is :mod:`mnb.hf_config`.
 """
 

@@ -10,7 +10,10 @@ Steps, the same on every rank: ``config.json`` -> :class:`ModelConfig` (:func:`m
 the layout checked against it, the safetensors headers checked against the config (every
 tensor there, every shape right, every shard of the index present), the chunks built without
 initialising their weights, then each parameter filled from only the rows or columns this rank
-holds (``safe_open(...).get_slice``).  Nothing reads the whole model on one rank.
+holds: first asked of meta tensors (which slices, every shape checked), then read in one pass
+over the shards, each byte range once, in large reads, staged on the rank's device through a few
+pinned buffers (:mod:`.stream`).  Nothing reads the whole model on one rank, and nothing holds a
+host copy of it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 
 from mnb import writes
 from mnb.hf_config import architecture, config_path, hf_config, read_config
-from mnb.megatron.hf.reader import Checkpoint
+from mnb.megatron.hf.reader import DTYPES, Checkpoint
+from mnb.megatron.hf.stream import OnePass, ReadLog
 from mnb.megatron.hf.rules import Heads, Rule, read_local
 from mnb.megatron.tokenizer import load_hf_tokenizer
 
@@ -46,6 +50,8 @@ class Source:
     """The source's ``config.json``."""
     dtype: str
     """Dtype of its weights on disk (``BF16``, ``F16``, ``F32``)."""
+    read: ReadLog | None = None
+    """What this rank read and staged (:class:`~mnb.megatron.hf.stream.ReadLog`): its byte ranges, once each."""
 
 
 def family_tensors(arch: str, cfg) -> dict[str, Rule]:
@@ -148,38 +154,140 @@ def from_hf(path: str | Path, *, fusions: bool | str = "auto", **overrides: Any)
     t0 = time.perf_counter()
     model = build_model(cfg, parallel, init="none", fusions=fusions)
     built_s = time.perf_counter() - t0
-    _fill(model, rules, checkpoint, cfg)
+    log = _fill(model, rules, checkpoint, cfg)
     model.tokenizer = tokenizer
-    model.hf = Source(folder=str(folder), config=source, dtype=checkpoint.dtype())
-    logger.info("from_hf %s: built in %.2f s, loaded in %.2f s", folder, built_s, time.perf_counter() - t0 - built_s)
+    model.hf = Source(folder=str(folder), config=source, dtype=checkpoint.dtype(), read=log)
+    logger.info("from_hf %s: built in %.2f s, read %.2f GB in %.2f s (%.1f GB/s), %d MB staged at most",
+                folder, built_s, log.bytes_read / 1e9, log.seconds, log.bytes_read / 1e9 / max(log.seconds, 1e-9),
+                log.staged_peak_bytes // 10**6)
     return model
 
 
+class _Planner:
+    """The reader :func:`read_local` sees first: records each slice it asks for, answers with meta tensors."""
+
+    device = torch.device("meta")
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self.index: dict[tuple, int] = {}
+        self.spans: list = []
+        self.dtypes: list = []
+        self.shapes: list = []
+        self.asked: list[int] = []
+
+    def slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        ident = (key, dim, start, stop)
+        if ident not in self.index:
+            span, shape = self.checkpoint.span(key, dim, start, stop)
+            self.index[ident] = len(self.spans)
+            self.spans.append(span)
+            self.shapes.append(shape)
+            self.dtypes.append(DTYPES[self.checkpoint.tensors[key].dtype])
+        i = self.index[ident]
+        self.asked.append(i)
+        return torch.empty(self.shapes[i], dtype=self.dtypes[i], device="meta")
+
+
+class _Staged:
+    """The reader :func:`read_local` sees second: the slices staged on the rank's device."""
+
+    def __init__(self, planner: _Planner, staged: dict[int, torch.Tensor], device: torch.device) -> None:
+        self.planner, self.staged, self.device = planner, staged, device
+
+    def slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        i = self.planner.index[(key, dim, start, stop)]
+        return self.staged[i].view(self.planner.dtypes[i]).view(self.planner.shapes[i])
+
+
+@dataclass(frozen=True)
+class Target:
+    """One parameter to fill: this rank's part of ``rule``, tp-sliced as (``tp``, ``r``)."""
+
+    param: torch.Tensor
+    name: str
+    rule: Rule
+    tp: int = 1
+    r: int = 0
+
+
 @torch.no_grad()
-def _fill(model, rules: dict[str, Rule], checkpoint: Checkpoint, cfg) -> None:
-    """Copy this rank's slice of every parameter from the checkpoint, with a progress line on long loads."""
+def fill(targets: list[Target], checkpoint: Checkpoint, vocab_size: int, heads: Heads | None = None,
+         progress=None, **one_pass: Any) -> ReadLog:
+    """Copy every target's slice from ``checkpoint`` in one pass over its shards (:class:`~.stream.OnePass`).
+
+    ``progress(done, total, log)`` is called after each staged slice.  No collective, no layout:
+    the caller says which tp slice each parameter is.  ``one_pass``: :class:`~.stream.OnePass`'s
+    ``buffer_bytes``, ``buffers``, ``threads``."""
+    # 1. which slices each parameter needs, from meta tensors: shapes checked before a byte is read
+    planner = _Planner(checkpoint)
+    needs: list[set[int]] = []
+    for t in targets:
+        planner.asked = []
+        local = read_local(t.rule, planner, tuple(t.param.shape), t.tp, t.r, vocab_size, heads)
+        if tuple(local.shape) != tuple(t.param.shape):
+            raise ValueError(f"{t.name}: the checkpoint gives this rank {list(local.shape)}, the model holds "
+                             f"{list(t.param.shape)}; the layout and {checkpoint.folder}/config.json disagree")
+        needs.append(set(planner.asked))
+    # 2. one pass over the shards; each parameter built on its device as soon as its slices are there
+    device = targets[0].param.device if targets else torch.device("cpu")
+    one_pass = OnePass(checkpoint.folder, planner.spans, device, **one_pass)
+    staged: dict[int, torch.Tensor] = {}
+    users: dict[int, list[int]] = {}
+    for j, need in enumerate(needs):
+        for i in need:
+            users.setdefault(i, []).append(j)
+    waiting = [len(need) for need in needs]
+    reader = _Staged(planner, staged, device)
+    done = 0
+
+    def build(j: int) -> None:
+        t = targets[j]
+        t.param.copy_(read_local(t.rule, reader, tuple(t.param.shape), t.tp, t.r, vocab_size, heads))
+
+    with one_pass.compute():
+        for j in (j for j, n in enumerate(waiting) if n == 0):  # only padding rows here
+            build(j)
+            done += 1
+    for i, tensor in one_pass.staged():
+        staged[i] = tensor
+        with one_pass.compute():
+            for j in list(users[i]):
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    build(j)
+                    done += 1
+                    for k in needs[j]:
+                        users[k].remove(j)
+                        if not users[k]:
+                            del staged[k]
+                            one_pass.release(k)
+        if progress is not None:
+            progress(done, len(targets), one_pass.log)
+    return one_pass.log
+
+
+def _fill(model, rules: dict[str, Rule], checkpoint: Checkpoint, cfg) -> ReadLog:
+    """This rank's slice of every parameter of ``model``, with a progress line on long loads."""
     import torch.distributed as dist
 
-    heads = heads_of(cfg)
-    params = [(p, canon) for chunk in model.chunks
-              for (name, p), canon in zip(chunk.named_parameters(), canonical_names(chunk).values())]
+    targets = []
+    for chunk in model.chunks:
+        for (_, param), canon in zip(chunk.named_parameters(), canonical_names(chunk).values()):
+            rule = rules.get(canon)
+            if rule is None:
+                raise ValueError(f"mnb.from_hf has no Hugging Face name for the Megatron parameter {canon} "
+                                 "(a spec mnb's mapping does not cover, e.g. Transformer Engine's fused norms)")
+            targets.append(Target(param, canon, rule, *tp_coords(rule)))
     talk = dist.get_rank() == 0
-    start = last = time.perf_counter()
-    done_bytes = 0
-    for i, (param, canon) in enumerate(params):
-        rule = rules.get(canon)
-        if rule is None:
-            raise ValueError(f"mnb.from_hf has no Hugging Face name for the Megatron parameter {canon} "
-                             "(a spec mnb's mapping does not cover, e.g. Transformer Engine's fused norms)")
-        tp, r = tp_coords(rule)
-        local = read_local(rule, checkpoint, tuple(param.shape), tp, r, cfg.vocab_size, heads)
-        if tuple(local.shape) != tuple(param.shape):
-            raise ValueError(f"{canon}: the checkpoint gives this rank {list(local.shape)}, the model holds "
-                             f"{list(param.shape)}; the layout and {checkpoint.folder}/config.json disagree")
-        param.copy_(local)
-        done_bytes += local.numel() * local.element_size()
+    start = time.perf_counter()
+    last = [start]
+
+    def progress(done: int, total: int, log: ReadLog) -> None:
         now = time.perf_counter()
-        if talk and now - last >= PROGRESS_EVERY_S:
-            last = now
-            print(f"from_hf: {i + 1}/{len(params)} tensors, {done_bytes / 2**30:.2f} GiB on rank 0, "
+        if talk and now - last[0] >= PROGRESS_EVERY_S:
+            last[0] = now
+            print(f"from_hf: {done}/{total} tensors, {log.bytes_read / 2**30:.2f} GiB read on rank 0, "
                   f"{now - start:.0f} s", flush=True)
+
+    return fill(targets, checkpoint, cfg.vocab_size, heads_of(cfg), progress)

@@ -2,8 +2,10 @@
 
 A :class:`Rule` names the HF tensors behind one Megatron parameter and how they are split
 over tensor parallelism.  :func:`read_local` builds this rank's slice from only the rows or
-columns it needs (``safe_open(...).get_slice``); :func:`hf_pieces` turns every tp rank's
-local tensor back into the HF tensors (the inverse, applied once per tensor on the writer).
+columns it needs (``reader.slice(name, dim, start, stop)``: :mod:`.load` calls it once on
+meta tensors to learn which slices, then on the slices staged on the rank's device);
+:func:`hf_pieces` turns every tp rank's local tensor back into the HF tensors (the inverse,
+applied once per tensor on the writer).
 
 Kinds (shapes in Megatron's orientation, ``[out, in]``):
 
@@ -74,9 +76,13 @@ def read_local(rule: Rule, reader, local_shape: tuple[int, ...], tp: int, r: int
     if kind == "vocab":
         rows = local_shape[0]
         start, stop = r * rows, min((r + 1) * rows, vocab_size)
-        out = torch.zeros(local_shape, dtype=torch.float32)
-        if stop > start:
-            out[: stop - start] = _read(reader, rule, 0, 0, start, stop)
+        if stop <= start:  # only Megatron's padding rows on this rank
+            return torch.zeros(local_shape, dtype=torch.float32, device=reader.device)
+        part = _read(reader, rule, 0, 0, start, stop)
+        if stop - start == rows:
+            return part
+        out = torch.zeros(local_shape, dtype=part.dtype, device=part.device)
+        out[: stop - start] = part
         return out
     if kind in ("column", "row"):
         dim = 0 if kind == "column" else 1
