@@ -28,8 +28,8 @@ def shell():
 
 FLAGS = {
     "%mnb start": ["--account", "--cell-timeout", "--device", "--gpus", "--gpus-per-node", "--grace", "--ip",
-                   "--nnodes", "--nodes", "--partition", "--rdzv-endpoint", "--sbatch-arg", "--slurm", "--standby",
-                   "--threads", "--time", "--timeout", "--timings", "--verbose", "-n"],
+                   "--nnodes", "--nodes", "--ntasks-per-node", "--partition", "--rdzv-endpoint", "--sbatch-arg",
+                   "--slurm", "--standby", "--threads", "--time", "--timeout", "--timings", "--verbose", "-n"],
     "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [], "%mnb debug": [],
     "%mnb plot": ["loss", "memory", "mfu", "timeline"],
     "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
