@@ -64,6 +64,13 @@ def test_flags_are_a_frozen_contract():
     assert found == FLAGS
 
 
+def test_ntasks_per_node_is_slurms_name_for_ranks_per_node_and_only_applies_with_slurm(shell):
+    with pytest.raises(UsageError, match=r"--ntasks-per-node only apply with --slurm"):
+        shell.run_line_magic("mnb", "start --ntasks-per-node 1")
+    with pytest.raises(UsageError, match=r"-n 2 and --ntasks-per-node 1 both give the ranks per node; keep one"):
+        shell.run_line_magic("mnb", "start --slurm --nodes 2 -n 2 --ntasks-per-node 1")
+
+
 def test_public_surface_is_deliberate():
     import mnb
 
