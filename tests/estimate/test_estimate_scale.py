@@ -157,6 +157,28 @@ def test_llama3_405b_table_4_within_fifteen_percent_held_out(vpp):
             assert plain.mfu < 0.8 * mfu and plain.bubble_s > 1.5 * t.bubble_s
 
 
+def test_context_parallel_ring_hides_its_passes_behind_attention_at_long_sequences():
+    """Llama 3 gathers K and V (sec. 3.3.2: "all-gather based"), exposed: the default, as mnb's own CP
+    without TE does.  TE's ring (Megatron's cp_comm_type p2p) sends each pass while the block before it
+    computes: at 131k tokens over cp 16 the layer's core attention hides every pass; at 8k over cp 16
+    (512 tokens a rank) it cannot, and part of the passes shows."""
+    train = TrainConfig(bf16=True, micro_batch_size=1, global_batch_size=128, use_distributed_optimizer=True)
+    parallel = ParallelConfig(tp=8, cp=16, pp=16, vpp=2, dp=8, sequence_parallel=True)
+    for seq, hidden_all in ((131072, True), (8192, False)):
+        model = _llama3_405b(seq, 2)
+        gathered = est.step_time(model, parallel, train, gpu="h100", **LLAMA3_SETTINGS)
+        ring = est.step_time(model, parallel, train, gpu="h100", cp_comm_type="p2p", **LLAMA3_SETTINGS)
+        hidden = dict(ring.hidden_comm)["cp (cp_comm_type p2p)"]
+        assert gathered.cp_comm_s > 0 and hidden > 0
+        assert ring.cp_comm_s + hidden == pytest.approx(gathered.cp_comm_s)
+        assert ring.total_s <= gathered.total_s - hidden + 1e-9  # and the bubble (other stages' times) shrinks
+        assert (ring.cp_comm_s == 0) is hidden_all, (seq, ring.cp_comm_s)
+        assert ("cp (cp_comm_type p2p)" in dict(ring.explain().hidden)) and "cp communication" in \
+            gathered.explain().as_dict()
+    with pytest.raises(ValueError, match="cp_comm_type must be one of all_gather, p2p .*got 'a2a'"):
+        est.step_time(model, parallel, train, gpu="h100", cp_comm_type="a2a")
+
+
 def test_mnb_h200_runs_within_ten_percent():
     for preset, mbs, tokens_per_s in H200_RUNS:
         train = TrainConfig(bf16=True, micro_batch_size=mbs, global_batch_size=8 * mbs)
