@@ -312,30 +312,66 @@ class ModelConfig:
         return self.num_query_groups or self.num_attention_heads
 
     def layers_per_stage(self, pp: int, vpp: int = 1) -> list[int]:
-        """Transformer layers on each pipeline stage, as Megatron splits them.
+        """Transformer layers on each pipeline stage (rank), as Megatron splits them.
 
         Even unless ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``
-        (TransformerConfig names, kept in ``extra``) fix the end stages; the other stages then
-        share the rest evenly.  ValueError with the numbers when the split does not work out.
+        fix the end stages (the other stages then share the rest evenly) or
+        ``pipeline_model_parallel_layout`` names every virtual stage's layers (TransformerConfig
+        names, kept in ``extra``; see :meth:`layers_per_virtual_stage`).  ValueError with the
+        numbers when the split does not work out.
         """
+        return [sum(chunks) for chunks in self.layers_per_virtual_stage(pp, vpp)]
+
+    def layers_per_virtual_stage(self, pp: int, vpp: int = 1) -> list[list[int]]:
+        """Transformer layers of each rank's model chunks: ``[rank][chunk]``.
+
+        With ``pipeline_model_parallel_layout`` (Megatron-Core's string, e.g.
+        ``"Ettt|(tttt|)*30,tttL"``, or its list of lists) the layout decides, its virtual
+        stages ``pp * vpp`` in order (rank ``i % pp``, chunk ``i // pp``) and ``vpp`` is the
+        layout's (:meth:`check_parallel` checks the ParallelConfig's against it).  This is how
+        Megatron-Core combines uneven end stages with interleaving: its
+        ``num_layers_in_first/last_pipeline_stage`` need a multiple of vpp layers
+        (:func:`uneven_pipeline_layout` writes the layout that does what they cannot).
+        """
+        layout = self.extra.get("pipeline_model_parallel_layout")
+        if layout is not None:
+            if self.extra.get("num_layers_in_first_pipeline_stage") is not None or \
+                    self.extra.get("num_layers_in_last_pipeline_stage") is not None:
+                raise ValueError("pipeline_model_parallel_layout cannot be set with num_layers_in_first/last_"
+                                 "pipeline_stage (Megatron-Core refuses both); keep the layout")
+            stages = parse_pipeline_layout(layout, pp)
+            decoders = sum(stage.count("t") for stage in stages)
+            if decoders != self.num_layers:
+                raise ValueError(f"pipeline_model_parallel_layout has {decoders} decoder layers ('t'), "
+                                 f"the model num_layers({self.num_layers})")
+            chunks = len(stages) // pp
+            return [[stages[c * pp + r].count("t") for c in range(chunks)] for r in range(pp)]
         first = self.extra.get("num_layers_in_first_pipeline_stage")
         last = self.extra.get("num_layers_in_last_pipeline_stage")
         if pp == 1 or (first is None and last is None):
             if self.num_layers % (pp * vpp):
                 raise ValueError(f"num_layers({self.num_layers}) is not divisible by pp({pp}) * vpp({vpp}) = "
                                  f"{pp * vpp}")
-            return [self.num_layers // pp] * pp
+            return [[self.num_layers // (pp * vpp)] * vpp for _ in range(pp)]
         ends = [n for n in (first, last) if n is not None]
         middle = pp - len(ends)
         rest = self.num_layers - sum(ends)
         named = (f"num_layers({self.num_layers}) with num_layers_in_first_pipeline_stage={first}, "
                  f"num_layers_in_last_pipeline_stage={last} under pp({pp}) * vpp({vpp})")
-        if any(n < 1 or n % vpp for n in ends) or rest < 0 or (middle == 0 and rest) \
-                or (middle and rest % (middle * vpp)):
-            raise ValueError(f"{named}: the end stages need a multiple of vpp layers each and the "
-                             f"other {middle} stage(s) an equal share of the remaining {rest}")
+        if any(n < 1 for n in ends) or rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+            raise ValueError(f"{named}: the other {middle} stage(s) need an equal share of the remaining {rest}")
+        if any(n % vpp for n in ends) or (middle and rest // middle % vpp):
+            hint = ""
+            try:
+                hint = (f"; for uneven stages with interleaving set pipeline_model_parallel_layout="
+                        f"{uneven_pipeline_layout(self.num_layers, pp, vpp, first=first, last=last)!r} "
+                        "instead (Megatron-Core's per-virtual-stage layout)")
+            except ValueError:
+                pass
+            raise ValueError(f"{named}: Megatron-Core needs a multiple of vpp layers on each stage{hint}")
         share = rest // middle if middle else 0
-        return [first if first is not None else share] + [share] * (pp - 2) + [last if last is not None else share]
+        per_rank = [first if first is not None else share] + [share] * (pp - 2) + [last if last is not None else share]
+        return [[n // vpp] * vpp for n in per_rank]
 
     @property
     def is_moe(self) -> bool:
@@ -410,6 +446,12 @@ class ModelConfig:
                 f"choose tp from {divisors(self.query_groups)}"
             )
         self.layers_per_stage(parallel.pp, parallel.vpp)  # raises with the numbers
+        layout = self.extra.get("pipeline_model_parallel_layout")
+        if layout is not None:
+            chunks = len(parse_pipeline_layout(layout, parallel.pp)) // parallel.pp
+            if chunks != parallel.vpp:
+                raise ValueError(f"pipeline_model_parallel_layout has {chunks * parallel.pp} virtual stages = "
+                                 f"pp({parallel.pp}) x {chunks}, and vpp is {parallel.vpp}: set vpp={chunks}")
         if parallel.ep > 1 and not self.is_moe:
             raise ValueError(f"ep({parallel.ep}) needs an MoE model; '{self.name}' has no experts")
         if self.is_moe and self.num_moe_experts % parallel.ep:
@@ -552,6 +594,86 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_LAYOUT_CHARS = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
+
+
+def parse_pipeline_layout(layout: str | list, pp: int) -> list[str]:
+    """Megatron-Core's ``pipeline_model_parallel_layout`` as one string per virtual stage.
+
+    The string form as Megatron-Core 0.16/0.19 parses it (``PipelineParallelLayerLayout``):
+    ``|`` separates virtual stages, ``,`` is cosmetic, ``(...)*n`` and ``x*n`` repeat;
+    ``E`` embedding, ``t`` a decoder layer, ``m`` an MTP layer, ``L`` the loss.  A list of
+    lists of those names (``"embedding"``, ``"decoder"``, ...) is accepted too.  The number
+    of virtual stages must be a multiple of ``pp``; ``E`` opens the first, ``L`` ends the last.
+
+    >>> parse_pipeline_layout("Et|(tt|)*2,tL", 2)
+    ['Et', 'tt', 'tt', 'tL']
+    """
+    import re
+
+    if isinstance(layout, str):
+        text = layout.replace(",", "")
+        text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda x: x.group(1) * int(x.group(2)), text)
+        text = re.sub(r"(.)\*(\d+)", lambda x: x.group(1) * int(x.group(2)), text)
+        stages = text.split("|")
+    elif isinstance(layout, (list, tuple)) and all(isinstance(row, (list, tuple)) for row in layout):
+        names = {v: k for k, v in _LAYOUT_CHARS.items()}
+        try:
+            stages = ["".join(names[str(x).strip().lower()] for x in row) for row in layout]
+        except KeyError as exc:
+            raise ValueError(f"pipeline_model_parallel_layout names {exc.args[0]!r}; use "
+                             f"{', '.join(names)}") from None
+    else:
+        raise ValueError(f"pipeline_model_parallel_layout must be a string like 'Ettt|(tttt|)*30,tttL' or a list "
+                         f"of lists, got {type(layout).__name__}")
+    bad = sorted({c for stage in stages for c in stage if c not in _LAYOUT_CHARS})
+    if bad:
+        raise ValueError(f"pipeline_model_parallel_layout {layout!r} has {bad}; its letters are "
+                         + ", ".join(f"{c} ({n})" for c, n in _LAYOUT_CHARS.items()))
+    if len(stages) % pp:
+        raise ValueError(f"pipeline_model_parallel_layout has {len(stages)} virtual stages, not a multiple of pp({pp})")
+    flat = "".join(stages)
+    if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
+        raise ValueError(f"pipeline_model_parallel_layout {layout!r}: the embedding E must open the first virtual "
+                         "stage and the loss L end the last, once each (Megatron-Core's rule)")
+    return stages
+
+
+def uneven_pipeline_layout(num_layers: int, pp: int, vpp: int, *, first: int | None = None,
+                           last: int | None = None) -> str:
+    """The ``pipeline_model_parallel_layout`` of uneven end stages under interleaving.
+
+    ``first`` / ``last`` layers on the first / last rank (as ``num_layers_in_first/last_pipeline_stage``
+    mean), the others sharing the rest evenly; each rank's layers spread over its ``vpp``
+    chunks as evenly as they go, the chunks with the embedding and the loss taking the fewer.
+    Megatron-Core runs this where its first/last options refuse a count vpp does not divide.
+
+    >>> uneven_pipeline_layout(126, 16, 2, first=7, last=7)   # Llama 3 405B's stages, interleaved
+    'Ettt|,(tttt|)*30,tttL'
+    """
+    ends = [n for n in (first, last) if n is not None]
+    middle = pp - len(ends)
+    rest = num_layers - sum(ends)
+    if pp < 2 or any(n < 0 for n in ends) or rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        raise ValueError(f"num_layers({num_layers}) with first={first}, last={last} does not split over pp({pp}): "
+                         "the other stages need an equal share of the rest")
+    share = rest // middle if middle else 0
+    per_rank = [first if first is not None else share] + [share] * (pp - 2) + [last if last is not None else share]
+    chunks = [[n // vpp + (1 if c < n % vpp else 0) for c in range(vpp)] for n in per_rank]
+    chunks[0].reverse()  # the embedding's chunk takes the fewer layers, as the loss's (the last) does
+    stages = ["t" * chunks[i % pp][i // pp] for i in range(pp * vpp)]
+    if pp * vpp == 1:
+        return "E" + stages[0] + "L"
+    runs: list[list] = []  # the middle stages, repeats written as Megatron's (...|)*n
+    for stage in stages[1:-1]:
+        if runs and runs[-1][0] == stage:
+            runs[-1][1] += 1
+        else:
+            runs.append([stage, 1])
+    middle = [f"({stage}|)*{n}" if n > 1 else f"{stage}|" for stage, n in runs]
+    return ",".join(["E" + stages[0] + "|", *middle, stages[-1] + "L"])
 
 
 def batch_problem(global_batch_size: int, micro_batch_size: int, dp: int) -> str:

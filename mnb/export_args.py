@@ -13,6 +13,10 @@ from typing import Any
 from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig
 from mnb.model_source import tokenizer_vocab_size
 
+_LM_FLAG_NAMES = {"num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+                  "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers"}
+"""TransformerConfig names (``ModelConfig.extra``) whose Megatron-LM flag is spelt otherwise."""
+
 
 def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelConfig, *,
                      tokenizer: str | None = None) -> tuple[list[str], list[str]]:
@@ -70,7 +74,7 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
         add("--moe-token-dispatcher-type", "alltoall" if layout.ep > 1 else "allgather")
     extra = {**TRANSFORMER_DEFAULTS, **model.extra}
     for name, value in extra.items():
-        flag = "--" + name.replace("_", "-")
+        flag = "--" + _LM_FLAG_NAMES.get(name, name).replace("_", "-")
         if value is True:
             add(flag)
         elif value is False or value is None:
@@ -91,8 +95,11 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     # parallelism
     add("--tensor-model-parallel-size", layout.tp)
     add("--pipeline-model-parallel-size", layout.pp)
-    if layout.vpp > 1:
-        add("--num-layers-per-virtual-pipeline-stage", model.num_layers // (layout.pp * layout.vpp))
+    if layout.vpp > 1 and "pipeline_model_parallel_layout" not in model.extra:  # the layout gives vpp itself
+        if {"num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"} & set(model.extra):
+            add("--num-virtual-stages-per-pipeline-rank", layout.vpp)  # Megatron-LM's way with uneven stages
+        else:
+            add("--num-layers-per-virtual-pipeline-stage", model.num_layers // (layout.pp * layout.vpp))
     add("--context-parallel-size", layout.cp)
     if layout.cp > 1:
         notes.append(f"--context-parallel-size {layout.cp}: Megatron-LM needs Transformer Engine for cp > 1 "

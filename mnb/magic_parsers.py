@@ -143,6 +143,7 @@ def start_parser() -> MagicArgumentParser:
         "%mnb start -n 2 --device cpu --cell-timeout 600",
         "%mnb start -n 8 --device cuda --nnodes 2 --rdzv-endpoint node0:29400 --ip 0.0.0.0",
         "%mnb start --slurm --nodes 2 --gpus-per-node 8 --partition gpu --time 2:00:00 --ip 0.0.0.0",
+        "%mnb start --slurm --nodes 2 --ntasks-per-node 1 --device cpu --ip 0.0.0.0",
     ])
     p.add_argument("-n", type=_positive_int, default=None, metavar="N",
                    help="ranks on this host (default: one per visible GPU, else 2 CPU ranks)")
@@ -186,6 +187,9 @@ def _slurm_arguments(p: MagicArgumentParser) -> None:
                    help="nodes of the job (default: 1 with --slurm)")
     g.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="G",
                    help="GPUs, and ranks, per node (default: none: CPU ranks, -n per node)")
+    g.add_argument("--ntasks-per-node", type=_positive_int, default=None, metavar="N",
+                   help="ranks per node, Slurm's name for -n under --slurm (default: --gpus-per-node, "
+                        "else -n, else 2 CPU ranks)")
     g.add_argument("--partition", default=None, metavar="P", help="Slurm partition (default: the cluster's)")
     g.add_argument("--time", default=None, metavar="T", help="Slurm time limit, e.g. 2:00:00 (default: the partition's)")
     g.add_argument("--account", default=None, metavar="A", help="Slurm account (default: yours)")

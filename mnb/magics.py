@@ -14,7 +14,7 @@ command's flags with their defaults and an example; ``%mnb?`` prints them all)::
     %mnb plot memory|timeline|mfu|loss plots of mnb.last_run, predicted beside measured
     %mnb run [--ranks R] [--timeout S] [--grace S] [--isolated] SCRIPT [ARGS...]   a torchrun script, unmodified
     %mnb plan --model PRESET|PATH --gpus N [--gpu h200] [--seq S] [--mbs M] [--gbs G] [--top K] [--calibrate]
-    %mnb start --slurm --nodes N [--gpus-per-node G] [--partition P] [--time T] [--account A] [--sbatch-arg ARG]
+    %mnb start --slurm --nodes N [--gpus-per-node G | --ntasks-per-node N] [--partition P] [--time T] [--account A] [--sbatch-arg ARG]
     %mnb export [megatron-lm|torchrun|slurm] [--nodes N] [--gpus-per-node G] [-o FILE] [--model PRESET] ...
     %mnb profile [list|open|delete] [FOLDER|all]       the profiles of %%megatron --profile
 

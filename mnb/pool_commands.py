@@ -25,7 +25,7 @@ def start_command(args: argparse.Namespace) -> None:
         raise UsageError(f"a pool is already running ({existing!r}); %mnb stop or %mnb restart first")
     try:
         pool = Pool.start(
-            args.n, device=args.device, gpus=parse_gpus(args.gpus) if args.gpus else None,
+            ranks_per_node(args), device=args.device, gpus=parse_gpus(args.gpus) if args.gpus else None,
             timeout=args.timeout, cell_timeout=args.cell_timeout, grace=args.grace, nnodes=args.nnodes,
             rdzv_endpoint=args.rdzv_endpoint, bind_ip=args.ip, threads_per_rank=args.threads,
             extra_env={"MNB_VERBOSE": "1"} if args.verbose else {}, slurm=slurm_request(args),
@@ -95,9 +95,20 @@ def restart_command(args: argparse.Namespace) -> None:
           f"{layout_kept(pool.layout)} (a cell with layout flags changes it)")
 
 
+def ranks_per_node(args: argparse.Namespace) -> int | None:
+    """``-n``, or ``--ntasks-per-node`` (its Slurm spelling under --slurm); UsageError when they differ."""
+    tasks = getattr(args, "ntasks_per_node", None)
+    if tasks is None:
+        return args.n
+    if args.n is not None and args.n != tasks:
+        raise UsageError(f"-n {args.n} and --ntasks-per-node {tasks} both give the ranks per node; keep one")
+    return tasks
+
+
 def slurm_request(args: argparse.Namespace) -> Any:
     """The SlurmRequest of ``%mnb start --slurm ...``, None without --slurm; UsageError for a stray Slurm flag."""
-    given = [f"--{n.replace('_', '-')}" for n in ("nodes", "gpus_per_node", "partition", "time", "account")
+    given = [f"--{n.replace('_', '-')}" for n in ("nodes", "gpus_per_node", "ntasks_per_node", "partition", "time",
+                                                 "account")
              if getattr(args, n) is not None] + (["--sbatch-arg"] if args.sbatch_arg else [])
     if not args.slurm:
         if given:

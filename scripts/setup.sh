@@ -103,7 +103,9 @@ if ! "$PY" -c "import playwright.sync_api" 2>/dev/null; then
 fi
 
 # ---- Slurm (tests/controller/test_slurm.py): Debian's slurm-wlm (slurmctld, slurmd, slurm-client) + munge ----
-# The tests start their own one-node cluster on localhost (tests/slurm_local.py); nothing is
+# The tests start their own cluster on localhost (tests/slurm_local.py): two slurmd on this host,
+# nodes n1 and n2 on ports of their own (Debian's 22.05 build runs them), so a pool's job spans
+# two "nodes"; by hand: python -m tests.slurm_local start /tmp/mnb-slurm --nodes 2.  Nothing is
 # configured or started here.  Skipped when installed; without it those tests skip with the reason.
 if { command -v sbatch && command -v slurmctld && command -v slurmd && command -v munged; } >/dev/null 2>&1; then
   say "slurm + munge (Slurm tests): present, kept"

@@ -18,7 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import mnb
-from mnb.config import FSDP_STRATEGIES, ParallelConfig, TrainConfig, load_preset
+from mnb.config import FSDP_STRATEGIES, ParallelConfig, TrainConfig, load_preset, model_config, uneven_pipeline_layout
 from mnb.controller import registry
 from mnb.controller.preflight import cell_settings
 from mnb.exports import export
@@ -269,6 +269,13 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
              layout=ParallelConfig(ep=2, fsdp="optim_grads")),
         dict(model="tiny", nodes=1, gpus_per_node=2, micro_batch_size=2, use_distributed_optimizer=False,
              layout=ParallelConfig(fsdp="optim")),
+        # uneven end stages: interleaved through Megatron-Core's layout, plain through the first/last counts
+        dict(model=model_config("tiny", num_layers=6, pipeline_model_parallel_layout=uneven_pipeline_layout(
+            6, 2, 2, first=3)), nodes=1, gpus_per_node=4, micro_batch_size=1, global_batch_size=8,
+             layout=ParallelConfig(pp=2, vpp=2)),
+        dict(model=model_config("tiny", num_layers=8, num_layers_in_first_pipeline_stage=2,
+                                num_layers_in_last_pipeline_stage=2), nodes=1, gpus_per_node=3,
+             micro_batch_size=1, global_batch_size=8, layout=ParallelConfig(pp=3, vpp=2)),
     ]
     for case in cases:
         e = export("megatron-lm", **case)
@@ -332,3 +339,6 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
             "gradient_accumulation_fusion": lay.fsdp not in ("optim_grads", "optim_grads_params"),
         }
         assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+        assert args.pipeline_model_parallel_layout == m.extra.get("pipeline_model_parallel_layout")
+        assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (
+            m.extra.get("num_layers_in_first_pipeline_stage"), m.extra.get("num_layers_in_last_pipeline_stage"))

@@ -28,8 +28,8 @@ def shell():
 
 FLAGS = {
     "%mnb start": ["--account", "--cell-timeout", "--device", "--gpus", "--gpus-per-node", "--grace", "--ip",
-                   "--nnodes", "--nodes", "--partition", "--rdzv-endpoint", "--sbatch-arg", "--slurm", "--standby",
-                   "--threads", "--time", "--timeout", "--timings", "--verbose", "-n"],
+                   "--nnodes", "--nodes", "--ntasks-per-node", "--partition", "--rdzv-endpoint", "--sbatch-arg",
+                   "--slurm", "--standby", "--threads", "--time", "--timeout", "--timings", "--verbose", "-n"],
     "%mnb status": [], "%mnb stop": [], "%mnb restart": [], "%mnb stacks": [], "%mnb debug": [],
     "%mnb plot": ["loss", "memory", "mfu", "timeline"],
     "%mnb plan": ["--calibrate", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
@@ -62,6 +62,13 @@ def test_flags_are_a_frozen_contract():
     found = {f"%mnb {name}": _flags(make()) for name, make in SUBCOMMAND_PARSERS.items()}
     found["%%megatron"] = _flags(megatron_parser())
     assert found == FLAGS
+
+
+def test_ntasks_per_node_is_slurms_name_for_ranks_per_node_and_only_applies_with_slurm(shell):
+    with pytest.raises(UsageError, match=r"--ntasks-per-node only apply with --slurm"):
+        shell.run_line_magic("mnb", "start --ntasks-per-node 1")
+    with pytest.raises(UsageError, match=r"-n 2 and --ntasks-per-node 1 both give the ranks per node; keep one"):
+        shell.run_line_magic("mnb", "start --slurm --nodes 2 -n 2 --ntasks-per-node 1")
 
 
 def test_public_surface_is_deliberate():

@@ -182,7 +182,9 @@ class Repair:
                 return f"{why}; {STOPPED}, so nothing was restarted"
             if self._thread is not None and self._thread.is_alive():
                 return f"{why}; mnb is already restarting the ranks"
-            several_hosts = self.spec.nnodes > 1
+            # ranks on hosts joined by hand cannot be relaunched from here; a Slurm pool's job can
+            # (the relaunch cancels it and submits a new one, as %mnb restart does)
+            several_hosts = self.spec.nnodes > 1 and self.spec.slurm is None
             self.replaced_why = why
             if several_hosts:
                 self.broken = why
@@ -196,9 +198,6 @@ class Repair:
         if several_hosts:
             if old is not None:
                 old.close(grace_s=0)
-            if self.spec.slurm is not None:
-                return (f"{why}; the pool's Slurm job spans {self.spec.nnodes} nodes and was cancelled: "
-                        "run %mnb restart to submit a new one")
             return (f"{why}; the pool spans {self.spec.nnodes} hosts, so mnb cannot restart it on its own: "
                     "run %mnb restart, then the join command on the other hosts")
         return (f"mnb is restarting all {self.spec.world_size} ranks ({why}); {layout_kept(layout)}, "

@@ -155,9 +155,7 @@ def plan(
         t for t in divisors(gpus) if t <= node and model.num_attention_heads % t == 0
         and model.query_groups % t == 0
     ]
-    pp_choices = list(pps) if pps is not None else [
-        p for p in divisors(gpus) if model.num_layers % p == 0
-    ]
+    pp_choices = list(pps) if pps is not None else [p for p in divisors(gpus) if _splits(model, p)]
     cp_choices = list(cps) if cps is not None else [c for c in divisors(gpus) if c <= MAX_CP and c & (c - 1) == 0]
     vpp_choices = list(dict.fromkeys(as_vpp(v) for v in vpps))  # None (accepted) is 1: no interleaving
     fsdp_choices = list(dict.fromkeys(fsdps))
@@ -179,7 +177,7 @@ def plan(
                     continue
                 m = gbs // (mbs * dp)
                 for vpp in vpp_choices:
-                    if vpp > 1 and (pp < 2 or model.num_layers % (pp * vpp) or m < pp):
+                    if vpp > 1 and (pp < 2 or m < pp):  # the layers' split: check_parallel below
                         continue
                     for ep in ep_choices:
                         if (dp * cp) % ep:
@@ -208,6 +206,15 @@ def plan(
         )
     rows.sort(key=lambda r: (not r.fits, r.step_time_s, r.memory_bytes))
     return Plan(rows)
+
+
+def _splits(model: ModelConfig, pp: int) -> bool:
+    """The model's layers go onto pp stages (evenly, or as its first/last counts or layout say)."""
+    try:
+        model.layers_per_stage(pp)
+    except ValueError:
+        return False
+    return True
 
 
 def _row(model, parallel, train, gpu, capacity, gpus_per_node, achievable_fraction) -> PlanRow:

@@ -12,7 +12,11 @@ gradient accumulation) plus the communication Megatron does not hide:
   all-gather pairs with sequence parallelism: the same bytes), 2 more with full
   recompute; exposed unless ``tp_comm_overlap`` (then only what exceeds the
   layer's GEMM time);
-- cp: 3 ring passes of K and V per layer; ep: 4 all-to-alls per MoE layer;
+- cp: 3 passes of K and V per layer (forward, and K/V again with their gradients backward);
+  Megatron's ``cp_comm_type``: ``"all_gather"`` (mnb's own context parallelism without TE, and
+  Llama 3's) exposes them, ``"p2p"`` (TE's ring, Megatron-LM's default) sends each pass while
+  the attention block before it computes, so only what exceeds the layer's core attention shows;
+  ep: 4 all-to-alls per MoE layer;
 - pp: one activation forward and one gradient backward per microbatch and
   virtual chunk;
 - dp (per step): the gradient all-reduce, or reduce-scatter + parameter
@@ -58,6 +62,10 @@ from .kernels import StageWork, stage_work
 from .memory import bytes_per_param
 from .sharding import dp_traffic, sharded_components
 from .pipeline import bubble_time_ratio
+
+
+CP_COMM_TYPES = ("all_gather", "p2p")
+"""Megatron's ``cp_comm_type`` values the step-time model knows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +167,7 @@ def step_time(
     tp_comm_overlap: bool = False,
     gradient_accumulation_fusion: bool = False,
     grad_bytes: int | None = None,
+    cp_comm_type: str = "all_gather",
 ) -> StepTimeEstimate:
     """Estimate the time of one step; see the module docstring for the model.
 
@@ -175,9 +184,14 @@ def step_time(
     ``gradient_accumulation_fusion``: Megatron's settings of those names (mnb's own training
     runs with all four off).  ``grad_bytes``: bytes per gradient element as reduced and
     accumulated (default 4: Megatron's ``grad_reduce_in_fp32``, mnb's setting; 2 for bf16/fp16
-    gradients), as in :func:`mnb.estimate.memory`.  ``achievable_fraction`` switches to the
-    first-order model.
+    gradients), as in :func:`mnb.estimate.memory`.  ``cp_comm_type``: ``"all_gather"`` (K/V
+    gathered, not overlapped: mnb's context parallelism without TE) or ``"p2p"`` (TE's ring,
+    overlapped with the attention blocks; Megatron-LM's default).  ``achievable_fraction``
+    switches to the first-order model.
     """
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)} (Megatron's names; a2a is not "
+                         f"modelled), got {cp_comm_type!r}")
     model = as_model(model)
     train = as_train(train)
     parallel = as_parallel(parallel, gpus)
@@ -220,14 +234,17 @@ def step_time(
         if ep > 1 and model.is_moe:
             nbytes = layers[r] * 4 * (ep - 1) / ep * act * model.moe_router_topk / tp
             ep_s = nbytes / _bandwidth(dev, tp * cp, ep, gpus_per_node)
-        hidden = 0.0
+        hidden = cp_hidden = 0.0
         if tp_comm_overlap and tp_s:
             exposed = max(0.0, tp_s - layers[r] * w.gemm_per_layer_s)
             hidden, tp_s = tp_s - exposed, exposed
-        comm.append((tp_s, hidden, cp_s, ep_s))
+        if cp_comm_type == "p2p" and cp_s:  # each ring pass hides behind the attention block it precedes
+            exposed = max(0.0, cp_s - w.attention_s)
+            cp_hidden, cp_s = cp_s - exposed, exposed
+        comm.append((tp_s, hidden, cp_s, ep_s, cp_hidden))
     per_mb = [w.total_s + c[0] + c[2] + c[3] for w, c in zip(works, comm)]
     slow = max(range(pp), key=lambda r: per_mb[r])
-    w, (tp_s, tp_hidden, cp_s, ep_s) = works[slow], comm[slow]
+    w, (tp_s, tp_hidden, cp_s, ep_s, cp_hidden) = works[slow], comm[slow]
     bubble_s = (sum(per_mb) - per_mb[slow]) / v
 
     pp_s = 0.0
@@ -276,7 +293,8 @@ def step_time(
         peak_flops=peak,
         optimizer_s=optimizer_s,
         compute_parts=tuple((k, t) for k, t in parts if t > 0),
-        hidden_comm=(("tp (tp_comm_overlap)", m * tp_hidden), ("dp (overlap_grad_reduce / overlap_param_gather)", dp_hidden)),
+        hidden_comm=(("tp (tp_comm_overlap)", m * tp_hidden), ("cp (cp_comm_type p2p)", m * cp_hidden),
+                     ("dp (overlap_grad_reduce / overlap_param_gather)", dp_hidden)),
         model="shape-aware",
     )
 

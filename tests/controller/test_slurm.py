@@ -1,8 +1,9 @@
 """A pool on a real Slurm: Debian's slurm-wlm + munge on localhost (tests/slurm_local.py), no mocks.
 
-One node with 2 CPUs and 2 GPU "slots".  The pool's job runs torchrun, whose 2 CPU
-ranks join the notebook like hand-joined ranks do; the tests then check the job is
-gone after ``%mnb stop``, that a job pending at ``--timeout`` is cancelled with
+Two nodes, two ``slurmd`` on this host (n1, n2), each with 2 CPUs and 2 GPU "slots".  The
+pool's job runs one torchrun per node, whose CPU ranks join the notebook like hand-joined
+ranks do; the tests then check a tp2 cell across both nodes, the automatic restart (a
+new job) and that the job is gone after ``%mnb stop``, that a job pending at ``--timeout`` is cancelled with
 Slurm's reason, that a killed kernel's job is cancelled by its watcher, and that the
 sbatch script of ``%mnb export slurm`` passes ``sbatch --test-only``.  Skipped, with
 the reason, where Slurm is not installed (scripts/setup.sh installs it) or not root.
@@ -24,7 +25,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from mnb.controller import Pool
 from mnb.controller.slurm import SlurmRequest, job_state
-from mnb.errors import PoolError
+from mnb.errors import PoolError, RankDiedError
 from mnb.exports import export
 from tests.conftest import assert_no_orphans
 from tests.slurm_local import LocalSlurm, unavailable
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable() is not None, re
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm")
-    cluster = LocalSlurm(root, cpus=2, gpus=2).start()
+    cluster = LocalSlurm(root, cpus=2, gpus=2, nodes=2).start()
     saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "MNB_SLURM_DIR")}
     os.environ.update(cluster.env, MNB_SLURM_DIR=str(root / "pools"))
     try:
@@ -54,36 +55,54 @@ def queued(job_id: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
-def test_a_pool_on_slurm_runs_a_tp2_cell_and_restart_and_stop_cancel_its_jobs(slurm, capsys):
+def _job(pool) -> str:
+    return re.search(r"Slurm job (\d+)", pool.launch_description())[1]
+
+
+def test_a_pool_across_two_slurm_nodes_runs_a_tp2_cell_restarts_itself_and_stop_cancels_its_jobs(slurm, capsys):
+    """The pool's job spans both slurmd "nodes": one torchrun agent each, one rank each, a c10d
+    rendezvous on the first node's NodeAddr; a tp2 all-reduce crosses the nodes; a rank that dies
+    brings the automatic restart (a new job, the old one cancelled); %mnb stop cancels the last."""
+    from mnb.controller import current_pool
+
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "mnb")
     # --ip 0.0.0.0 as on a cluster: the connection file names this host, not the wildcard
-    shell.run_line_magic("mnb", "start --slurm --nodes 1 -n 2 --device cpu --timeout 150 --ip 0.0.0.0")
+    shell.run_line_magic("mnb", "start --slurm --nodes 2 --ntasks-per-node 1 --device cpu --timeout 180 "
+                                "--ip 0.0.0.0")
     out = capsys.readouterr().out
     job = re.search(r"submitted Slurm job (\d+)", out)[1]
-    assert "(loopback)" not in out and "2 ranks ready" in out
+    assert "2 node(s) x 1 cpu rank(s)" in out and "(loopback)" not in out and "2 ranks ready" in out, out
     shell.run_line_magic("mnb", "status")
     status = capsys.readouterr().out
-    host = os.uname().nodename
-    assert f"Slurm job {job}: RUNNING on {host}" in status and status.count(host) >= 3  # the job and both ranks
-    shell.run_cell_magic("megatron", "--tp 2", "import os\nprint('tp', ps.get_tensor_model_parallel_world_size(), "
-                                               "os.environ['SLURM_JOB_ID'])")
+    assert f"Slurm job {job}: RUNNING on n[1-2]" in status, status
+    code = ("import os\nt = torch.tensor([float(rank + 1)])\n"
+            "dist.all_reduce(t, group=ps.get_tensor_model_parallel_group())\n"
+            "print('tp', ps.get_tensor_model_parallel_world_size(), int(t.item()), os.environ['SLURM_JOB_ID'], "
+            "os.environ['SLURMD_NODENAME'], os.environ['SLURM_NNODES'])")
+    shell.run_cell_magic("megatron", "--tp 2", code)
     cell = capsys.readouterr().out
-    assert f"tp 2 {job}" in cell, cell
+    assert cell.count(f"tp 2 3 {job}") == 2, cell  # 1 + 2 summed over the tp group that spans the nodes
+    assert f"{job} n1 2" in cell and f"{job} n2 2" in cell, cell  # one rank on each node
     shell.run_line_magic("mnb", "export --model tiny")  # the pool's layout and world size
     exported = capsys.readouterr().out
-    assert "tp2 pp1 dp1 on 1 node(s) x 2 GPU(s)" in exported and "--tensor-model-parallel-size 2 \\" in exported
-    from mnb.controller import current_pool
+    assert "--tensor-model-parallel-size 2 \\" in exported, exported
 
-    shell.run_line_magic("mnb", "restart")  # a new job; the old one is cancelled first
-    new_job = re.search(r"submitted Slurm job (\d+)", capsys.readouterr().out)[1]
+    pool = current_pool()
+    restarts = pool.restarts
+    with pytest.raises(RankDiedError, match="restarting all 2 ranks"):  # rank 1 (one node) dies: its job ends
+        shell.run_cell_magic("megatron", "", "import os\nif rank == 1:\n    os._exit(3)\ndist.barrier()")
+    capsys.readouterr()
+    assert pool.run("rank * 2") == {0: 0, 1: 2}  # waits for the automatic restart: a new job
+    assert pool.restarts == restarts + 1
+    new_job = _job(pool)
     assert new_job != job and queued(job) == "" and queued(new_job) == "RUNNING"
-    job = new_job
-    pids = current_pool().pids()
-    workdir = current_pool().workdir()
+    assert pool.run("ps.get_tensor_model_parallel_world_size()") == {0: 2, 1: 2}  # the layout stayed
+    pids = pool.pids()
+    workdir = pool.workdir()
     assert json.loads((workdir / "pool.json").read_text())["address"].startswith(f"tcp://{socket.gethostname()}:")
     shell.run_line_magic("mnb", "stop")
-    assert queued(job) == "" and not job_state(job).active
+    assert queued(new_job) == "" and not job_state(new_job).active
     assert not workdir.exists()  # the connection file (the pool's secret) went with it
     assert_no_orphans(pids)
 

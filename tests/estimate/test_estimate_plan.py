@@ -112,3 +112,18 @@ def test_a_tiny_models_plan_shows_its_memory_and_step_time_in_units_that_say_som
     line = text.splitlines()[1]
     assert format_bytes(best.memory_bytes) in line and format_seconds(best.step_time_s) in line
     assert f"<td>{format_seconds(best.step_time_s)}</td>" in html and "MiB</td>" in html
+
+
+def test_the_plan_interleaves_a_model_whose_end_stages_are_uneven():
+    """126 layers (Llama 3 405B's count) split 7, 8 x 14, 7: the planner once skipped pp 16 (126 % 16)
+    and every vpp > 1 (126 % 32); with Megatron-Core's pipeline_model_parallel_layout it plans both."""
+    from mnb.config import load_preset, uneven_pipeline_layout
+
+    base = load_preset("llama-70b").with_overrides(num_layers=126, seq_length=2048)
+    laid = base.with_overrides(pipeline_model_parallel_layout=uneven_pipeline_layout(126, 16, 2, first=7, last=7))
+    rows = est.plan(laid, gpus=128, gpu="h100", mbs=1, gbs=256, tps=[8], recomputes=["full"], fsdps=[None])
+    assert {(r.parallel.pp, r.parallel.vpp) for r in rows} == {(16, 2)}  # the layout's, nothing else
+    assert rows[0].bubble == pytest.approx(est.bubble(rows[0].parallel, rows[0].num_microbatches))
+    uneven = base.with_overrides(num_layers_in_first_pipeline_stage=7, num_layers_in_last_pipeline_stage=7)
+    plain = est.plan(uneven, gpus=128, gpu="h100", mbs=1, gbs=256, tps=[8], recomputes=["full"], fsdps=[None])
+    assert {r.parallel.vpp for r in plain if r.parallel.pp == 16} == {1}  # Megatron's first/last: no vpp 2 (7 % 2)
