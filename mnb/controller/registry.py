@@ -11,7 +11,7 @@ from typing import Any
 from mnb.errors import PoolError
 
 # The registry sits below the pool: it holds the pool as an opaque object (never imports
-# mnb.controller.pool), and Pool hands it each run's records through set_last_run().
+# mnb.controller.pool), and Pool hands it each training's records through record_training().
 _CURRENT: list[Any] = []
 _LAST_RUN: list[Any] = []
 _CPU_PEAK: dict[str, float] = {}
@@ -33,8 +33,10 @@ def set_current_pool(pool: Any) -> None:
         _CURRENT.append(pool)
 
 
-def set_last_run(records: list[dict[str, Any]]) -> None:
-    """Gather the ranks' run records of the last training cell into ``mnb.last_run``."""
+def record_training(records: list[dict[str, Any]]) -> None:
+    """Take the ranks' records of a cell's last training (one per rank): they become ``mnb.last_run``,
+    the model and training settings ``%mnb export`` remembers (:func:`remember_settings`) and, from CPU
+    ranks, the measured GEMM peak (:func:`measured_cpu_peak_flops`)."""
     from mnb.runs import Run
 
     _LAST_RUN.clear()

@@ -23,7 +23,7 @@ from mnb.controller import reports
 from mnb.controller.collector import Collector, Outcome
 from mnb.controller.gate import RequestGate, exclusive
 from mnb.controller.generation import RankInfo
-from mnb.controller.registry import set_last_run
+from mnb.controller.registry import record_training
 from mnb.controller.repair import Repair
 from mnb.controller.transport import Transport
 from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
@@ -98,7 +98,7 @@ class Requests:
         :meth:`debug` until its next cell.
         """
         self.last_cell_profile = None  # until this cell's replies say which folder its ranks wrote
-        targets = self._targets(ranks)
+        targets = self._prepare_request(ranks)
         header: dict[str, Any] = {
             "code": code, "display_ranks": list(display_ranks), "want_value": True, "show_result": show_result,
         }
@@ -177,7 +177,7 @@ class Requests:
             raise RequestRefused("no failed cell to debug: %mnb debug looks at the last cell that failed on "
                                  "a rank (run one, or name a rank: %mnb debug 1)")
         rank = kept.rank if rank is None else rank
-        targets = self._targets([rank])  # a restart under way is waited for: then the generation is the new one
+        targets = self._prepare_request([rank])  # a restart under way is waited for: then the generation is the new one
         if kept is not None and kept.generation is not self._repair.generation:
             raise RequestRefused(
                 f"the frames of rank {kept.rank}'s {kept.what} are gone: its process was replaced since "
@@ -218,7 +218,7 @@ class Requests:
         script = Path(path).expanduser()
         if not script.is_file():
             raise FileNotFoundError(f"no script {str(script)!r}{cwd_note(script)}")
-        targets = self._targets(ranks)
+        targets = self._prepare_request(ranks)
         header: dict[str, Any] = {
             "code": "", "script": {"path": str(script.resolve()), "args": [str(a) for a in args]},
             "ranks": targets, "display_ranks": list(display_ranks), "want_value": False, "show_result": False,
@@ -270,7 +270,7 @@ class Requests:
         self.last_cell_records = records
         self.last_cell_profile = profiles[0] if profiles else None
         if last_records:  # a cell that trained twice: the second training, not a mix of both
-            set_last_run(sorted(last_records, key=lambda r: r.get("rank", 0)))
+            record_training(sorted(last_records, key=lambda r: r.get("rank", 0)))
         return errors, dict(sorted(values.items()))
 
     @exclusive
@@ -282,8 +282,8 @@ class Requests:
         naming it before any rank is touched.
         """
         encoded = encode_push(namespace)  # raises before any rank is touched
-        self._raise_errors(self._request("push", self._targets(ranks), {"encoded": True}, payload=encoded,
-                                         timeout=VALUES_TIMEOUT_S))
+        targets = self._prepare_request(ranks)
+        self._raise_errors(self._request("push", targets, {"encoded": True}, payload=encoded, timeout=VALUES_TIMEOUT_S))
 
     @exclusive
     def pull(self, name: str | list[str], ranks: Iterable[int] | None = None) -> dict[int, Any]:
@@ -295,7 +295,8 @@ class Requests:
         CompositeRankError naming the name(s) and rank(s), and the ranks stay idle.
         """
         names = [name] if isinstance(name, str) else list(name)
-        replies = self._request("pull", self._targets(ranks), {"names": names}, timeout=VALUES_TIMEOUT_S)
+        targets = self._prepare_request(ranks)
+        replies = self._request("pull", targets, {"names": names}, timeout=VALUES_TIMEOUT_S)
         self._raise_errors(replies)
         pulled: dict[int, dict[str, Any]] = {}
         errors, failed = [], []
@@ -318,7 +319,14 @@ class Requests:
         return pulled
 
     # ------------------------------------------------------------ internals
-    def _targets(self, ranks: Iterable[int] | None) -> list[int]:
+    def _prepare_request(self, ranks: Iterable[int] | None) -> list[int]:
+        """Make the pool ready for a request on ``ranks`` (all when None) and return them, checked.
+
+        Acts before it answers: waits for a restart under way; replaces ranks that died while the pool
+        was idle (and prints that it did); drops what arrived between requests (:meth:`_drain`);
+        replaces the targets still busy with a request that was never answered (raising
+        :class:`PoolError`).  A rank number out of range is a :class:`RequestRefused`.
+        """
         self._repair.wait(self._gate.latch())
         line = self._repair.replace_if_dead(self.layout)
         if line:  # a rank died while the pool was idle: this request runs on the new ranks
@@ -406,8 +414,12 @@ class Requests:
         ranks that did not take the cell's layout (``_confirm_layout``)."""
         if outcome.cancelled:
             raise PoolError(outcome.cancelled)
-        if outcome.died:
-            raise self._died_error(outcome, code)
+        if outcome.died:  # the report first: replacing the processes empties what it reads
+            lines, first, deaths = self._death_report(code)
+            lines.append(self._repair.after(outcome, self.layout, died=first))
+            if self.spec.nnodes > 1:
+                lines.append(f"torchrun log: {self.spec.log_file}")
+            raise RankDiedError("\n".join(lines), deaths)
         note = self._repair.after(outcome, self.layout, unlaid=unlaid)
         if outcome.error is not None:
             raise outcome.error
@@ -426,9 +438,10 @@ class Requests:
         return RankError(rank=rank, ename=reply.get("ename", "Error"), evalue=reply.get("evalue", ""),
                          traceback=reply.get("traceback", ""), label=self.ranks[rank].label(self.layout.as_dict()))
 
-    def _died_error(self, outcome: Outcome, code: str | None = None) -> RankDiedError:
-        """Say how each rank ended (the first failure first) and, for a rank a signal killed, the Python
-        line it crashed on; then let the repair part replace the processes."""
+    def _death_report(self, code: str | None = None) -> tuple[list[str], list[int], dict[int, str]]:
+        """How each rank ended (the first failure first) and, for a rank a signal killed, the Python line
+        it crashed on (``code``: the cell's, to quote that line); with the ranks that failed first and
+        ``{rank: how it ended}``.  Waits for torchrun's record of the failure (``DEATH_REPORT_WAIT_S``)."""
         generation = self._repair.generation
         deaths = generation.launcher.deaths(DEATH_REPORT_WAIT_S)
         now, beats = time.monotonic(), generation.transport.last_heartbeat
@@ -443,10 +456,7 @@ class Requests:
                 crash = reports.fault_lines(found, code)
                 if crash:
                     lines += [f"rank {rank}'s Python stack at the crash (faulthandler; every thread in {path}):", *crash]
-        lines.append(self._repair.after(outcome, self.layout, died=first))
-        if self.spec.nnodes > 1:
-            lines.append(f"torchrun log: {self.spec.log_file}")
-        return RankDiedError("\n".join(lines), deaths)
+        return lines, first, deaths
 
     def _raise_errors(self, replies: dict[int, Message]) -> None:
         errors = [self._rank_error(r, m) for r, m in sorted(replies.items()) if not m.get("ok")]

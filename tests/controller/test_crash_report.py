@@ -71,7 +71,7 @@ def test_when_every_rank_got_sigterm_none_is_torn_down_and_all_came_first():
 
 
 def test_a_silent_remote_rank_and_one_without_a_label_are_counted_as_failures():
-    """Pool._died_error adds a remote rank's silence; a rank no longer in the table has no line."""
+    """Pool._death_report adds a remote rank's silence; a rank no longer in the table has no line."""
     deaths = {2: "no heartbeat for 35 s (host node2)", 5: f"{describe_exit(-signal.SIGTERM)} (pid 45)",
               0: "exit code 0 (pid 40)"}
     lines, first = death_lines(deaths, LABELS)
