@@ -99,6 +99,11 @@ EXITS_DIR_ENV = "MNB_EXITS_DIR"
 records how failed ranks ended, and where each rank's Python fault handler writes its stacks when
 it crashes (:func:`fault_file`): the one other thing besides messages that crosses the sides."""
 
+STANDBY_ENV = "MNB_STANDBY"
+"""Set to 1 by the controller in a standby generation's environment (:mod:`mnb.controller.standby`): its
+ranks import torch and Megatron-Core, say ``standby`` and wait for a signed ``go`` before CUDA or any
+process group (:mod:`mnb.worker.boot`)."""
+
 
 def fault_file(exits_dir: str | os.PathLike, rank: int) -> Path:
     """Where rank ``rank`` writes every thread's Python stack if a signal kills it (SIGSEGV, SIGABRT...):

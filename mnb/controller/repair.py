@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable
 
 from mnb.config import ParallelConfig
-from mnb.controller.collector import Collector, Outcome
+from mnb.controller.collector import Outcome
 from mnb.controller.generation import Generation, RankInfo, launch
 from mnb.controller.guards import InterruptLatch
 from mnb.controller.launcher import LaunchSpec, Launcher
@@ -331,15 +331,9 @@ class Repair:
         """Put the new ranks in the layout the pool promised, through the generation's own inbox."""
         message = Message("execute", header={"layout": layout.as_dict(), "want_value": False})  # no code: no cell
         targets = sorted(generation.ranks)
-        collector = Collector(
-            generation.transport, message.id, targets,
-            {r: generation.ranks[r].label(layout.as_dict()) for r in targets},
-            timeout_s=self.start_timeout_s, grace_s=DEFAULT_GRACE_S, stream=False, any_dead=generation.any_dead,
-            event_handlers=[], on_stray=lambda message: None,
-        )
-        for rank in targets:
-            generation.transport.send(rank, message)
-        outcome = collector.wait(self._restore_latch)
+        outcome = generation.exchange(message, targets, layout.as_dict(), self._restore_latch,
+                                      timeout_s=self.start_timeout_s, grace_s=DEFAULT_GRACE_S, stream=False,
+                                      event_handlers=[], on_stray=lambda message: None)
         for rank, reply in outcome.replies.items():
             generation.ranks[rank].coords = reply.get("coords") or generation.ranks[rank].coords
         failed = [m for m in outcome.replies.values() if not m.get("ok")]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from mnb.config import ParallelConfig
 from mnb.controller import reports
-from mnb.controller.collector import Collector, Outcome
+from mnb.controller.collector import Outcome
 from mnb.controller.gate import RequestGate, exclusive
 from mnb.controller.generation import RankInfo
 from mnb.controller.registry import record_training
@@ -383,22 +383,12 @@ class Requests:
         if kind == "execute":  # one number per cell, the same on every rank (their tracebacks' <cell-N>)
             header = {**header, "number": next(self._cell_numbers)}
         message = Message(kind, header=header, payload=payload)
-        generation = self._repair.generation
-        layout = self.layout.as_dict()
-        collector = Collector(
-            generation.transport, message.id, targets, {r: generation.ranks[r].label(layout) for r in targets},
+        return self._repair.generation.exchange(
+            message, targets, self.layout.as_dict(), self._gate.latch(),
             timeout_s=timeout if timeout is not None else self.cell_timeout_s,
-            grace_s=self.grace_s if grace is None else grace, stream=stream, any_dead=generation.any_dead,
+            grace_s=self.grace_s if grace is None else grace, stream=stream,
             event_handlers=self.event_handlers, on_stray=self._handle_stray,
         )
-        for rank in targets:
-            generation.ranks[rank].state, generation.ranks[rank].request_id = "busy", message.id
-            generation.transport.send(rank, message)
-        try:
-            return collector.wait(self._gate.latch())
-        finally:
-            for rank in collector.outcome.replies:
-                generation.ranks[rank].state, generation.ranks[rank].request_id = "idle", None
 
     def _request(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
                  timeout: float | None = None, stream: bool = True) -> dict[int, Message]:
