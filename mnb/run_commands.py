@@ -65,12 +65,10 @@ def run_command(args: argparse.Namespace) -> None:
 def run_isolated(pool: Pool, args: argparse.Namespace, ranks: list[int] | None) -> None:
     """``%mnb run --isolated``: a restart of the pool before and after the script (the layout stays, as
     every restart keeps it)."""
-    records: list = []
 
     def fresh() -> float:
         t0 = time.perf_counter()
         pool.restart()
-        pool.last_cell_records = records
         return time.perf_counter() - t0
 
     before = fresh()
@@ -81,7 +79,6 @@ def run_isolated(pool: Pool, args: argparse.Namespace, ranks: list[int] | None) 
         with pool_request("script"):
             pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace,
                             kernel=kernel_changes(pool))
-        records = pool.last_cell_records
     finally:
         after = fresh()
         print(f"mnb: --isolated: the pool restarted after the script in {after:.1f} s")

@@ -35,6 +35,7 @@ from mnb.controller.guards import InterruptLatch
 from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.controller.output import coords_label
 from mnb.controller.standby import Standby, difference, settings
+from mnb.controller.transport import Transport
 from mnb.errors import PoolError, interrupted
 from mnb.protocol import Message
 from mnb.timeouts import DEFAULT_GRACE_S
@@ -257,6 +258,18 @@ class Repair:
             thread.join()  # bounded: every wait in it watches the cancel
 
     # ------------------------------------------------------------ what status shows
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """The current generation's rank table (rank -> pid, host, state, coordinates); replaced, never resized."""
+        generation = self.generation
+        return generation.ranks if generation is not None else {}
+
+    @property
+    def transport(self) -> Transport | None:
+        """The current generation's transport while it is open (None: none yet, or closed)."""
+        generation = self.generation
+        return generation.transport if generation is not None and not generation.closed else None
+
     @property
     def restarting(self) -> bool:
         thread = self._thread

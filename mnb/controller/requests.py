@@ -1,7 +1,7 @@
 """The request path: one request from its targets to the one error the notebook sees.
 
-``run``, ``run_script``, ``push`` and ``pull`` (the request API of
-:class:`~mnb.controller.pool.Pool`, which inherits them) each pass the gate
+``run``, ``run_script``, ``push``, ``pull`` and ``debug`` (the request API that
+:class:`~mnb.controller.pool.Pool` composes and hands on) each pass the gate
 (``exclusive``), wait for a restart under way (the repair part), mark their
 ranks busy, send, let the :class:`~mnb.controller.collector.Collector` wait,
 take in the replies (values, layout, run records for ``mnb.last_run``) and turn
@@ -10,22 +10,23 @@ the outcome into an error after the repair part acted on it (``Repair.after``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 from mnb.config import ParallelConfig
 from mnb.controller import reports
 from mnb.controller.collector import Outcome
 from mnb.controller.gate import RequestGate, exclusive
 from mnb.controller.generation import RankInfo
+from mnb.controller.launcher import LaunchSpec
 from mnb.controller.registry import record_training
 from mnb.controller.repair import Repair
-from mnb.controller.transport import Transport
 from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
                         interrupted)
 from mnb.fields import check_ranks
@@ -47,23 +48,47 @@ class KeptFailure:
 
 
 class Requests:
-    """The request API; the pool (lifecycle, state, status) is :class:`mnb.controller.pool.Pool`."""
+    """The request API and the state only requests change: the layout requests run under, the last
+    cell's records, profile folder and failure, and the cells' numbers.
 
-    layout: ParallelConfig
-    grace_s: float
-    cell_timeout_s: float | None
-    start_timeout_s: float
-    event_handlers: list[Callable[[int, str, dict], None]]
-    last_cell_records: list[dict[str, Any]]
-    last_cell_profile: str | None
-    ranks: dict[int, RankInfo]
-    world_size: int
-    last_failure: "KeptFailure | None"
-    _gate: RequestGate
-    _repair: Repair
-    _transport: Transport | None
-    _stray_lines: int
-    _cell_numbers: Iterator[int]
+    :class:`~mnb.controller.pool.Pool` composes it beside the two parts it shares with them, the
+    request gate (one request at a time) and the repair part (the current generation of processes,
+    what follows each outcome), and hands its methods and this state on under the same names.
+    """
+
+    def __init__(self, spec: LaunchSpec, gate: RequestGate, repair: Repair, *, start_timeout_s: float,
+                 cell_timeout_s: float | None, grace_s: float):
+        self.spec = spec
+        self._gate = gate
+        self._repair = repair
+        self.start_timeout_s = start_timeout_s
+        """How long a script's restoring of the pool's layout may take."""
+        self.cell_timeout_s = cell_timeout_s
+        """A cell's timeout when the request names none (None: no limit)."""
+        self.grace_s = grace_s
+        """Seconds the other ranks may take after one failed, when the request names none."""
+        self.layout = ParallelConfig().resolve(spec.world_size)
+        """The layout requests run under; during an automatic restart, the one the new ranks will have."""
+        self.event_handlers: list[Callable[[int, str, dict], None]] = []
+        """Called with each rank event (``(rank, kind, payload)``) while a request runs: the widgets' views."""
+        self.last_cell_records: list[dict[str, Any]] = []
+        """The run records of the last cell or script, from its replies."""
+        self.last_cell_profile: str | None = None
+        """The folder the ranks wrote the last cell's profile to, from their replies (None: none)."""
+        self.last_failure: KeptFailure | None = None
+        """The root cause of the last failed cell, for ``%mnb debug``."""
+        self._stray_lines = 0
+        self._cell_numbers = itertools.count(1)
+        """``execute`` requests' numbers (the ranks' ``<cell-N>``), counted here for every rank alike."""
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """The current generation's rank table (:attr:`Repair.ranks`)."""
+        return self._repair.ranks
 
     @exclusive
     def run(
@@ -347,7 +372,7 @@ class Requests:
 
         Only a request (which holds the gate) drains: the inbox is the request's alone.
         """
-        transport = self._transport
+        transport = self._repair.transport
         if transport is None:
             return
         while True:
@@ -367,8 +392,8 @@ class Requests:
             return
         if message.type == "reply" and info.state == "busy" and message.id == info.request_id:
             info.state, info.request_id = "idle", None
-        elif message.type == "input_request" and self._transport is not None:  # its cell ended: do not hang
-            self._transport.send(message.get("rank"), Message("input_reply", id=message.id, header={
+        elif message.type == "input_request" and (transport := self._repair.transport) is not None:  # its cell ended: do not hang
+            transport.send(message.get("rank"), Message("input_reply", id=message.id, header={
                 "error": "interrupt", "text": "the cell that asked has ended"}))
         elif message.type == "stream":
             self._stray_lines += message["text"].count("\n") or 1
@@ -414,13 +439,14 @@ class Requests:
         if outcome.error is not None:
             raise outcome.error
         if outcome.interrupted:
-            raise interrupted(reports.interrupt_line(outcome, targets, self._labels()) + (f"\n{note}" if note else ""))
+            raise interrupted(reports.interrupt_line(outcome, targets, self.labels()) + (f"\n{note}" if note else ""))
         if outcome.timed_out:
-            raise CellTimeoutError(reports.timeout_text(outcome, targets, self._labels(), note), outcome.stacks)
+            raise CellTimeoutError(reports.timeout_text(outcome, targets, self.labels(), note), outcome.stacks)
         if errors or outcome.waiting:
-            raise reports.failure_error(errors, outcome, targets, self._labels(), note)
+            raise reports.failure_error(errors, outcome, targets, self.labels(), note)
 
-    def _labels(self) -> dict[int, str]:
+    def labels(self) -> dict[int, str]:
+        """Each rank's label in the current layout: ``{1: "r1 tp0 pp0 dp1"}``."""
         layout = self.layout.as_dict()
         return {rank: info.label(layout) for rank, info in self.ranks.items()}
 
@@ -439,7 +465,7 @@ class Requests:
             if not info.local and now - beats.get(rank, now) > REMOTE_RANK_SILENCE_S:
                 deaths.setdefault(rank, f"no heartbeat for {REMOTE_RANK_SILENCE_S:.0f} s (host {info.host})")
         deaths = deaths or {r: "stopped with torchrun" for r in generation.ranks}
-        lines, first = reports.death_lines(deaths, self._labels())
+        lines, first = reports.death_lines(deaths, self.labels())
         for rank in first:
             if "killed by signal" in deaths.get(rank, ""):
                 path, found = generation.launcher.fault_report(rank)
