@@ -55,7 +55,8 @@ rank -> controller (every header also has rank and identity)
     event      kind (e.g. "progress"), cell; payload: the event (``mnb.progress.Progress``)
     reply      the answer to a request (same id): ok, and ename, evalue, traceback when not;
                execute: coords, layout, profile_dir (the folder the rank wrote the cell's profile
-               to, or None), payload {value, records (the run records)};
+               to, or None), kept (``post_mortem``: whether the rank kept a failure to debug),
+               payload {value, records (the run records)};
                status: pid, device, rss_bytes, memory_bytes (memory_reserved_bytes on CUDA),
                layout, busy; stacks: stacks, busy; interrupt: interrupted, deferred
     heartbeat  the rank is alive (its state travels in status and stacks answers)
