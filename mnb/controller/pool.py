@@ -140,12 +140,10 @@ class Pool:
                  grace_s: float = DEFAULT_GRACE_S, owns_workdir: bool = False, standby_on: bool = False):
         self.spec = spec
         self.bind_ip = bind_ip
-        self.start_timeout_s = start_timeout_s
         self._gate = RequestGate()
         self._repair = Repair(spec, bind_ip=bind_ip, start_timeout_s=start_timeout_s, make_launcher=make_launcher,
                               standby_on=standby_on)
-        self._requests = Requests(spec, self._gate, self._repair, start_timeout_s=start_timeout_s,
-                                  cell_timeout_s=cell_timeout_s, grace_s=grace_s)
+        self._requests = Requests(spec, self._gate, self._repair, cell_timeout_s=cell_timeout_s, grace_s=grace_s)
         self.standby_choice = "on" if standby_on else "off"
         """``standby=`` as resolved, with what ``auto`` chose and why (the start line says it)."""
         self._owns_workdir = owns_workdir
@@ -301,6 +299,11 @@ class Pool:
     def _launcher(self) -> Launcher | None:
         generation = self._repair.generation
         return generation.launcher if generation is not None else None
+
+    @property
+    def start_timeout_s(self) -> float:
+        """How long a start (and a restart, and a script's restoring of the layout) may take."""
+        return self._repair.start_timeout_s
 
     @property
     def restarts(self) -> int:

@@ -56,13 +56,11 @@ class Requests:
     what follows each outcome), and hands its methods and this state on under the same names.
     """
 
-    def __init__(self, spec: LaunchSpec, gate: RequestGate, repair: Repair, *, start_timeout_s: float,
-                 cell_timeout_s: float | None, grace_s: float):
+    def __init__(self, spec: LaunchSpec, gate: RequestGate, repair: Repair, *, cell_timeout_s: float | None,
+                 grace_s: float):
         self.spec = spec
         self._gate = gate
         self._repair = repair
-        self.start_timeout_s = start_timeout_s
-        """How long a script's restoring of the pool's layout may take."""
         self.cell_timeout_s = cell_timeout_s
         """A cell's timeout when the request names none (None: no limit)."""
         self.grace_s = grace_s
@@ -260,7 +258,7 @@ class Requests:
             # Every rank is idle (an interrupted script's waiting ranks were released): rebuild the pool's
             # layout (collectives) in a request of its own, so the next cell finds it.
             after = self._exchange("execute", targets, {"code": "None", "after_script": True, "want_value": False},
-                                   timeout=self.start_timeout_s, stream=False)
+                                   timeout=self._repair.start_timeout_s, stream=False)
             errors += self._absorb(after)[0]
             self.last_cell_records = records
             if after.died or after.unreleased or after.waiting or after.timed_out:
