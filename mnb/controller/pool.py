@@ -54,7 +54,8 @@ from mnb.config import ParallelConfig
 from mnb.controller import hangs
 from mnb.controller.gate import RequestGate
 from mnb.controller.generation import RankInfo
-from mnb.controller.launcher import LaunchSpec, Launcher, resolve_device
+from mnb.controller.launcher import LaunchSpec, Launcher
+from mnb.controller.machine import resolve_device
 from mnb.controller import standby as standbys
 from mnb.controller.repair import Repair
 from mnb.controller.requests import Requests
