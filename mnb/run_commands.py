@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from IPython.core.error import UsageError
 
-from mnb.controller import Pool, current_pool, last_run
+from mnb.controller import Pool, last_run
 from mnb.controller.kernel_context import kernel_context
 from mnb.controller.repair import layout_kept
 from mnb.errors import RequestRefused, interrupted
@@ -44,10 +44,15 @@ def pool_request(what: str) -> Iterator[None]:
         raise interrupted(f"interrupted in the notebook kernel after the ranks had finished the {what}") from None
 
 
-def run_command(args: argparse.Namespace) -> None:
-    pool = current_pool(required=False)
+def require_pool(pool: Pool | None) -> Pool:
+    """``pool``, for a command that needs one; a usage error that says how to start one when none runs."""
     if pool is None:
         raise UsageError("no pool is running; start one with %mnb start")
+    return pool
+
+
+def run_command(args: argparse.Namespace, pool: Pool | None) -> None:
+    pool = require_pool(pool)
     ranks = parse_ranks(args.ranks, pool.world_size)
     if not os.path.isfile(os.path.expanduser(args.script)):
         raise UsageError(f"no script {args.script!r}{cwd_note(args.script)}; "
