@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mnb.controller.registry import last_profile, set_last_profile  # noqa: F401 - kept importable here
 from mnb.units import Text
 
 
@@ -369,20 +370,7 @@ def _close(entry: list[Any], totals: dict[str, list[float]]) -> None:
     total[1] += 1
 
 
-# ----- the notebook's profiles
-_LAST: list[Profile] = []
-
-
-def set_last_profile(profile: Profile | None) -> None:
-    _LAST.clear()
-    if profile is not None:
-        _LAST.append(profile)
-
-
-def last_profile() -> Profile | None:
-    return _LAST[-1] if _LAST else None
-
-
+# ----- the notebook's profiles (mnb.last_profile is the registry's, beside mnb.last_run)
 def list_profiles(root: str | Path) -> list[dict[str, Any]]:
     """Profile folders under ``root``: ``path``, ``ranks``, ``bytes``, newest last."""
     out = []

@@ -1,6 +1,6 @@
-"""What the notebook side remembers between cells: the current pool, the last run and settings.
+"""What the notebook side remembers between cells: the current pool, the last run, profile and settings.
 
-Behind ``mnb.pool()`` and ``mnb.last_run``; plain module state of the notebook kernel
+Behind ``mnb.pool()``, ``mnb.last_run`` and ``mnb.last_profile``; plain module state of the notebook kernel
 (no process groups, no torch).
 """
 
@@ -14,6 +14,7 @@ from mnb.errors import PoolError
 # mnb.controller.pool), and Pool hands it each training's records through record_training().
 _CURRENT: list[Any] = []
 _LAST_RUN: list[Any] = []
+_LAST_PROFILE: list[Any] = []
 _CPU_PEAK: dict[str, float] = {}
 _SETTINGS: dict[str, Any] = {}
 
@@ -56,6 +57,18 @@ def measured_cpu_peak_flops() -> float | None:
 
 def last_run() -> Any:
     return _LAST_RUN[-1] if _LAST_RUN else None
+
+
+def set_last_profile(profile: Any) -> None:
+    """Keep ``profile`` (a :class:`mnb.profiles.Profile`, or None) as ``mnb.last_profile``."""
+    _LAST_PROFILE.clear()
+    if profile is not None:
+        _LAST_PROFILE.append(profile)
+
+
+def last_profile() -> Any:
+    """The last cell's merged profile (``mnb.last_profile``), or None."""
+    return _LAST_PROFILE[-1] if _LAST_PROFILE else None
 
 
 def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, Any] | None = None,
