@@ -24,10 +24,9 @@ from mnb.magic_parsers import parse_ranks
 from mnb.units import cwd_note
 
 
-def kernel_changes(pool: Any) -> dict[str, Any] | None:
+def kernel_changes(pool: Pool) -> dict[str, Any]:
     """The kernel's cwd and environment changes since the pool started, for the ranks' cells and scripts."""
-    since = getattr(pool, "environ_at_start", None)
-    return kernel_context(since) if since is not None else None
+    return kernel_context(pool.environ_at_start)
 
 
 @contextlib.contextmanager
