@@ -11,16 +11,16 @@ import argparse
 
 from IPython.core.error import UsageError
 
-from mnb.controller import current_pool
-from mnb.run_commands import pool_request
+from mnb.controller import Pool
+from mnb.run_commands import pool_request, require_pool
 
 
-def stacks_command(args: argparse.Namespace) -> None:
-    print(current_pool().stacks_report())
+def stacks_command(args: argparse.Namespace, pool: Pool | None) -> None:
+    print(require_pool(pool).stacks_report())
 
 
-def debug_command(args: argparse.Namespace) -> None:
-    pool = current_pool()
+def debug_command(args: argparse.Namespace, pool: Pool | None) -> None:
+    pool = require_pool(pool)
     if args.rank is not None and not 0 <= args.rank < pool.world_size:
         raise UsageError(f"%mnb debug {args.rank}: no such rank in world size {pool.world_size}")
     with pool_request("post-mortem"):

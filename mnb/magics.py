@@ -54,7 +54,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from mnb.config import FSDP_OPTIM_ON_CPU, ParallelConfig
-from mnb.controller import current_pool, last_run
+from mnb.controller import Pool, current_pool, last_run
 from mnb.controller.preflight import cell_settings, check_cell
 from mnb.controller.registry import remember_settings
 from mnb.debug_commands import debug_command, stacks_command
@@ -64,7 +64,7 @@ from mnb.magic_parsers import (LAYOUT_FLAGS, MNB_COMMANDS, SUBCOMMAND_PARSERS, l
 from mnb.plan_commands import export_command, plan_command
 from mnb.pool_commands import restart_command, start_command, status_command, stop_command
 from mnb.profile_commands import profile_request, run_profile_command, take_profile
-from mnb.run_commands import kernel_changes, pool_request, run_command
+from mnb.run_commands import kernel_changes, pool_request, require_pool, run_command
 
 __all__ = ["LAYOUT_FLAGS", "MNB_COMMANDS", "SUBCOMMAND_PARSERS", "MegatronMagics", "help_end_transformer",
            "megatron_parser", "parse_ranks", "register", "requested_layout", "unregister"]
@@ -112,45 +112,47 @@ class MegatronMagics(Magics):
         if wants_help(before_script(rest) if command == "run" else rest):
             print(parser.format_help())
             return None
-        return getattr(self, f"_cmd_{command}")(parser.parse_args(rest))
+        args = parser.parse_args(rest)
+        return getattr(self, f"_cmd_{command}")(args, current_pool(required=False))
 
-    # Each command lives in its own module; these names are what ``mnb()`` dispatches to.
-    def _cmd_start(self, args: argparse.Namespace) -> None:
-        start_command(args)
+    # Each command lives in its own module and is handed the pool (None: no pool runs); these names
+    # are what ``mnb()`` dispatches to.
+    def _cmd_start(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        start_command(args, pool)
 
-    def _cmd_status(self, args: argparse.Namespace) -> None:
-        status_command(args)
+    def _cmd_status(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        status_command(args, pool)
 
-    def _cmd_stop(self, args: argparse.Namespace) -> None:
-        stop_command(args)
+    def _cmd_stop(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        stop_command(args, pool)
 
-    def _cmd_restart(self, args: argparse.Namespace) -> None:
-        restart_command(args)
+    def _cmd_restart(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        restart_command(args, pool)
 
-    def _cmd_stacks(self, args: argparse.Namespace) -> None:
-        stacks_command(args)
+    def _cmd_stacks(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        stacks_command(args, pool)
 
-    def _cmd_debug(self, args: argparse.Namespace) -> None:
-        debug_command(args)
+    def _cmd_debug(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        debug_command(args, pool)
 
-    def _cmd_profile(self, args: argparse.Namespace) -> None:
-        run_profile_command(args, current_pool(required=False))
+    def _cmd_profile(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        run_profile_command(args, pool)
 
-    def _cmd_plot(self, args: argparse.Namespace) -> None:
+    def _cmd_plot(self, args: argparse.Namespace, pool: Pool | None) -> None:
         run = last_run()
         if run is None:
             raise UsageError("no run yet: train in a %%megatron cell with mnb.train(...) first")
         # Inside a kernel the figure is a pyplot one and shows itself inline.
         getattr(run, f"plot_{args.kind}")()
 
-    def _cmd_run(self, args: argparse.Namespace) -> None:
-        run_command(args)
+    def _cmd_run(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        run_command(args, pool)
 
-    def _cmd_export(self, args: argparse.Namespace) -> None:
+    def _cmd_export(self, args: argparse.Namespace, pool: Pool | None) -> None:
         export_command(args)
 
-    def _cmd_plan(self, args: argparse.Namespace) -> None:
-        plan_command(args)
+    def _cmd_plan(self, args: argparse.Namespace, pool: Pool | None) -> None:
+        plan_command(args, pool)
 
     @cell_magic
     def megatron(self, line: str, cell: str) -> None:
@@ -161,9 +163,7 @@ class MegatronMagics(Magics):
             print(parser.format_help())
             return
         args = parser.parse_args(argv)
-        pool = current_pool(required=False)
-        if pool is None:
-            raise UsageError("no pool is running; start one with %mnb start")
+        pool = require_pool(current_pool(required=False))
         layout = requested_layout(pool.layout, args, pool.world_size)
         if layout.fsdp == "optim" and pool.spec.device == "cpu":
             raise UsageError(FSDP_OPTIM_ON_CPU)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from IPython.core.error import UsageError
 
-from mnb.controller import current_pool
+from mnb.controller import Pool
 from mnb.errors import OverwriteRefusedError
 from mnb.magic_parsers import layout_from_flags
 
@@ -39,11 +39,11 @@ def export_command(args: argparse.Namespace) -> None:
         print(exported.text, end="")
 
 
-def plan_command(args: argparse.Namespace) -> None:
+def plan_command(args: argparse.Namespace, pool: Pool | None) -> None:
     from mnb.estimate import plan
     from mnb.plot import plot_plan
 
-    gpu = calibrated_gpu() if args.calibrate else args.gpu
+    gpu = calibrated_gpu(pool) if args.calibrate else args.gpu
     try:
         rows = plan(args.model, args.gpus, gpu=gpu, seq=args.seq, mbs=args.mbs, gbs=args.gbs)
     except ValueError as exc:
@@ -54,11 +54,10 @@ def plan_command(args: argparse.Namespace) -> None:
     plot_plan(rows)
 
 
-def calibrated_gpu() -> str:
+def calibrated_gpu(pool: Pool | None) -> str:
     """Measure the live pool (mnb.megatron.calibrate), register it as a device, return its name."""
     from mnb.estimate.measured import describe, register_measurement
 
-    pool = current_pool(required=False)
     if pool is None:
         raise UsageError("--calibrate measures the live pool's devices: start one first "
                          "(%mnb start -n 2 --device cuda) or drop --calibrate to plan with --gpu's table entry")

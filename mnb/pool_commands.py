@@ -12,15 +12,14 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from mnb.controller import Pool, current_pool, set_current_pool
+from mnb.controller import Pool, set_current_pool
 from mnb.controller import standby as standbys
 from mnb.controller.repair import layout_kept
 from mnb.magic_parsers import parse_gpus
 from mnb.units import format_bytes
 
 
-def start_command(args: argparse.Namespace) -> None:
-    existing = current_pool(required=False)
+def start_command(args: argparse.Namespace, existing: Pool | None) -> None:
     if existing is not None and existing.running:
         raise UsageError(f"a pool is already running ({existing!r}); %mnb stop or %mnb restart first")
     try:
@@ -45,8 +44,7 @@ def start_command(args: argparse.Namespace) -> None:
         print(pool.start_timings or "no start-up timings: the ranks did not send them")
 
 
-def status_command(args: argparse.Namespace) -> None:
-    pool = current_pool(required=False)
+def status_command(args: argparse.Namespace, pool: Pool | None) -> None:
     if pool is None:
         parked = standbys.parked_status()
         print("no pool; start one with %mnb start" + ("" if parked is None else
@@ -75,8 +73,7 @@ def status_command(args: argparse.Namespace) -> None:
     print(f"log: {pool.spec.log_file}")
 
 
-def stop_command(args: argparse.Namespace) -> None:
-    pool = current_pool(required=False)
+def stop_command(args: argparse.Namespace, pool: Pool | None) -> None:
     if pool is None:
         print("no pool is running")
         return
@@ -85,8 +82,7 @@ def stop_command(args: argparse.Namespace) -> None:
     print(f"stopped {pool.world_size} ranks")
 
 
-def restart_command(args: argparse.Namespace) -> None:
-    pool = current_pool(required=False)
+def restart_command(args: argparse.Namespace, pool: Pool | None) -> None:
     if pool is None:
         raise UsageError("no pool to restart; use %mnb start")
     began = time.perf_counter()

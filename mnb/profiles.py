@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mnb.controller.registry import last_profile, set_last_profile  # noqa: F401 - kept importable here
 from mnb.units import Text
 
 
@@ -303,8 +304,9 @@ class Profile:
     def plot_memory(self, rank: int | None = None, predicted_peak_bytes: float | None = None):
         """Memory over the profiled steps of ``rank`` (default the first with --memory), stacked by
         category, the peak marked; ``predicted_peak_bytes`` (default ``mnb.last_run``'s prediction
-        from mnb.estimate.memory for that rank, when there is one) as a dashed line."""
-        import matplotlib.pyplot as plt
+        from mnb.estimate.memory for that rank, when there is one) as a dashed line.  Returns the figure
+        (:func:`mnb.plot.profile.plot_profile_memory` draws it)."""
+        from mnb.plot.profile import plot_profile_memory
 
         series = self.memory()
         if not series:
@@ -312,17 +314,6 @@ class Profile:
         rank = next(iter(series)) if rank is None else rank
         if rank not in series:
             raise ValueError(f"rank {rank} has no memory series; ranks with one: {sorted(series)}")
-        mem = series[rank]
-        unit, scale = ("GiB", 2**30) if mem["peak_bytes"] >= 2**30 else ("MiB", 2**20)
-        names = ["weights", "gradients", "optimizer", "activations", "other"]
-        count = len(mem["times_ms"])
-        layers = [[v / scale for v in (mem[n] if isinstance(mem[n], list) else [mem[n]] * count)] for n in names]
-        fig, ax = plt.subplots(figsize=(9, 4))
-        ax.stackplot(mem["times_ms"], *layers, labels=names, step="post", alpha=0.8)
-        # the total as a line too: a spike narrower than a pixel still reaches its height
-        ax.plot(mem["times_ms"], [sum(v) for v in zip(*layers)], color="k", linewidth=0.5, drawstyle="steps-post")
-        ax.plot([mem["peak_ms"]], [mem["peak_bytes"] / scale], "kv",
-                label=f"peak {mem['peak_bytes'] / scale:.3f} {unit} at {mem['peak_ms']:.1f} ms")
         if predicted_peak_bytes is None:
             try:
                 from mnb.controller import last_run
@@ -331,16 +322,9 @@ class Profile:
                 predicted_peak_bytes = run.predicted_components(rank)["peak"] if run is not None else None
             except Exception:  # noqa: BLE001 - a prediction is a bonus, the measurement is the figure
                 predicted_peak_bytes = None
-        if predicted_peak_bytes:
-            ax.axhline(predicted_peak_bytes / scale, color="k", linestyle="--", label="predicted peak (mnb.estimate)")
-        ax.set_xlabel("ms on the shared host clock")
-        ax.set_ylabel(f"{unit} ({mem['source']})")
-        ax.set_title(f"rank {rank}: memory over the profiled steps")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-        fig.tight_layout()
-        return fig
+        return plot_profile_memory(series[rank], rank, predicted_peak_bytes).figure
 
-    def _plot_rows(self, range: tuple[float, float] | None) -> dict[tuple[int, Any], dict[str, list]]:  # noqa: A002
+    def timeline_rows(self, range: tuple[float, float] | None) -> dict[tuple[int, Any], dict[str, list]]:  # noqa: A002
         """(rank, thread) -> ``{"compute": [(start_ms, ms)], "comm": [...]}`` of the events inside ``range``;
         only threads with an event there (gloo's ``pt_gloo_runloop`` threads hold none of their own)."""
         rows: dict[tuple[int, Any], dict[str, list]] = {}
@@ -354,31 +338,21 @@ class Profile:
             bars["comm" if is_comm(e) else "compute"].append((start, max(dur, 1e-4)))
         return rows
 
+    def thread_names(self) -> dict[tuple[int, Any], str]:
+        """(rank, thread) -> the thread's name as the trace records it."""
+        return {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in self.events
+                if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
     def plot(self, range: tuple[float, float] | None = None):  # noqa: A002 - the issue's name
         """All ranks on one time axis (ms on the shared clock): one row per rank and thread with events in
-        ``range``, collectives in red.  ``range``: (start_ms, end_ms); default the first profiled step of the first rank."""
-        import matplotlib.pyplot as plt
+        ``range``, collectives in red.  ``range``: (start_ms, end_ms); default the first profiled step of the
+        first rank.  Returns the figure (:func:`mnb.plot.profile.plot_profile_timeline` draws it)."""
+        from mnb.plot.profile import plot_profile_timeline
 
         if range is None:
             first = self.steps(self.ranks[0])[:1]
             range = (first[0][0] / 1e3, first[0][1] / 1e3) if first else None
-        rows = self._plot_rows(range)
-        keys = sorted(rows, key=lambda k: (k[0], str(k[1])))
-        names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in self.events
-                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
-        fig, ax = plt.subplots(figsize=(12, 0.5 + 0.4 * max(len(keys), 1)))
-        for y, key in enumerate(keys):
-            bars = rows[key]
-            ax.broken_barh(bars["compute"], (y - 0.4, 0.8), color="tab:blue", alpha=0.5)
-            ax.broken_barh(bars["comm"], (y - 0.4, 0.8), color="tab:red")
-        ax.set_yticks([i for i, _ in enumerate(keys)])
-        ax.set_yticklabels([f"rank {r} · {(names.get((r, t)) or f'thread {t}')[:32]}" for r, t in keys])
-        if range:
-            ax.set_xlim(*range)
-        ax.set_xlabel("ms on the shared host clock (blue: compute, red: collectives)")
-        ax.invert_yaxis()
-        fig.tight_layout()
-        return fig
+        return plot_profile_timeline(self.timeline_rows(range), self.thread_names(), range).figure
 
 
 def _held_at(samples: list[tuple[float, int]], t: float) -> int:
@@ -396,20 +370,7 @@ def _close(entry: list[Any], totals: dict[str, list[float]]) -> None:
     total[1] += 1
 
 
-# ----- the notebook's profiles
-_LAST: list[Profile] = []
-
-
-def set_last_profile(profile: Profile | None) -> None:
-    _LAST.clear()
-    if profile is not None:
-        _LAST.append(profile)
-
-
-def last_profile() -> Profile | None:
-    return _LAST[-1] if _LAST else None
-
-
+# ----- the notebook's profiles (mnb.last_profile is the registry's, beside mnb.last_run)
 def list_profiles(root: str | Path) -> list[dict[str, Any]]:
     """Profile folders under ``root``: ``path``, ``ranks``, ``bytes``, newest last."""
     out = []

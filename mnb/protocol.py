@@ -55,7 +55,8 @@ rank -> controller (every header also has rank and identity)
     event      kind (e.g. "progress"), cell; payload: the event (``mnb.progress.Progress``)
     reply      the answer to a request (same id): ok, and ename, evalue, traceback when not;
                execute: coords, layout, profile_dir (the folder the rank wrote the cell's profile
-               to, or None), payload {value, records (the run records)};
+               to, or None), kept (``post_mortem``: whether the rank kept a failure to debug),
+               payload {value, records (the run records)};
                status: pid, device, rss_bytes, memory_bytes (memory_reserved_bytes on CUDA),
                layout, busy; stacks: stacks, busy; interrupt: interrupted, deferred
     heartbeat  the rank is alive (its state travels in status and stacks answers)
@@ -98,6 +99,11 @@ EXITS_DIR_ENV = "MNB_EXITS_DIR"
 """The folder (set by the controller's launcher) where torchrun's agent, ``mnb.worker.agent``,
 records how failed ranks ended, and where each rank's Python fault handler writes its stacks when
 it crashes (:func:`fault_file`): the one other thing besides messages that crosses the sides."""
+
+STANDBY_ENV = "MNB_STANDBY"
+"""Set to 1 by the controller in a standby generation's environment (:mod:`mnb.controller.standby`): its
+ranks import torch and Megatron-Core, say ``standby`` and wait for a signed ``go`` before CUDA or any
+process group (:mod:`mnb.worker.boot`)."""
 
 
 def fault_file(exits_dir: str | os.PathLike, rank: int) -> Path:

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from IPython.core.error import UsageError
 
-from mnb.controller import Pool, current_pool, last_run
+from mnb.controller import Pool, last_run
 from mnb.controller.kernel_context import kernel_context
 from mnb.controller.repair import layout_kept
 from mnb.errors import RequestRefused, interrupted
@@ -24,10 +24,9 @@ from mnb.magic_parsers import parse_ranks
 from mnb.units import cwd_note
 
 
-def kernel_changes(pool: Any) -> dict[str, Any] | None:
+def kernel_changes(pool: Pool) -> dict[str, Any]:
     """The kernel's cwd and environment changes since the pool started, for the ranks' cells and scripts."""
-    since = getattr(pool, "environ_at_start", None)
-    return kernel_context(since) if since is not None else None
+    return kernel_context(pool.environ_at_start)
 
 
 @contextlib.contextmanager
@@ -44,10 +43,15 @@ def pool_request(what: str) -> Iterator[None]:
         raise interrupted(f"interrupted in the notebook kernel after the ranks had finished the {what}") from None
 
 
-def run_command(args: argparse.Namespace) -> None:
-    pool = current_pool(required=False)
+def require_pool(pool: Pool | None) -> Pool:
+    """``pool``, for a command that needs one; a usage error that says how to start one when none runs."""
     if pool is None:
         raise UsageError("no pool is running; start one with %mnb start")
+    return pool
+
+
+def run_command(args: argparse.Namespace, pool: Pool | None) -> None:
+    pool = require_pool(pool)
     ranks = parse_ranks(args.ranks, pool.world_size)
     if not os.path.isfile(os.path.expanduser(args.script)):
         raise UsageError(f"no script {args.script!r}{cwd_note(args.script)}; "
@@ -65,12 +69,10 @@ def run_command(args: argparse.Namespace) -> None:
 def run_isolated(pool: Pool, args: argparse.Namespace, ranks: list[int] | None) -> None:
     """``%mnb run --isolated``: a restart of the pool before and after the script (the layout stays, as
     every restart keeps it)."""
-    records: list = []
 
     def fresh() -> float:
         t0 = time.perf_counter()
         pool.restart()
-        pool.last_cell_records = records
         return time.perf_counter() - t0
 
     before = fresh()
@@ -81,7 +83,6 @@ def run_isolated(pool: Pool, args: argparse.Namespace, ranks: list[int] | None) 
         with pool_request("script"):
             pool.run_script(args.script, args.args, ranks=ranks, timeout=args.timeout, grace=args.grace,
                             kernel=kernel_changes(pool))
-        records = pool.last_cell_records
     finally:
         after = fresh()
         print(f"mnb: --isolated: the pool restarted after the script in {after:.1f} s")

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from mnb.controller import Pool, last_run
-from mnb.controller.launcher import visible_gpu_count
+from mnb.controller.machine import visible_gpu_count
 from tests.conftest import assert_no_orphans
 
 pytestmark = pytest.mark.gpu

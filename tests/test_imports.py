@@ -157,32 +157,55 @@ RANK_SIDE = ("mnb.worker", "mnb.megatron")
 HEAVY = ("torch", "megatron", "transformer_engine", "apex")
 """Third-party packages the notebook kernel never imports (tests/test_no_torch.py checks a real import)."""
 
+GROUPS: dict[str, tuple[str, ...]] = {
+    "shared types": ("mnb.config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
+                     "mnb.timeouts", "mnb.version", "mnb.progress", "mnb.results", "mnb.writes", "mnb.hf_config",
+                     "mnb.model_source"),
+    "front end": ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_commands", "mnb.run_commands",
+                  "mnb.debug_commands", "mnb.plan_commands", "mnb.profile_commands"),
+    "rank side": RANK_SIDE,
+}
+"""Names for sets of modules in LAYERS.  shared types: the level-1 modules of the root that both sides use
+(configs, units, values on the wire, errors, json-only config readers); front end: the magics' modules."""
+
 LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
-    ("mnb.controller", "never", ("mnb.exports", "mnb.widgets", "mnb.magics", "mnb.magic_parsers", "mnb.magic_help",
-                                 "mnb.pool_commands", "mnb.run_commands", "mnb.debug_commands", "mnb.plan_commands",
-                                 "mnb.profile_commands"),
-     "the pool is driven by the magics, widgets and export, never the other way"),
-    ("mnb.megatron", "never", ("mnb.worker",), "the worker installs its event sink in mnb.megatron.events"),
+    ("shared types", "only", ("shared types",), "level 1: below everything, they import only each other"),
+    ("mnb.controller", "only", ("mnb.controller", "shared types", "mnb.runs", "mnb.launch_templates"),
+     "the pool: driven by the front end, widgets and export, never the other way; never the rank side"),
+    ("mnb.worker", "only", ("rank side", "shared types"),
+     "the rank's loop drives mnb.megatron; never the controller, the front end or the notebook's analysis"),
+    ("mnb.megatron", "only", ("mnb.megatron", "shared types"),
+     "never the worker (it installs its event sink in mnb.megatron.events), never the notebook side"),
     ("mnb.estimate", "only", ("mnb.estimate", "mnb.config", "mnb.units", "mnb.model_source", "mnb.hf_config"),
      "pure functions of the configs (a preset or a checkpoint's config.json): usable without a pool, a run or matplotlib"),
     ("mnb.model_source", "only", ("mnb.config", "mnb.hf_config", "mnb.units"),
      "a model name or folder to a ModelConfig, json only"),
     ("mnb.hf_config", "only", ("mnb.config", "mnb.units"),
      "config.json to a ModelConfig, json only; the rank side reads it too"),
-    ("mnb.plot", "never", ("mnb.runs",), "plots read any object with a run's fields; runs.as_run coerces"),
+    ("mnb.plot", "only", ("mnb.plot", "mnb.estimate", "mnb.config", "mnb.units"),
+     "figures of estimates and of any object with a run's fields (runs.as_run coerces; runs imports plot)"),
+    ("mnb.widgets", "only", ("mnb.widgets", "mnb.controller", "mnb.estimate", "mnb.plot", "mnb.runs", "shared types"),
+     "views that drive the pool and read estimates and runs; never the front end or the export"),
     ("mnb.launch_templates", "only", ("mnb.config",), "below both the Slurm launcher and the export"),
-    ("notebook side", "never", RANK_SIDE, "the kernel never imports torch (the rank side does)"),
+    ("notebook side", "never", ("rank side",), "the kernel never imports torch (the rank side does)"),
+    ("all but the front end", "never", ("front end",), "nothing below the magics imports them (the facade aside)"),
 ]
-"""(package, "never"/"only", packages, why): the table in docs/architecture.md, row for row."""
+"""(package or group, "never"/"only", packages or groups, why): the table in docs/architecture.md, row for row."""
+
+
+def _expand(packages: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(m for p in packages for m in GROUPS.get(p, (p,)))
 
 
 def _in(module: str, packages: tuple[str, ...]) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in packages)
+    return any(module == p or module.startswith(p + ".") for p in _expand(packages))
 
 
 def _members(package: str, graph: dict[str, set[str]]) -> list[str]:
     if package == "notebook side":
         return sorted(m for m in graph if m != "mnb" and not _in(m, RANK_SIDE))
+    if package == "all but the front end":
+        return sorted(m for m in graph if m != "mnb" and not _in(m, ("front end",)))
     return sorted(m for m in graph if _in(m, (package,)))
 
 
@@ -212,11 +235,22 @@ def test_layers():
 
 
 def test_layer_check_sees_a_violation():
-    """The checker itself: a controller module that imports the export is caught."""
-    graph = {"mnb.controller.x": {"mnb.exports", "mnb.config"}, "mnb.estimate.y": {"mnb.runs"}}
+    """The checker itself: what an allow-list leaves out is caught (the export, the widgets or a magic in the
+    controller, the controller in the worker, the worker in mnb.megatron, a pool in a shared type)."""
+    graph = {"mnb.controller.x": {"mnb.exports", "mnb.config"}, "mnb.estimate.y": {"mnb.runs"},
+             "mnb.worker.z": {"mnb.controller.pool", "mnb.megatron.layout", "mnb.protocol"},
+             "mnb.megatron.w": {"mnb.worker.channel", "mnb.config"}, "mnb.fields": {"mnb.controller"},
+             "mnb.controller.v": {"mnb.widgets.live", "mnb.pool_commands"}}
     found = layer_violations(graph)
-    assert len(found) == 2 and found[0].startswith("mnb.controller.x imports ['mnb.exports']")
-    assert found[1].startswith("mnb.estimate.y imports ['mnb.runs']")
+    assert [line.split(":")[0] for line in found] == [
+        "mnb.fields imports ['mnb.controller']",
+        "mnb.controller.v imports ['mnb.pool_commands', 'mnb.widgets.live']",
+        "mnb.controller.x imports ['mnb.exports']",
+        "mnb.worker.z imports ['mnb.controller.pool']",
+        "mnb.megatron.w imports ['mnb.worker.channel']",
+        "mnb.estimate.y imports ['mnb.runs']",
+        "mnb.controller.v imports ['mnb.pool_commands']",
+    ], found
 
 
 def test_notebook_side_never_imports_torch():
@@ -234,7 +268,12 @@ def test_architecture_doc_shows_the_layering_table():
     doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     section = doc.split("\n## Layering\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and " imports " in line]
-    want = [f"| {f'`{package}`' if package.startswith('mnb') else package} | "
-            f"{kind} imports {', '.join(f'`{p}`' for p in packages)} | {why} |"
+    want = [f"| {_shown(package)} | {kind} imports {', '.join(_shown(p) for p in packages)} | {why} |"
             for package, kind, packages, why in LAYERS]
     assert rows == want, "\n".join(want)
+    groups = [f"- {name}: {', '.join(_shown(m) for m in members)}" for name, members in GROUPS.items()]
+    assert all(line in section.splitlines() for line in groups), "\n".join(groups)
+
+
+def _shown(name: str) -> str:
+    return f"`{name}`" if name.startswith("mnb") else name

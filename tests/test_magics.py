@@ -175,6 +175,24 @@ def test_a_bad_number_names_the_flag_the_rule_and_the_value(magic, line, message
     assert current_pool(required=False) is None
 
 
+@pytest.mark.parametrize("magic, line", [("line", "stacks"), ("line", "debug"), ("line", "debug 1"),
+                                         ("line", "run train.py"), ("cell", "--tp 2")])
+def test_a_command_that_needs_a_pool_says_how_to_start_one(magic, line):
+    """Each command is handed the pool (None when none runs); every one that needs a pool refuses the
+    same way, as a usage error (%mnb stacks and %mnb debug raised PoolError)."""
+    from mnb.controller import current_pool
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    assert current_pool(required=False) is None
+    with pytest.raises(UsageError) as raised:
+        if magic == "cell":
+            shell.run_cell_magic("megatron", line, "x = 1")
+        else:
+            shell.run_line_magic("mnb", line)
+    assert str(raised.value) == "no pool is running; start one with %mnb start"
+
+
 @pytest.mark.slow
 def test_magics_end_to_end(shell, capsys):
     with pytest.raises(UsageError, match="no pool is running"):

@@ -104,7 +104,7 @@ class RequestGate:
 
 
 def exclusive(method: Callable) -> Callable:
-    """A :class:`~mnb.controller.pool.Pool` method that is one request: it runs through ``self._gate``.
+    """A method that is one request (:class:`~mnb.controller.requests.Requests`'): it runs through ``self._gate``.
 
     An interrupt nothing took while it ran (it arrived as the ranks finished) is
     raised when it returns, so Run All still stops.

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import psutil
 
+from mnb.controller.collector import Collector, Outcome
+from mnb.controller.guards import InterruptLatch
 from mnb.controller.launcher import LaunchSpec, Launcher, reachable_address
 from mnb.controller.output import coords_label
 from mnb.controller.start_timings import Stage, format_stages, rank_stages
@@ -74,6 +76,31 @@ class Generation:
         return any(not info.local and now - beats.get(rank, now) > REMOTE_RANK_SILENCE_S
                    for rank, info in self.ranks.items())
 
+    def exchange(self, message: Message, targets: list[int], layout: dict[str, Any], latch: InterruptLatch, *,
+                 timeout_s: float | None, grace_s: float, stream: bool,
+                 event_handlers: list[Callable[[int, str, dict], None]],
+                 on_stray: Callable[[Message], None]) -> Outcome:
+        """Send ``message`` to ``targets`` and wait for its outcome (:class:`Collector`; no error raised
+        here): the one way a request reaches this generation's ranks.  ``layout`` labels the ranks.
+
+        The targets are busy with it until they reply; the ranks that replied are idle again whatever
+        ended the wait; the others stay busy (still running it: the next request replaces them rather
+        than queue behind).
+        """
+        collector = Collector(
+            self.transport, message.id, targets, {r: self.ranks[r].label(layout) for r in targets},
+            timeout_s=timeout_s, grace_s=grace_s, stream=stream, any_dead=self.any_dead,
+            event_handlers=event_handlers, on_stray=on_stray,
+        )
+        for rank in targets:
+            self.ranks[rank].state, self.ranks[rank].request_id = "busy", message.id
+            self.transport.send(rank, message)
+        try:
+            return collector.wait(latch)
+        finally:
+            for rank in collector.outcome.replies:
+                self.ranks[rank].state, self.ranks[rank].request_id = "idle", None
+
     def close(self, grace_s: float = TEARDOWN_GRACE_S) -> None:
         """End every process of the launch (SIGTERM, SIGKILL after ``grace_s``) and its socket; once."""
         with self._close_lock:
@@ -106,28 +133,39 @@ def launch(
     ``on_hello`` each rank as it is ready (a restart's progress, for ``status``).
     """
     t0 = time.perf_counter()
-    key = new_key()
-    spec.connection_file.parent.mkdir(parents=True, exist_ok=True)
     launcher = make_launcher(spec)
-    transport = Transport(key, ip=bind_ip)
-    transport.expect(spec.world_size)
+    transport = open_transport(spec, bind_ip)
     try:
-        ConnectionInfo(
-            address=reachable_address(transport.address), key=key, world_size=spec.world_size,
-            controller_pid=os.getpid(), controller_host=socket.gethostname(),
-            controller_started=psutil.Process().create_time(),
-        ).write(spec.connection_file)
         launched_at = time.time()  # wall clock: the ranks' start-up stages are compared with it
         launcher.start()
         on_launched(launcher)
         if spec.nnodes > 1 and spec.slurm is None:
             print(f"Waiting for {spec.nnodes - 1} more node(s). On each, with the connection file "
                   f"copied to the same path, run:\n  {spec.remote_command()}")
-        ranks, timings = _await_hellos(spec, transport, launcher, launched_at, timeout_s, cancelled, on_hello)
+        ranks, timings = await_hellos(spec, transport, launcher, launched_at, timeout_s, cancelled, on_hello)
     except BaseException:
         Generation(transport, launcher, {}, 0.0).close(grace_s=TEARDOWN_GRACE_S)
         raise
     return Generation(transport, launcher, ranks, time.perf_counter() - t0, timings)
+
+
+def open_transport(spec: LaunchSpec, bind_ip: str) -> Transport:
+    """A transport bound on ``bind_ip`` for ``spec``'s ranks, and the connection file (address, key) they read
+    to reach it; closed again if the file cannot be written."""
+    key = new_key()
+    transport = Transport(key, ip=bind_ip)
+    try:
+        transport.expect(spec.world_size)
+        spec.connection_file.parent.mkdir(parents=True, exist_ok=True)
+        ConnectionInfo(
+            address=reachable_address(transport.address), key=key, world_size=spec.world_size,
+            controller_pid=os.getpid(), controller_host=socket.gethostname(),
+            controller_started=psutil.Process().create_time(),
+        ).write(spec.connection_file)
+    except BaseException:
+        transport.close()
+        raise
+    return transport
 
 
 def hello_refusal(message: Message) -> str | None:
@@ -139,7 +177,7 @@ def hello_refusal(message: Message) -> str | None:
                             f"rank {message.get('rank')} on {message.get('host', 'an unknown host')}")
 
 
-def _await_hellos(spec: LaunchSpec, transport: Transport, launcher: Launcher, launched_at: float, timeout_s: float,
+def await_hellos(spec: LaunchSpec, transport: Transport, launcher: Launcher, launched_at: float, timeout_s: float,
                   cancelled: threading.Event, on_hello: Callable[[RankInfo], None]
                   ) -> tuple[dict[int, RankInfo], str | None]:
     """Every rank's hello, read from this launch's own inbox (no other thread reads it)."""

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from mnb.controller import standby as standbys
-from mnb.controller.launcher import resolve_device
+from mnb.controller.machine import resolve_device
 from mnb.controller.pool import launch_spec, make_launcher
 from mnb.timeouts import START_TIMEOUT_S
 

@@ -10,8 +10,11 @@
     [r0-1] 2
     >>> pool.stop()
 
-Nothing here imports torch.  ``Pool`` is the request API; its two parts own the rest:
+Nothing here imports torch.  ``Pool`` owns the lifecycle and status; the parts it composes own the rest:
 
+- the requests (``requests.py``): ``run``, ``run_script``, ``push``, ``pull``, ``debug``, the layout
+  requests run under and what the last cell left (records, profile folder, failure), handed on
+  under the same names;
 - the request gate (``gate.py``): one request at a time, its interrupt latch,
   and the only way another thread ends a request (``stop``/``restart``);
 - the repair part (``repair.py``): the current generation of processes, the
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
+import functools
 import logging
 import os
 import shutil
@@ -51,7 +54,8 @@ from mnb.config import ParallelConfig
 from mnb.controller import hangs
 from mnb.controller.gate import RequestGate
 from mnb.controller.generation import RankInfo
-from mnb.controller.launcher import LaunchSpec, Launcher, resolve_device
+from mnb.controller.launcher import LaunchSpec, Launcher
+from mnb.controller.machine import resolve_device
 from mnb.controller import standby as standbys
 from mnb.controller.repair import Repair
 from mnb.controller.requests import Requests
@@ -107,35 +111,58 @@ def launch_spec(nproc: int, device: str, work: Path, *, gpus: list[int] | None =
     )
 
 
-class Pool(Requests):
-    """A running set of ranks.  Create with :meth:`Pool.start`; requests (``run``, ``push``, ``pull``,
-    ``run_script``) come from :class:`~mnb.controller.requests.Requests`."""
+def _request(name: str) -> Callable[..., Any]:
+    """``Pool.<name>``: the request of that name, handed to the pool's :class:`Requests` (same signature)."""
+    method = getattr(Requests, name)
+
+    @functools.wraps(method)
+    def call(self: "Pool", *args: Any, **kwargs: Any) -> Any:
+        return method(self._requests, *args, **kwargs)
+
+    return call
+
+
+def _requests_state(name: str) -> property:
+    """``Pool.<name>``: the attribute of the pool's :class:`Requests`, read and written there (one owner)."""
+    def get(self: "Pool") -> Any:
+        return getattr(self._requests, name)
+
+    def put(self: "Pool", value: Any) -> None:
+        setattr(self._requests, name, value)
+
+    return property(get, put, doc=f"The pool's requests' ``{name}`` (:class:`~mnb.controller.requests.Requests`).")
+
+
+class Pool:
+    """A running set of ranks.  Create with :meth:`Pool.start`; the requests (``run``, ``push``, ``pull``,
+    ``run_script``, ``debug``) are :class:`~mnb.controller.requests.Requests`', which the pool composes."""
 
     def __init__(self, spec: LaunchSpec, bind_ip: str, start_timeout_s: float, cell_timeout_s: float | None,
                  grace_s: float = DEFAULT_GRACE_S, owns_workdir: bool = False, standby_on: bool = False):
         self.spec = spec
         self.bind_ip = bind_ip
-        self.start_timeout_s = start_timeout_s
-        self.cell_timeout_s = cell_timeout_s
-        self.grace_s = grace_s
-        self.layout = ParallelConfig().resolve(spec.world_size)
-        """The layout requests run under; during an automatic restart, the one the new ranks will have."""
-        self.event_handlers: list[Callable[[int, str, dict], None]] = []
-        self.last_cell_records: list[dict[str, Any]] = []
-        self.last_cell_profile: str | None = None
-        """The folder the ranks wrote the last cell's profile to, from their replies (None: none)."""
-        self.last_failure = None  # the root cause of the last failed cell, for %mnb debug (requests.py)
         self._gate = RequestGate()
         self._repair = Repair(spec, bind_ip=bind_ip, start_timeout_s=start_timeout_s, make_launcher=make_launcher,
                               standby_on=standby_on)
+        self._requests = Requests(spec, self._gate, self._repair, cell_timeout_s=cell_timeout_s, grace_s=grace_s)
         self.standby_choice = "on" if standby_on else "off"
         """``standby=`` as resolved, with what ``auto`` chose and why (the start line says it)."""
         self._owns_workdir = owns_workdir
-        self._stray_lines = 0
-        self._cell_numbers = itertools.count(1)
-        """``execute`` requests' numbers (the ranks' ``<cell-N>``), counted here for every rank alike."""
         self.environ_at_start = dict(os.environ)
         """The kernel's environment the ranks inherited (``kernel_context`` sends what changed since)."""
+
+    run = _request("run")
+    run_script = _request("run_script")
+    push = _request("push")
+    pull = _request("pull")
+    debug = _request("debug")
+    layout = _requests_state("layout")
+    cell_timeout_s = _requests_state("cell_timeout_s")
+    grace_s = _requests_state("grace_s")
+    event_handlers = _requests_state("event_handlers")
+    last_cell_records = _requests_state("last_cell_records")
+    last_cell_profile = _requests_state("last_cell_profile")
+    last_failure = _requests_state("last_failure")
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -263,18 +290,21 @@ class Pool(Requests):
     @property
     def ranks(self) -> dict[int, RankInfo]:
         """The current generation's rank table (rank -> pid, host, state, coordinates); replaced, never resized."""
-        generation = self._repair.generation
-        return generation.ranks if generation is not None else {}
+        return self._repair.ranks
 
     @property
     def _transport(self) -> Transport | None:
-        generation = self._repair.generation
-        return generation.transport if generation is not None and not generation.closed else None
+        return self._repair.transport
 
     @property
     def _launcher(self) -> Launcher | None:
         generation = self._repair.generation
         return generation.launcher if generation is not None else None
+
+    @property
+    def start_timeout_s(self) -> float:
+        """How long a start (and a restart, and a script's restoring of the layout) may take."""
+        return self._repair.start_timeout_s
 
     @property
     def restarts(self) -> int:
@@ -374,7 +404,7 @@ class Pool(Requests):
         across every rank (``rank 1 is at all_reduce #42 of tp group [0,1]; rank 0 is at #43 — ...``)."""
         answers = self._ask_stacks(None)  # every rank's counts, for the diagnosis
         shown = [r for r in answers if ranks is None or r in set(ranks)]
-        labels = self._labels()
+        labels = self._requests.labels()
         blocks = [f"--- rank {r} ({labels.get(r, f'r{r}')}) ---\n{answers[r].get('stacks', '')}"
                   + "".join(f"in {text}\n" for text in hangs.waiting_in(answers[r].get("collectives")))
                   for r in shown]

@@ -1,6 +1,6 @@
-"""What the notebook side remembers between cells: the current pool, the last run and settings.
+"""What the notebook side remembers between cells: the current pool, the last run, profile and settings.
 
-Behind ``mnb.pool()`` and ``mnb.last_run``; plain module state of the notebook kernel
+Behind ``mnb.pool()``, ``mnb.last_run`` and ``mnb.last_profile``; plain module state of the notebook kernel
 (no process groups, no torch).
 """
 
@@ -11,9 +11,10 @@ from typing import Any
 from mnb.errors import PoolError
 
 # The registry sits below the pool: it holds the pool as an opaque object (never imports
-# mnb.controller.pool), and Pool hands it each run's records through set_last_run().
+# mnb.controller.pool), and Pool hands it each training's records through record_training().
 _CURRENT: list[Any] = []
 _LAST_RUN: list[Any] = []
+_LAST_PROFILE: list[Any] = []
 _CPU_PEAK: dict[str, float] = {}
 _SETTINGS: dict[str, Any] = {}
 
@@ -33,8 +34,10 @@ def set_current_pool(pool: Any) -> None:
         _CURRENT.append(pool)
 
 
-def set_last_run(records: list[dict[str, Any]]) -> None:
-    """Gather the ranks' run records of the last training cell into ``mnb.last_run``."""
+def record_training(records: list[dict[str, Any]]) -> None:
+    """Take the ranks' records of a cell's last training (one per rank): they become ``mnb.last_run``,
+    the model and training settings ``%mnb export`` remembers (:func:`remember_settings`) and, from CPU
+    ranks, the measured GEMM peak (:func:`measured_cpu_peak_flops`)."""
     from mnb.runs import Run
 
     _LAST_RUN.clear()
@@ -54,6 +57,18 @@ def measured_cpu_peak_flops() -> float | None:
 
 def last_run() -> Any:
     return _LAST_RUN[-1] if _LAST_RUN else None
+
+
+def set_last_profile(profile: Any) -> None:
+    """Keep ``profile`` (a :class:`mnb.profiles.Profile`, or None) as ``mnb.last_profile``."""
+    _LAST_PROFILE.clear()
+    if profile is not None:
+        _LAST_PROFILE.append(profile)
+
+
+def last_profile() -> Any:
+    """The last cell's merged profile (``mnb.last_profile``), or None."""
+    return _LAST_PROFILE[-1] if _LAST_PROFILE else None
 
 
 def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, Any] | None = None,

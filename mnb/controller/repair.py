@@ -29,12 +29,13 @@ import time
 from typing import Any, Callable
 
 from mnb.config import ParallelConfig
-from mnb.controller.collector import Collector, Outcome
+from mnb.controller.collector import Outcome
 from mnb.controller.generation import Generation, RankInfo, launch
 from mnb.controller.guards import InterruptLatch
 from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.controller.output import coords_label
 from mnb.controller.standby import Standby, difference, settings
+from mnb.controller.transport import Transport
 from mnb.errors import PoolError, interrupted
 from mnb.protocol import Message
 from mnb.timeouts import DEFAULT_GRACE_S
@@ -257,6 +258,18 @@ class Repair:
 
     # ------------------------------------------------------------ what status shows
     @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """The current generation's rank table (rank -> pid, host, state, coordinates); replaced, never resized."""
+        generation = self.generation
+        return generation.ranks if generation is not None else {}
+
+    @property
+    def transport(self) -> Transport | None:
+        """The current generation's transport while it is open (None: none yet, or closed)."""
+        generation = self.generation
+        return generation.transport if generation is not None and not generation.closed else None
+
+    @property
     def restarting(self) -> bool:
         thread = self._thread
         return thread is not None and thread.is_alive()
@@ -330,15 +343,9 @@ class Repair:
         """Put the new ranks in the layout the pool promised, through the generation's own inbox."""
         message = Message("execute", header={"layout": layout.as_dict(), "want_value": False})  # no code: no cell
         targets = sorted(generation.ranks)
-        collector = Collector(
-            generation.transport, message.id, targets,
-            {r: generation.ranks[r].label(layout.as_dict()) for r in targets},
-            timeout_s=self.start_timeout_s, grace_s=DEFAULT_GRACE_S, stream=False, any_dead=generation.any_dead,
-            event_handlers=[], on_stray=lambda message: None,
-        )
-        for rank in targets:
-            generation.transport.send(rank, message)
-        outcome = collector.wait(self._restore_latch)
+        outcome = generation.exchange(message, targets, layout.as_dict(), self._restore_latch,
+                                      timeout_s=self.start_timeout_s, grace_s=DEFAULT_GRACE_S, stream=False,
+                                      event_handlers=[], on_stray=lambda message: None)
         for rank, reply in outcome.replies.items():
             generation.ranks[rank].coords = reply.get("coords") or generation.ranks[rank].coords
         failed = [m for m in outcome.replies.values() if not m.get("ok")]

@@ -8,8 +8,11 @@ says what happened, where each rank was, and what happens next.
 
 from __future__ import annotations
 
+import signal
+
 from mnb.controller import hangs
 from mnb.controller.collector import Outcome, user_place
+from mnb.controller.launcher import describe_exit
 from mnb.errors import CompositeRankError, RankError, format_rank_set
 
 Labels = dict[int, str]
@@ -107,19 +110,26 @@ def failure_error(errors: list[RankError], outcome: Outcome, targets: list[int],
                               shown_above=outcome.shown_traceback)
 
 
+TORN_DOWN = describe_exit(-signal.SIGTERM)
+"""How torchrun ends the survivors of a failure (``launcher.describe_exit``'s words for it)."""
+
+
 def death_lines(deaths: dict[int, str], labels: Labels) -> tuple[list[str], list[int]]:
     """'rank 1 (r1 tp0 pp0 dp1) died: exit code 3 (pid 42)' per rank, the first failures first.
 
-    torchrun SIGTERMs the survivors of a failure: those are said to be torn
-    down, not killed.  Returns the lines and the ranks that failed first.
+    ``deaths``: :meth:`Launcher.deaths <mnb.controller.launcher.Launcher.deaths>`' account of each
+    rank.  torchrun SIGTERMs the survivors of a failure: while another rank ended otherwise, those
+    are said to be torn down, not killed (when every rank got SIGTERM, it came from outside and none
+    failed first).  Returns the lines (ranks without a label left out) and the ranks that failed first.
     """
-    if any("SIGTERM" not in why for why in deaths.values()):
-        deaths = {r: why if "SIGTERM" not in why else f"torn down by torchrun after the failure ({why})"
-                  for r, why in deaths.items()}
-    ordered = sorted(deaths.items(), key=lambda item: ("torn down" in item[1], item[0]))
-    lines = [f"rank {r} ({labels[r]}) died: {why}" for r, why in ordered if r in labels]
-    first = [r for r, why in ordered if "torn down" not in why] or sorted(deaths)
-    return lines, first
+    torn = {r for r, why in deaths.items() if why.startswith(TORN_DOWN)}
+    if len(torn) == len(deaths):
+        torn = set()
+    ordered = sorted(deaths, key=lambda r: (r in torn, r))
+    lines = [f"rank {r} ({labels[r]}) died: "
+             + (f"torn down by torchrun after the failure ({deaths[r]})" if r in torn else deaths[r])
+             for r in ordered if r in labels]
+    return lines, [r for r in ordered if r not in torn]
 
 
 FAULT_FRAMES = 8

@@ -1,7 +1,7 @@
 """The request path: one request from its targets to the one error the notebook sees.
 
-``run``, ``run_script``, ``push`` and ``pull`` (the request API of
-:class:`~mnb.controller.pool.Pool`, which inherits them) each pass the gate
+``run``, ``run_script``, ``push``, ``pull`` and ``debug`` (the request API that
+:class:`~mnb.controller.pool.Pool` composes and hands on) each pass the gate
 (``exclusive``), wait for a restart under way (the repair part), mark their
 ranks busy, send, let the :class:`~mnb.controller.collector.Collector` wait,
 take in the replies (values, layout, run records for ``mnb.last_run``) and turn
@@ -10,22 +10,23 @@ the outcome into an error after the repair part acted on it (``Repair.after``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 from mnb.config import ParallelConfig
 from mnb.controller import reports
-from mnb.controller.collector import Collector, Outcome
+from mnb.controller.collector import Outcome
 from mnb.controller.gate import RequestGate, exclusive
 from mnb.controller.generation import RankInfo
-from mnb.controller.registry import set_last_run
+from mnb.controller.launcher import LaunchSpec
+from mnb.controller.registry import record_training
 from mnb.controller.repair import Repair
-from mnb.controller.transport import Transport
 from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
                         interrupted)
 from mnb.fields import check_ranks
@@ -47,23 +48,45 @@ class KeptFailure:
 
 
 class Requests:
-    """The request API; the pool (lifecycle, state, status) is :class:`mnb.controller.pool.Pool`."""
+    """The request API and the state only requests change: the layout requests run under, the last
+    cell's records, profile folder and failure, and the cells' numbers.
 
-    layout: ParallelConfig
-    grace_s: float
-    cell_timeout_s: float | None
-    start_timeout_s: float
-    event_handlers: list[Callable[[int, str, dict], None]]
-    last_cell_records: list[dict[str, Any]]
-    last_cell_profile: str | None
-    ranks: dict[int, RankInfo]
-    world_size: int
-    last_failure: "KeptFailure | None"
-    _gate: RequestGate
-    _repair: Repair
-    _transport: Transport | None
-    _stray_lines: int
-    _cell_numbers: Iterator[int]
+    :class:`~mnb.controller.pool.Pool` composes it beside the two parts it shares with them, the
+    request gate (one request at a time) and the repair part (the current generation of processes,
+    what follows each outcome), and hands its methods and this state on under the same names.
+    """
+
+    def __init__(self, spec: LaunchSpec, gate: RequestGate, repair: Repair, *, cell_timeout_s: float | None,
+                 grace_s: float):
+        self.spec = spec
+        self._gate = gate
+        self._repair = repair
+        self.cell_timeout_s = cell_timeout_s
+        """A cell's timeout when the request names none (None: no limit)."""
+        self.grace_s = grace_s
+        """Seconds the other ranks may take after one failed, when the request names none."""
+        self.layout = ParallelConfig().resolve(spec.world_size)
+        """The layout requests run under; during an automatic restart, the one the new ranks will have."""
+        self.event_handlers: list[Callable[[int, str, dict], None]] = []
+        """Called with each rank event (``(rank, kind, payload)``) while a request runs: the widgets' views."""
+        self.last_cell_records: list[dict[str, Any]] = []
+        """The run records of the last cell or script, from its replies."""
+        self.last_cell_profile: str | None = None
+        """The folder the ranks wrote the last cell's profile to, from their replies (None: none)."""
+        self.last_failure: KeptFailure | None = None
+        """The root cause of the last failed cell, for ``%mnb debug``."""
+        self._stray_lines = 0
+        self._cell_numbers = itertools.count(1)
+        """``execute`` requests' numbers (the ranks' ``<cell-N>``), counted here for every rank alike."""
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """The current generation's rank table (:attr:`Repair.ranks`)."""
+        return self._repair.ranks
 
     @exclusive
     def run(
@@ -98,7 +121,7 @@ class Requests:
         :meth:`debug` until its next cell.
         """
         self.last_cell_profile = None  # until this cell's replies say which folder its ranks wrote
-        targets = self._targets(ranks)
+        targets = self._prepare_request(ranks)
         header: dict[str, Any] = {
             "code": code, "display_ranks": list(display_ranks), "want_value": True, "show_result": show_result,
         }
@@ -179,7 +202,7 @@ class Requests:
             raise RequestRefused("no failed cell to debug: %mnb debug looks at the last cell that failed on "
                                  "a rank (run one, or name a rank: %mnb debug 1)")
         rank = kept.rank if rank is None else rank
-        targets = self._targets([rank])  # a restart under way is waited for: then the generation is the new one
+        targets = self._prepare_request([rank])  # a restart under way is waited for: then the generation is the new one
         if kept is not None and kept.generation is not self._repair.generation:
             raise RequestRefused(
                 f"the frames of rank {kept.rank}'s {kept.what} are gone: its process was replaced since "
@@ -220,7 +243,7 @@ class Requests:
         script = Path(path).expanduser()
         if not script.is_file():
             raise FileNotFoundError(f"no script {str(script)!r}{cwd_note(script)}")
-        targets = self._targets(ranks)
+        targets = self._prepare_request(ranks)
         header: dict[str, Any] = {
             "code": "", "script": {"path": str(script.resolve()), "args": [str(a) for a in args]},
             "ranks": targets, "display_ranks": list(display_ranks), "want_value": False, "show_result": False,
@@ -237,7 +260,7 @@ class Requests:
             # Every rank is idle (an interrupted script's waiting ranks were released): rebuild the pool's
             # layout (collectives) in a request of its own, so the next cell finds it.
             after = self._exchange("execute", targets, {"code": "None", "after_script": True, "want_value": False},
-                                   timeout=self.start_timeout_s, stream=False)
+                                   timeout=self._repair.start_timeout_s, stream=False)
             errors += self._absorb(after)[0]
             self.last_cell_records = records
             if after.died or after.unreleased or after.waiting or after.timed_out:
@@ -272,7 +295,7 @@ class Requests:
         self.last_cell_records = records
         self.last_cell_profile = profiles[0] if profiles else None
         if last_records:  # a cell that trained twice: the second training, not a mix of both
-            set_last_run(sorted(last_records, key=lambda r: r.get("rank", 0)))
+            record_training(sorted(last_records, key=lambda r: r.get("rank", 0)))
         return errors, dict(sorted(values.items()))
 
     @exclusive
@@ -284,8 +307,8 @@ class Requests:
         naming it before any rank is touched.
         """
         encoded = encode_push(namespace)  # raises before any rank is touched
-        self._raise_errors(self._request("push", self._targets(ranks), {"encoded": True}, payload=encoded,
-                                         timeout=VALUES_TIMEOUT_S))
+        targets = self._prepare_request(ranks)
+        self._raise_errors(self._request("push", targets, {"encoded": True}, payload=encoded, timeout=VALUES_TIMEOUT_S))
 
     @exclusive
     def pull(self, name: str | list[str], ranks: Iterable[int] | None = None) -> dict[int, Any]:
@@ -297,7 +320,8 @@ class Requests:
         CompositeRankError naming the name(s) and rank(s), and the ranks stay idle.
         """
         names = [name] if isinstance(name, str) else list(name)
-        replies = self._request("pull", self._targets(ranks), {"names": names}, timeout=VALUES_TIMEOUT_S)
+        targets = self._prepare_request(ranks)
+        replies = self._request("pull", targets, {"names": names}, timeout=VALUES_TIMEOUT_S)
         self._raise_errors(replies)
         pulled: dict[int, dict[str, Any]] = {}
         errors, failed = [], []
@@ -320,7 +344,14 @@ class Requests:
         return pulled
 
     # ------------------------------------------------------------ internals
-    def _targets(self, ranks: Iterable[int] | None) -> list[int]:
+    def _prepare_request(self, ranks: Iterable[int] | None) -> list[int]:
+        """Make the pool ready for a request on ``ranks`` (all when None) and return them, checked.
+
+        Acts before it answers: waits for a restart under way; replaces ranks that died while the pool
+        was idle (and prints that it did); drops what arrived between requests (:meth:`_drain`);
+        replaces the targets still busy with a request that was never answered (raising
+        :class:`PoolError`).  A rank number out of range is a :class:`RequestRefused`.
+        """
         self._repair.wait(self._gate.latch())
         line = self._repair.replace_if_dead(self.layout)
         if line:  # a rank died while the pool was idle: this request runs on the new ranks
@@ -341,7 +372,7 @@ class Requests:
 
         Only a request (which holds the gate) drains: the inbox is the request's alone.
         """
-        transport = self._transport
+        transport = self._repair.transport
         if transport is None:
             return
         while True:
@@ -361,8 +392,8 @@ class Requests:
             return
         if message.type == "reply" and info.state == "busy" and message.id == info.request_id:
             info.state, info.request_id = "idle", None
-        elif message.type == "input_request" and self._transport is not None:  # its cell ended: do not hang
-            self._transport.send(message.get("rank"), Message("input_reply", id=message.id, header={
+        elif message.type == "input_request" and (transport := self._repair.transport) is not None:  # its cell ended: do not hang
+            transport.send(message.get("rank"), Message("input_reply", id=message.id, header={
                 "error": "interrupt", "text": "the cell that asked has ended"}))
         elif message.type == "stream":
             self._stray_lines += message["text"].count("\n") or 1
@@ -377,22 +408,12 @@ class Requests:
         if kind == "execute":  # one number per cell, the same on every rank (their tracebacks' <cell-N>)
             header = {**header, "number": next(self._cell_numbers)}
         message = Message(kind, header=header, payload=payload)
-        generation = self._repair.generation
-        layout = self.layout.as_dict()
-        collector = Collector(
-            generation.transport, message.id, targets, {r: generation.ranks[r].label(layout) for r in targets},
+        return self._repair.generation.exchange(
+            message, targets, self.layout.as_dict(), self._gate.latch(),
             timeout_s=timeout if timeout is not None else self.cell_timeout_s,
-            grace_s=self.grace_s if grace is None else grace, stream=stream, any_dead=generation.any_dead,
+            grace_s=self.grace_s if grace is None else grace, stream=stream,
             event_handlers=self.event_handlers, on_stray=self._handle_stray,
         )
-        for rank in targets:
-            generation.ranks[rank].state, generation.ranks[rank].request_id = "busy", message.id
-            generation.transport.send(rank, message)
-        try:
-            return collector.wait(self._gate.latch())
-        finally:
-            for rank in collector.outcome.replies:
-                generation.ranks[rank].state, generation.ranks[rank].request_id = "idle", None
 
     def _request(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
                  timeout: float | None = None, stream: bool = True) -> dict[int, Message]:
@@ -408,19 +429,24 @@ class Requests:
         ranks that did not take the cell's layout (``_confirm_layout``)."""
         if outcome.cancelled:
             raise PoolError(outcome.cancelled)
-        if outcome.died:
-            raise self._died_error(outcome, code)
+        if outcome.died:  # the report first: replacing the processes empties what it reads
+            lines, first, deaths = self._death_report(code)
+            lines.append(self._repair.after(outcome, self.layout, died=first))
+            if self.spec.nnodes > 1:
+                lines.append(f"torchrun log: {self.spec.log_file}")
+            raise RankDiedError("\n".join(lines), deaths)
         note = self._repair.after(outcome, self.layout, unlaid=unlaid)
         if outcome.error is not None:
             raise outcome.error
         if outcome.interrupted:
-            raise interrupted(reports.interrupt_line(outcome, targets, self._labels()) + (f"\n{note}" if note else ""))
+            raise interrupted(reports.interrupt_line(outcome, targets, self.labels()) + (f"\n{note}" if note else ""))
         if outcome.timed_out:
-            raise CellTimeoutError(reports.timeout_text(outcome, targets, self._labels(), note), outcome.stacks)
+            raise CellTimeoutError(reports.timeout_text(outcome, targets, self.labels(), note), outcome.stacks)
         if errors or outcome.waiting:
-            raise reports.failure_error(errors, outcome, targets, self._labels(), note)
+            raise reports.failure_error(errors, outcome, targets, self.labels(), note)
 
-    def _labels(self) -> dict[int, str]:
+    def labels(self) -> dict[int, str]:
+        """Each rank's label in the current layout: ``{1: "r1 tp0 pp0 dp1"}``."""
         layout = self.layout.as_dict()
         return {rank: info.label(layout) for rank, info in self.ranks.items()}
 
@@ -428,9 +454,10 @@ class Requests:
         return RankError(rank=rank, ename=reply.get("ename", "Error"), evalue=reply.get("evalue", ""),
                          traceback=reply.get("traceback", ""), label=self.ranks[rank].label(self.layout.as_dict()))
 
-    def _died_error(self, outcome: Outcome, code: str | None = None) -> RankDiedError:
-        """Say how each rank ended (the first failure first) and, for a rank a signal killed, the Python
-        line it crashed on; then let the repair part replace the processes."""
+    def _death_report(self, code: str | None = None) -> tuple[list[str], list[int], dict[int, str]]:
+        """How each rank ended (the first failure first) and, for a rank a signal killed, the Python line
+        it crashed on (``code``: the cell's, to quote that line); with the ranks that failed first and
+        ``{rank: how it ended}``.  Waits for torchrun's record of the failure (``DEATH_REPORT_WAIT_S``)."""
         generation = self._repair.generation
         deaths = generation.launcher.deaths(DEATH_REPORT_WAIT_S)
         now, beats = time.monotonic(), generation.transport.last_heartbeat
@@ -438,17 +465,14 @@ class Requests:
             if not info.local and now - beats.get(rank, now) > REMOTE_RANK_SILENCE_S:
                 deaths.setdefault(rank, f"no heartbeat for {REMOTE_RANK_SILENCE_S:.0f} s (host {info.host})")
         deaths = deaths or {r: "stopped with torchrun" for r in generation.ranks}
-        lines, first = reports.death_lines(deaths, self._labels())
+        lines, first = reports.death_lines(deaths, self.labels())
         for rank in first:
             if "killed by signal" in deaths.get(rank, ""):
                 path, found = generation.launcher.fault_report(rank)
                 crash = reports.fault_lines(found, code)
                 if crash:
                     lines += [f"rank {rank}'s Python stack at the crash (faulthandler; every thread in {path}):", *crash]
-        lines.append(self._repair.after(outcome, self.layout, died=first))
-        if self.spec.nnodes > 1:
-            lines.append(f"torchrun log: {self.spec.log_file}")
-        return RankDiedError("\n".join(lines), deaths)
+        return lines, first, deaths
 
     def _raise_errors(self, replies: dict[int, Message]) -> None:
         errors = [self._rank_error(r, m) for r, m in sorted(replies.items()) if not m.get("ok")]

@@ -34,17 +34,15 @@ from typing import Any, Callable
 
 import psutil
 
-from mnb.controller.generation import Generation, RankInfo, _await_hellos, hello_refusal
-from mnb.controller.launcher import LaunchSpec, Launcher, reachable_address
+from mnb.controller.generation import Generation, RankInfo, await_hellos, hello_refusal, open_transport
+from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.controller.transport import Transport
 from mnb.errors import PoolError
-from mnb.protocol import ConnectionInfo, Message, new_key
+from mnb.protocol import STANDBY_ENV, Message
 from mnb.units import GIB
 
 log = logging.getLogger(__name__)
 
-STANDBY_ENV = "MNB_STANDBY"
-"""Set to 1 in a standby generation's environment (``mnb.worker.boot.STANDBY_ENV``)."""
 MODES = ("off", "on", "auto")
 VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 """Environment variables that change on their own and say nothing about the ranks."""
@@ -135,14 +133,7 @@ class Standby:
     # ------------------------------------------------------------ the background thread
     def _prepare(self) -> None:
         try:
-            key = new_key()
-            transport = Transport(key, ip=self.bind_ip)
-            transport.expect(self.spec.world_size)
-            ConnectionInfo(
-                address=reachable_address(transport.address), key=key, world_size=self.spec.world_size,
-                controller_pid=os.getpid(), controller_host=socket.gethostname(),
-                controller_started=psutil.Process().create_time(),
-            ).write(self.spec.connection_file)
+            transport = open_transport(self.spec, self.bind_ip)
             with self._lock:  # close() either sees the transport and torchrun, or they never start
                 if self._closed.is_set():
                     transport.close()
@@ -217,7 +208,7 @@ class Standby:
         for rank in sorted(self.pids):
             self.transport.send(rank, Message("go", header={}))
         try:
-            ranks, timings = _await_hellos(self.spec, self.transport, self.launcher, self.launched_at,
+            ranks, timings = await_hellos(self.spec, self.transport, self.launcher, self.launched_at,
                                            max(1.0, deadline - time.monotonic()), cancelled, on_hello)
         except BaseException:
             self.close()

@@ -18,14 +18,11 @@ import socket
 import sys
 from typing import Any
 
-from mnb.protocol import Message
+from mnb.protocol import STANDBY_ENV, Message
 from mnb.worker.quiet_warnings import route_warnings, verbose_warnings
 from mnb.worker.startup import StartClock
 
 log = logging.getLogger("mnb.worker")
-
-STANDBY_ENV = "MNB_STANDBY"
-"""Set to 1 by the controller for a standby generation (``mnb/controller/standby.py``)."""
 
 
 def die_with_parent() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from mnb.protocol import Message
 from mnb.worker import stdin
-from mnb.worker.executor import describe_exception, release_frames, run_cell
+from mnb.worker.executor import Outcome, describe_exception, release_frames, run_cell
 
 
 def forget_failure(rank: Any) -> None:
@@ -27,9 +27,7 @@ def forget_failure(rank: Any) -> None:
 
 def post_mortem(rank: Any, message: Message) -> None:
     """pdb on the frame where this rank's last cell failed, through the notebook's stdin."""
-    from mnb.megatron import layout
-
-    failure, outcome = rank.last_failure, None
+    failure, outcome = rank.last_failure, Outcome(ok=True)
     if failure is not None:
         print(f"post-mortem of {type(failure).__name__}: {failure}", flush=True)
         with stdin.forwarded(rank.channel, rank.rank, message.id, None):
@@ -37,9 +35,5 @@ def post_mortem(rank: Any, message: Message) -> None:
                 stdin.post_mortem(failure, skip_file=sys.modules[run_cell.__module__].__file__)
             except BaseException as exc:  # no stdin, an interrupt: the request's error
                 outcome = describe_exception(exc)
-    rank.fd_capture.drain()
-    rank.fd_capture.cell_id = None
-    rank.channel.busy.clear()
-    error = {"ename": outcome.ename, "evalue": outcome.evalue, "traceback": outcome.traceback} if outcome else {}
-    rank.channel.reply(message, payload={"value": None, "records": []}, ok=outcome is None,
-                       kept=failure is not None, coords=layout.coordinates(), layout=rank.layout, **error)
+    rank.end_cell()
+    rank.reply_cell(message, outcome, kept=failure is not None)

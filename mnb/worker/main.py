@@ -217,9 +217,7 @@ class Rank:
                 if not outcome.ok:
                     report["error"] = f"{outcome.ename}: {outcome.evalue}"
             profile_dir = report.get("dir")
-        self.fd_capture.drain()
-        self.fd_capture.cell_id = None
-        self.channel.busy.clear()
+        self.end_cell()
         if self.display_here:
             for figure in open_figures():
                 self.display(figure)
@@ -232,19 +230,24 @@ class Rank:
                     )
                 )
         close_figures()
-        records = events.take_records()
         value = portable(outcome.value) if message.get("want_value") and outcome.ok else None
-        self.channel.reply(
-            message,
-            payload={"value": value, "records": records},
-            ok=outcome.ok,
-            ename=outcome.ename,
-            evalue=outcome.evalue,
-            traceback=outcome.traceback,
-            coords=layout.coordinates(),
-            layout=self.layout,
-            profile_dir=profile_dir,
-        )
+        self.reply_cell(message, outcome, value=value, records=events.take_records(), profile_dir=profile_dir)
+
+    def end_cell(self) -> None:
+        """Every execute's end, its reply aside: the cell's file-descriptor output is sent and the rank is idle."""
+        self.fd_capture.drain()
+        self.fd_capture.cell_id = None
+        self.channel.busy.clear()
+
+    def reply_cell(self, message: Message, outcome: Outcome, *, value: Any = None,
+                   records: list[dict[str, Any]] | None = None, **extra: Any) -> None:
+        """Every execute's reply: how it ended, the value and run records, and the coordinates and layout
+        this rank has now (what the controller confirms the cell's layout against)."""
+        from mnb.megatron import layout
+
+        self.channel.reply(message, payload={"value": value, "records": records or []}, ok=outcome.ok,
+                           ename=outcome.ename, evalue=outcome.evalue, traceback=outcome.traceback,
+                           coords=layout.coordinates(), layout=self.layout, **extra)
 
     def _on_push(self, message: Message) -> None:
         """Bind the pushed names: each arrives pickled on its own (``values.encode_push``); all or none."""

@@ -61,11 +61,7 @@ def test_restart_after_killed_rank_adopts_the_standby(pool, capsys):
     status = waiting(pool)
     assert len(status["pids"]) == 2 and alive_pids(status["pids"]) == status["pids"]
     assert status["rss_bytes"] > 100 * 2**20  # torch and Megatron-Core imported: host memory only
-    registry.set_current_pool(pool)
-    try:
-        MegatronMagics(shell=None)._cmd_status(argparse.Namespace())  # what %mnb status prints
-    finally:
-        registry.set_current_pool(None)
+    MegatronMagics(shell=None)._cmd_status(argparse.Namespace(), pool)  # what %mnb status prints
     assert (f"standby: waiting for go; pids {status['pids'][0]} {status['pids'][1]} "
             f"(torchrun {status['torchrun_pid']}); host memory ") in capsys.readouterr().out
     with pytest.raises(PoolError):

@@ -93,7 +93,7 @@ def test_progress_and_summary_give_the_same_throughput(cpu_pool):
     run = mnb.last_run
     reporter = {rank for rank, _ in seen}
     assert len(reporter) == 1 and len(seen) == 4
-    rows = run.ranks[reporter.pop()]["steps"]
+    rows = run.records_by_rank[reporter.pop()]["steps"]
     assert [p["tokens_per_s"] for _, p in seen] == [row["tokens_per_s"] for row in rows]
     mean = sum(run.tokens_per_s[1:]) / 3
     assert f"{mean:,.0f} tokens/s (mean of steps 2-4)" in run.summary()
