@@ -2,6 +2,7 @@
 (while the fused kernels compile in the background) and fused, against ``mnb.estimate.memory`` (issue 39).
 
     python bench/h200_first_run.py --out OUTDIR        # writes OUTDIR/h200_first_run.json
+    python bench/h200_first_run.py --llama-1b --out OUTDIR
 
 1. The first cell of a fresh pool, empty Inductor cache (``XDG_CACHE_HOME`` and
    ``TORCHINDUCTOR_CACHE_DIR`` new folders): ``mnb.gpt('llama-3b', seq_length=2048)``,
@@ -55,9 +56,33 @@ def plan_bytes(preset: str, mbs: int, gbs: int) -> float:
                                                           global_batch_size=gbs), gpus=1).peak_bytes
 
 
+def llama_1b(bench: Rows, pool) -> None:
+    """``--llama-1b``: llama-1b's first cell in a fresh pool, then a llama-1b of a new SwiGLU width
+    (not among the kernels the pool compiles for the presets when it is ready) with its compile held:
+    every step unfused, steps 2-4 with Adam's state."""
+    import mnb
+
+    for label, cell in (
+        ("llama-1b mbs 8 gbs 64, first cell", "model = mnb.gpt('llama-1b', seq_length=2048)\n"
+         "mnb.train(model, steps=4, micro_batch_size=8, global_batch_size=64, bf16=True)"),
+        ("llama-1b ffn 7936 mbs 8 gbs 64, compile held: unfused",
+         "model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+         "from mnb.megatron import fusions\nfusions._warm_lock.acquire()\n"
+         "model = mnb.gpt('llama-1b', seq_length=2048, ffn_hidden_size=7936)\n"
+         "try:\n    mnb.train(model, steps=4, micro_batch_size=8, global_batch_size=64, bf16=True)\n"
+         "finally:\n    fusions._warm_lock.release()"),
+    ):
+        try:
+            pool.run(cell)
+            step_rows(bench, label, mnb.last_run, plan_bytes("llama-1b", 8, 64))
+        except Exception:
+            bench.add("error", {"job": label, "error": traceback.format_exc()[-2500:]})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="h200-out")
+    parser.add_argument("--llama-1b", action="store_true", help="llama-1b's first cell and unfused steps only")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,6 +96,10 @@ def main() -> None:
     t0 = time.perf_counter()
     pool = Pool.start(1, gpus=[0], timeout=600)
     bench.add("start", {"ready_s": round(time.perf_counter() - t0, 2)})
+    if args.llama_1b:
+        llama_1b(bench, pool)
+        pool.stop()
+        return
     try:
         pool.run("model = mnb.gpt('llama-3b', seq_length=2048)\n"
                  "mnb.train(model, steps=4, micro_batch_size=8, global_batch_size=64, bf16=True)")
