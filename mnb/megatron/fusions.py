@@ -21,7 +21,8 @@ with Triton, and off on CPU ranks (where ``torch.compile`` would need a C++
 toolchain and minutes of compiling, and the parity tests want Megatron's own
 unfused arithmetic).  The first fused ``mnb.gpt`` in a rank process starts compiling the
 kernels in a background thread (:func:`warm_up`, seconds) and its first training steps run
-the same arithmetic eagerly until they are ready (:mod:`mnb.megatron.background_compile`);
+the same arithmetic eagerly until they are ready (:mod:`mnb.megatron.background_compile`), on blocks
+of tokens (:func:`by_rows`) so that they need no more memory than the compiled kernels;
 later models and layouts reuse them.
 """
 
