@@ -301,6 +301,22 @@ class Run:
         return [step for step, flags in compiling.items() if any(flags)]
 
     @property
+    def kernel_waits(self) -> dict[int, float]:
+        """{step: seconds} for the steps that waited for the fused kernels before they began, because
+        unfused they would not have fit (mnb.megatron.background_compile.Steps); the longest wait of any rank."""
+        waits = self._per_step("waited_for_kernels_s")
+        return {step: max(values) for step, values in waits.items() if values}
+
+    def step_peak_bytes(self, steps: list[int]) -> int | None:
+        """The most the CUDA allocator held in any of ``steps`` on any rank (each step's own peak);
+        None on CPU ranks (whose per-step readings are the process's resident set) or without readings."""
+        if self.memory_source != "cuda":
+            return None
+        peaks = self._per_step("mem_peak_bytes")
+        values = [v for step in steps for v in peaks.get(step, [])]
+        return int(max(values)) if values else None
+
+    @property
     def memory_source(self) -> str:
         """Where the measured peak comes from: 'cuda' (allocator), 'counted' (tensors), or 'rss' (old records)."""
         source = self._first.get("memory_source") or ("rss" if self.on_cpu else "cuda")
@@ -487,8 +503,16 @@ class Run:
         unfused = self.unfused_steps
         if unfused:
             first, last = unfused[0], unfused[-1]
-            lines.append((f"step {first}" if first == last else f"steps {first}\u2013{last}")
-                         + " unfused while compiling" + ("" if last < self.steps[-1] else " (the fused kernels were not ready yet)"))
+            text = ((f"step {first}" if first == last else f"steps {first}\u2013{last}")
+                    + " unfused while compiling" + ("" if last < self.steps[-1] else " (the fused kernels were not ready yet)"))
+            unfused_peak = self.step_peak_bytes(unfused)
+            if unfused_peak is not None:
+                fused_peak = self.step_peak_bytes([s for s in self.steps if s not in unfused])
+                text += f", peak {format_bytes(unfused_peak)}" + (
+                    f" (fused steps {format_bytes(fused_peak)})" if fused_peak is not None else "")
+            lines.append(text)
+        for step, waited in self.kernel_waits.items():
+            lines.append(f"step {step} waited {waited:.1f} s for the fused kernels (unfused it would not have fit)")
         if self.measured_bubble is not None and self.layout.pp > 1:  # no pipeline, no bubble to speak of
             text = (f"bubble measured {self.measured_bubble:.1%} ({self.measured_bubble_statistic}) "
                     f"vs theoretical {self.theoretical_bubble:.1%}")

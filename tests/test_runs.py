@@ -247,3 +247,32 @@ def test_summary_means_leave_profiled_steps_out_and_say_which_steps_they_cover()
     assert "tokens/s (mean of steps 2-4, all profiled (slowed by the profiler))" in every.summary()
     plain = Run(_four_steps(profiled=()))
     assert plain.profiled_steps == [] and "tokens/s (mean of steps 2-4)," in plain.summary()
+
+
+def test_summary_says_which_steps_ran_unfused_at_what_memory_and_which_waited():
+    """The rows mnb.train writes for a fused model (``compiling``, ``waited_for_kernels_s``; the allocator's
+    peak of each step) become the summary's line about the first steps (issue 39)."""
+    gib = 2**30
+    records = make_records()
+    for record in records:
+        rows = []
+        for step, compiling, peak, waited in ((1, True, 80, None), (2, True, 111, None), (3, False, 110, 4.0),
+                                              (4, False, 110, None)):
+            row = {"step": step, "loss": 5.0, "step_time_s": 2.0, "tokens_per_s": 128.0, "compiling": compiling,
+                   "mem_peak_bytes": peak * gib + record["rank"]}
+            if waited is not None:
+                row["waited_for_kernels_s"] = waited + record["rank"]
+            rows.append(row)
+        record["steps"], record["fusions"] = rows, True
+    run = Run(records)
+    assert run.unfused_steps == [1, 2]
+    assert run.step_peak_bytes([1, 2]) == 111 * gib + 1  # the most of any rank in those steps
+    assert run.kernel_waits == {3: 5.0}  # the longest wait of any rank
+    text = str(run.summary())
+    assert "steps 1\u20132 unfused while compiling, peak 111.00 GiB (fused steps 110.00 GiB)" in text, text
+    assert "step 3 waited 5.0 s for the fused kernels (unfused it would not have fit)" in text, text
+    cpu = make_records(device="cpu", device_name="cpu")  # a CPU rank's per-step reading is the resident set
+    for record in cpu:
+        record["steps"] = [dict(row, compiling=True) for row in record["steps"]]
+    assert Run(cpu).step_peak_bytes([1, 2]) is None
+    assert "steps 1\u20132 unfused while compiling (the fused kernels were not ready yet)\n" in str(Run(cpu).summary())

@@ -9,7 +9,9 @@ returns; until every kernel of the model is compiled, the fused ops run their ea
 kernels at a step boundary, the same step on every rank: each rank's readiness rides along in
 the all-reduce that already agrees on the loss and the interrupt flag (:class:`Steps`), and each
 step's row says whether it ran unfused (``compiling``), so the summary can say "steps 1–3 unfused
-while compiling".
+while compiling" and at what memory.  The unfused ops keep to the fused path's memory (they work by
+blocks of rows: :func:`mnb.megatron.fusions.by_rows`); a step that would still not fit unfused,
+measured on the step before it, waits for the kernels instead and says so (:class:`Steps`).
 
 Compiling in a thread beside training is safe in torch 2.x: Dynamo's frame hook is per thread
 (the main thread's eager ops are never traced), compiles are serialised by Dynamo's own
@@ -104,17 +106,37 @@ def pending() -> Compile | None:
     return _pending
 
 
+FIT_FRACTION = 0.95
+"""A step runs unfused only while what it would need stays under this share of the GPU's memory."""
+
+
+def unfused_need_bytes(step_peak_bytes: int, start_bytes: int, end_bytes: int) -> int:
+    """What the next unfused step needs, measured on the one just run unfused: its peak, plus what it
+    left allocated beyond what it began with (Adam's moments, made at the first step, are there for
+    every later step)."""
+    return step_peak_bytes + max(0, end_bytes - start_bytes)
+
+
 class Steps:
     """``mnb.train``'s view: decide at each step boundary whether the next step runs compiled.
 
-    ``readiness()`` is this rank's vote (1.0: not ready) for the all-reduce the step boundary
-    already does; ``decide(not_ready_sum)`` applies the sum, so every rank switches at once.
+    ``votes()`` is this rank's part of the all-reduce the step boundary already does: whether its
+    kernels are still compiling, and whether the next step, unfused, would not fit on its GPU
+    (:func:`unfused_need_bytes` against :data:`FIT_FRACTION` of the device's memory: measured by the
+    allocator on the step just run unfused).  ``decide(not_ready, tight)`` applies the sums: every rank
+    switches at once, and when some rank would not fit, every rank waits for its kernels (and says so)
+    rather than run a step unfused.  The unfused ops are lean (the eager loss and SwiGLU work by
+    blocks: :func:`mnb.megatron.fusions.by_rows`), so this wait is for models at the edge of memory.
     """
 
-    def __init__(self, fused: bool):
+    def __init__(self, fused: bool, device: torch.device | None = None):
         self.fused = fused
         self.compiled = True
         """Whether the current step runs the compiled kernels (always True for an unfused model)."""
+        self.waited_s: float | None = None
+        """Seconds the last boundary waited for the kernels (None: it did not wait)."""
+        self._device = device
+        self._start_bytes: int | None = None
 
     def __enter__(self) -> "Steps":
         return self
@@ -123,13 +145,54 @@ class Steps:
         global _decision
         _decision = None
 
-    def readiness(self) -> float:
-        return 0.0 if not self.fused or local_ready() else 1.0
+    def _measures(self) -> bool:
+        return self.fused and self._device is not None and self._device.type == "cuda"
 
-    def decide(self, not_ready: float) -> None:
+    def begin_step(self) -> None:
+        """At a step's start (after the allocator's peak is reset): what is allocated now."""
+        self._start_bytes = (torch.cuda.memory_allocated(self._device)
+                             if self._measures() and not self.compiled else None)
+
+    def unfused_need(self) -> tuple[int, int] | None:
+        """(bytes the next step needs unfused, the GPU's bytes), measured on the step just run unfused;
+        None before the first step, after a compiled step, and on CPU ranks."""
+        if self._start_bytes is None or not self._measures():
+            return None
+        need = unfused_need_bytes(torch.cuda.max_memory_allocated(self._device), self._start_bytes,
+                                  torch.cuda.memory_allocated(self._device))
+        return need, int(torch.cuda.get_device_properties(self._device).total_memory)
+
+    def votes(self) -> tuple[float, float]:
+        """(1.0 if this rank's kernels are still compiling, 1.0 if the next step unfused would not fit)."""
+        if not self.fused or local_ready():
+            return 0.0, 0.0
+        measured = self.unfused_need()
+        tight = measured is not None and measured[0] > FIT_FRACTION * measured[1]
+        if tight:
+            from mnb.units import format_bytes
+
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            print(f"mnb: rank {rank}: the next step, unfused, would need {format_bytes(measured[0])} of "
+                  f"{format_bytes(measured[1])} (the last step's peak and what it kept): waiting for the fused "
+                  "kernels to compile instead", flush=True)
+        return 1.0, 1.0 if tight else 0.0
+
+    def decide(self, not_ready: float, tight: float = 0.0) -> None:
+        """Apply the summed votes (the same on every rank, so every rank takes the same branch)."""
         global _decision, _pending
         if not self.fused:
             return
+        self.waited_s = None
+        if not_ready and tight:
+            began = time.perf_counter()
+            pending = _pending
+            if pending is not None:
+                pending.wait()
+            self.waited_s = time.perf_counter() - began
+            device = self._device or torch.device("cpu")
+            again = torch.tensor([0.0 if local_ready() else 1.0], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(again)  # a compile that failed somewhere leaves that rank unfused
+            not_ready = float(again[0])
         self.compiled = not_ready == 0
         _decision = self.compiled
         if self.compiled and _pending is not None and _pending.ready:

@@ -21,7 +21,8 @@ with Triton, and off on CPU ranks (where ``torch.compile`` would need a C++
 toolchain and minutes of compiling, and the parity tests want Megatron's own
 unfused arithmetic).  The first fused ``mnb.gpt`` in a rank process starts compiling the
 kernels in a background thread (:func:`warm_up`, seconds) and its first training steps run
-the same arithmetic eagerly until they are ready (:mod:`mnb.megatron.background_compile`);
+the same arithmetic eagerly until they are ready (:mod:`mnb.megatron.background_compile`), on blocks
+of tokens (:func:`by_rows`) so that they need no more memory than the compiled kernels;
 later models and layouts reuse them.
 """
 
@@ -79,9 +80,42 @@ def _inline_while_another_thread_traces() -> None:
 
 
 def _kernel(fn, compiled: bool, *, dynamic: bool | None = True):
-    """``fn`` itself, or its compiled version (one per function and process)."""
+    """``fn``'s compiled version (one per function and process), or ``fn`` eagerly, by row blocks."""
     calls["compiled" if compiled else "eager"] += 1
-    return _compiled(fn, dynamic) if compiled else fn
+    return _compiled(fn, dynamic) if compiled else functools.partial(by_rows, fn)
+
+
+EAGER_BLOCK_BYTES = 256 * 2**20
+"""The eager (unfused) ops work on blocks of rows (tokens) whose fp32 copy is about this large."""
+
+
+def by_rows(fn, *tensors: torch.Tensor):
+    """``fn(*tensors)`` computed on blocks of rows (the first dimension, which all share), its
+    outputs written into tensors allocated once: what the eager ops run while kernels compile.
+
+    Why: a compiled kernel keeps its fp32 arithmetic in registers; the same arithmetic op by op
+    makes fp32 temporaries the size of its input, several at once.  For the loss at llama-3b,
+    micro batch 8, seq 2048 that was three or four fp32 copies of the ``[tokens, vocab]`` logits
+    (8.4 GB each) in backward, and a fresh H200's first run ran out of memory at its second step
+    while its kernels compiled (issue 39).  By blocks the temporaries are a few
+    :data:`EAGER_BLOCK_BYTES`; every row's arithmetic is unchanged, so the results are the same.
+    """
+    rows = tensors[0].shape[0]
+    row_bytes = 4 * max(max(1, t[:1].numel()) for t in tensors)
+    block = max(1, EAGER_BLOCK_BYTES // row_bytes)
+    if rows <= block:
+        return fn(*tensors)
+    outs = single = None
+    for start in range(0, rows, block):  # a tensor of one row (a broadcast table) is passed whole
+        parts = fn(*(t[start:start + block] if t.shape[0] == rows else t for t in tensors))
+        if outs is None:
+            single = isinstance(parts, torch.Tensor)
+            outs = tuple(torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
+                         for p in ((parts,) if single else parts))
+        for out, part in zip(outs, (parts,) if single else parts):
+            out[start:start + block] = part
+        del parts
+    return outs[0] if single else outs
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,

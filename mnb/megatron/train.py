@@ -254,7 +254,7 @@ def _global_loss(losses_reduced: list[dict], device, interrupted: bool = False, 
     has them).  With your own loss function (``own``), the average of what it reported
     (record.loss_sum_and_count).
     """
-    totals = torch.zeros(4, dtype=torch.float64, device=device)
+    totals = torch.zeros(5, dtype=torch.float64, device=device)
     if _holds_loss() and own is not None:
         from mnb.megatron.record import loss_sum_and_count
 
@@ -263,10 +263,11 @@ def _global_loss(losses_reduced: list[dict], device, interrupted: bool = False, 
         for item in losses_reduced:
             totals[:2] += item["lm loss"].to(device=device, dtype=torch.float64)
     totals[2] = float(interrupted)
-    totals[3] = switch.readiness() if switch is not None else 0.0
+    if switch is not None:
+        totals[3], totals[4] = switch.votes()
     torch.distributed.all_reduce(totals)
     if switch is not None:
-        switch.decide(float(totals[3]))
+        switch.decide(float(totals[3]), float(totals[4]))
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
     return loss, bool(totals[2] > 0)
 
@@ -356,7 +357,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
     # Sample k is the same however long the run (batches.EpochSamples): steps=10 and steps=20 start
     # alike, and one call of 10 steps and two of 5 read the same samples.
     dataset = plan.dataset(tc, model) if own is None else None
-    switch = background_compile.Steps(fused=model.fusions)
+    switch = background_compile.Steps(fused=model.fusions, device=device)
     with switch:
         if _agree_to_stop(flag, device, switch):
             raise KeyboardInterrupt(f"mnb.train stopped before its first step on every rank "
@@ -390,9 +391,9 @@ def _agree_to_stop(flag: interrupts.InterruptFlag, device, switch: background_co
 
     It also decides whether the first step runs the compiled fused kernels (every rank has them).
     """
-    raised = torch.tensor([float(flag.requested), switch.readiness()], dtype=torch.float64, device=device)
+    raised = torch.tensor([float(flag.requested), *switch.votes()], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(raised)
-    switch.decide(float(raised[1]))
+    switch.decide(float(raised[1]), float(raised[2]))
     return bool(raised[0].item() > 0)
 
 
@@ -415,6 +416,9 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
         recorder.begin_step(step)
         t0 = time.perf_counter()
         compiled = switch is None or switch.compiled  # decided at the last boundary, the same on every rank
+        waited_s = None if switch is None else switch.waited_s
+        if switch is not None:
+            switch.begin_step()
         try:
             for wrapped in model.wrapped:
                 wrapped.zero_grad_buffer()
@@ -439,7 +443,8 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             raise _oom_error(err, step, meter) from err
-        step_time = time.perf_counter() - t0
+        # a wait for the kernels at this step's end belongs to the next step's row (waited_for_kernels_s)
+        step_time = time.perf_counter() - t0 - ((switch.waited_s or 0.0) if switch is not None else 0.0)
         profiled = session is not None and session.step_end(i + 1, step)
         row = {
             "step": step,
@@ -452,6 +457,8 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
         }
         if model.fusions:
             row["compiling"] = not compiled  # ran the fused ops unfused while their kernels compiled
+            if waited_s is not None:  # it waited for them: unfused it would not have fit (background_compile)
+                row["waited_for_kernels_s"] = waited_s
         if profiled:
             row["profiled"] = True  # the profiler ran through it: slower than the others (Run.profiled_steps)
         if tc.eval_due(i + 1):

@@ -232,6 +232,29 @@ def _loss_and_grad(loss_fn, logits, target):
     return loss.detach().float(), leaf.grad
 
 
+def _blocked_loss(logits, target, group, ref_loss, ref_grad) -> dict:
+    """The eager loss by blocks of 5 rows (the last one shorter; fusions.by_rows) against Megatron's
+    loss and gradient, and against the eager loss in one block (the same values, bit for bit)."""
+    import torch
+
+    from mnb.megatron import fusions
+
+    def ours(x, t):
+        return fusions.vocab_parallel_cross_entropy(x, t, group, compiled=False)
+
+    whole_loss, whole_grad = _loss_and_grad(ours, logits, target)
+    default = fusions.EAGER_BLOCK_BYTES
+    fusions.EAGER_BLOCK_BYTES = 5 * logits.shape[-1] * 4
+    try:
+        loss, grad = _loss_and_grad(ours, logits, target)
+    finally:
+        fusions.EAGER_BLOCK_BYTES = default
+    return {"blocks": -(-logits.shape[0] * logits.shape[1] // 5),
+            "blocked_loss_diff": float((loss - ref_loss).abs().max()),
+            "blocked_grad_diff": float((grad.float() - ref_grad.float()).abs().max()),
+            "blocked_equals_whole": bool(torch.equal(loss, whole_loss) and torch.equal(grad, whole_grad))}
+
+
 def torch_arange_like(t):
     import torch
 
@@ -267,6 +290,7 @@ def fusions_vs_megatron() -> dict:
         out[f"grad_diff_{name}"] = float((grad.float() - ref_grad.float()).abs().max())
         out[f"grad_scale_{name}"] = float(ref_grad.float().abs().max())
         out[f"grad_dtype_{name}"] = str(grad.dtype)
+        out.update({f"{k}_{name}": v for k, v in _blocked_loss(logits, target, None, ref_loss, ref_grad).items()})
     rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000)
     freqs = rope(12)
     t = torch.randn(12, 3, 4, 16, generator=gen)
@@ -519,7 +543,8 @@ def fused_loss_tp2() -> dict:
                                                 reduction="none").reshape(10, 2)
     return {"loss_diff": float((loss - ref_loss).abs().max()),
             "grad_diff": float((grad.float() - ref_grad.float()).abs().max()),
-            "unsplit_diff": float((loss - unsplit).abs().max())}
+            "unsplit_diff": float((loss - unsplit).abs().max()),
+            **_blocked_loss(part, target, group, ref_loss, ref_grad)}
 
 
 def layout_walk() -> list:
@@ -558,3 +583,95 @@ def layout_walk() -> list:
             walk.append({"bad": bad, "error": str(err)})
     walk.append({"after_bad": current_layout().as_dict(), "rank": torch.distributed.get_rank()})
     return walk
+
+
+class LiveTensorBytes:
+    """The bytes of tensor storages alive at once while the block runs, counted as ops make them and as
+    they are freed (a ``TorchDispatchMode``; storages told apart by data pointer, views counted once).
+    ``peak_bytes`` is the most held at once of what the block allocated (what existed before is not counted)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter._note(out, (args, kwargs))
+                return out
+
+        self._mode = _Mode()
+        self.now_bytes = self.peak_bytes = 0
+        self._alive: dict[int, int] = {}
+
+    def _note(self, out, inputs) -> None:
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if not ptr or ptr in self._alive or ptr in given:  # a view or an in-place op's output: not new
+                continue
+            self._alive[ptr] = storage.nbytes()
+            self.now_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.now_bytes)
+            weakref.finalize(storage, self._freed, ptr)
+
+    def _freed(self, ptr: int) -> None:
+        self.now_bytes -= self._alive.pop(ptr, 0)
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def unfused_step_memory(block_share: int = 32) -> dict:
+    """A fused model's training step while its kernels compile (the ranks hold the compile's lock, so it
+    never finishes): every tensor the step makes counted as it is made and freed, against the step's part
+    of ``mnb.estimate.memory`` (activations, logits and the allocator's overhead; the weights, gradients
+    and optimizer state exist before the step and are checked exactly by test_memory.py).
+
+    The eager ops work on blocks of ``1/block_share`` of the loss's fp32 logits, as the default
+    ``EAGER_BLOCK_BYTES`` is to llama-3b's at micro batch 8, seq 2048 (256 MiB of 8.4 GB: 1/32).
+    Step 1 runs first (Adam's moments are made there); step 2 is counted, as the step that ran out
+    of memory on the GPU (issue 39).  fp32 training: CPU ranks' norms keep fp32 copies under bf16,
+    which the estimate counts for fp32 only (activations.norm_extra_bytes).
+    """
+    import mnb.estimate as est
+    from mnb.config import ParallelConfig, TrainConfig
+    from mnb.megatron import background_compile, fusions
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    fusions.COMPILE_ON_CPU = True
+    apply_layout(ParallelConfig())
+    fusions._warm_lock.acquire()  # the background compile never starts: every step runs unfused
+    batch = dict(micro_batch_size=8, global_batch_size=8)
+    model = gpt("tiny", vocab_size=2048, seq_length=128)
+    pending = background_compile.pending()
+    vocab = model.padded_vocab_size
+    tokens = batch["micro_batch_size"] * 128
+    fusions.EAGER_BLOCK_BYTES = tokens * vocab * 4 // block_share
+    first = train(model, steps=1, **batch)
+    with LiveTensorBytes() as live:
+        second = train(model, steps=1, **batch)
+    stage = est.memory(model.config, ParallelConfig(), TrainConfig(**batch), gpus=1, fused_loss=True,
+                       fused_kernels=True, cpu_kernels=True).stages[0]
+    return {"compiling": [row["compiling"] for row in first["steps"] + second["steps"]],
+            "compile_pending": pending is not None and not pending.ready,
+            "model_class": type(model.chunks[0]).__name__,
+            "eager_calls": fusions.calls["eager"], "compiled_calls": fusions.calls["compiled"],
+            "step_peak_bytes": live.peak_bytes,
+            "estimate_step_bytes": stage.activations_bytes + stage.logits_bytes + stage.other_bytes,
+            "estimate_logits_bytes": stage.logits_bytes, "estimate_activations_bytes": stage.activations_bytes}
