@@ -55,6 +55,8 @@ MAX_ENTRIES = 4
 """Buckets kept per model (least recently used dropped first)."""
 cpu_standin = False
 """Tests only: run this path on CPU ranks, the graph replaced by :class:`Eager` (no CUDA capture)."""
+enabled = True
+"""False: GPU ranks too take the per-token path (:func:`mnb.megatron.generate.decode`), for comparisons."""
 
 
 def batch_bucket(batch: int) -> int:
@@ -110,6 +112,18 @@ class Pass:
     mask: torch.Tensor | None = None  # decode: [B, 1, 1, 1, S] bool, key j visible to row b
     positions: torch.Tensor | None = None  # decode: [B, 1] long
     caches: dict = field(default_factory=dict)  # id(layer attention) -> (keys, values)
+    cos: torch.Tensor | None = None  # RoPE applied here (``[s, b, 1, rot]``), or None: by Megatron
+    sin: torch.Tensor | None = None
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Megatron's non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``, mscale 1), its order of
+    operations, with cos/sin looked up once per step rather than computed in every layer."""
+    rot = cos.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
 class CachedAttention(torch.nn.Module):
@@ -124,6 +138,8 @@ class CachedAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         keys, values = self.state.caches[self.key]
+        if self.state.cos is not None:
+            query, key = (rotate(t, self.state.cos, self.state.sin) for t in (query, key))
         s, b, heads, dim = query.shape
         groups = key.shape[2]
         if self.state.prefill:  # positions 0..s-1 for every row (right-padded prompts)
@@ -172,18 +188,26 @@ def swapped_attention(chunks, state: Pass):
 
 
 class Sampling:
-    """Greedy or temperature / top-k / top-p choice of one token per row, on the device, graph-safe."""
+    """Greedy or temperature / top-k / top-p choice of one token per row, on the device, graph-safe.
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, vocab: int, rows: int,
-                 seed: int, device: torch.device):
-        self.greedy = temperature == 0
-        self.vocab = vocab
-        self.temperature = torch.tensor(temperature or 1.0, dtype=torch.float64, device=device)
-        self.top_k = torch.tensor(top_k or vocab, device=device)
-        self.top_p = torch.tensor(top_p if top_p < 1 else 2.0, dtype=torch.float64, device=device)
+    Its tensors belong to a bucket (graphs read them); :meth:`configure` sets them for each call.
+    """
+
+    def __init__(self, vocab: int, rows: int, device: torch.device):
+        self.greedy, self.vocab = True, vocab
+        self.temperature = torch.ones((), dtype=torch.float64, device=device)
+        self.top_k = torch.tensor(vocab, device=device)
+        self.top_p = torch.tensor(2.0, dtype=torch.float64, device=device)
         self.ranks = torch.arange(vocab, device=device)
         self.draws = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.generator = torch.Generator(device=device).manual_seed(int(seed))
+        self.generator = torch.Generator(device=device)
+
+    def configure(self, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+        self.greedy = temperature == 0
+        self.temperature.fill_(temperature or 1.0)
+        self.top_k.fill_(top_k or self.vocab)
+        self.top_p.fill_(top_p if top_p < 1 else 2.0)  # 2: no nucleus cut, whatever the rounding
+        self.generator.manual_seed(int(seed))
 
     def draw(self) -> None:
         """The next uniform numbers (outside the graph: one kernel per token)."""
@@ -228,6 +252,8 @@ class Entry:
                           for v in decoder.stages}
         self.key_index = torch.arange(positions, device=device)
         self.rope = decoder.rope_table(positions)
+        self.cos_sin = None if self.rope is None or not decoder.own_rope else (self.rope.cos(), self.rope.sin())
+        self.sampling = Sampling(decoder.vocab, rows, device)
         self.graphs: dict = {}  # (stage, greedy) -> Graph | Eager
         self.pool = torch.cuda.graph_pool_handle() if decoder.capture else None
 
@@ -263,7 +289,13 @@ class GraphDecoder:
         self.why_eager = ("MoE layers (Megatron's token dispatch counts tokens on the host)" if moe else
                           "Megatron-FSDP gathers parameters per layer" if model.parallel.fsdp else "CPU rank")
         self.signature = self.params_signature(model)
+        # RoPE in CachedAttention (one cos/sin lookup per step) where it is Megatron's plain kind.
+        self.own_rope = not (tconfig.rotary_interleaved or getattr(tconfig, "no_rope_freq", None)
+                             or getattr(tconfig, "multi_latent_attention", False)
+                             or any(getattr(a, "_yarn_concentration_factor", 1.0) not in (None, 1.0)
+                                    for c in self.chunks for a in attentions(c)))
         self.entries: dict[tuple[int, int], Entry] = {}
+        self.state = Pass()  # what the swapped attentions read; graphs captured it, so one per decoder
         self.captures = 0
 
     @staticmethod
@@ -298,9 +330,11 @@ class GraphDecoder:
         else:
             chunk.set_input_tensor(hidden_in)
             hidden = None
-        rope = None
-        if entry.rope is not None:
-            rope = entry.rope[where].transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]
+        rope = state.cos = state.sin = None
+        if entry.cos_sin is not None:
+            state.cos, state.sin = (t[where].to(self.dtype).transpose(0, 1).unsqueeze(2) for t in entry.cos_sin)
+        elif entry.rope is not None:
+            rope = entry.rope[where].transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]: Megatron rotates
         hidden = chunk.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
         return hidden
 
@@ -344,8 +378,8 @@ class GraphDecoder:
         lengths = [len(p) for p in prompts]
         rows, positions = batch_bucket(batch), length_bucket(max(lengths) + max_new_tokens)
         entry = self.entry(rows, positions)
-        sampling = Sampling(**sampling_args, vocab=self.vocab, rows=rows, device=self.device)
-        state = Pass()
+        sampling, state = entry.sampling, self.state
+        sampling.configure(**sampling_args)
         with swapped_attention(self.chunks, state):
             new = [(v, sampling.greedy) not in entry.graphs for v in self.stages]
             start = time.perf_counter()
@@ -439,7 +473,7 @@ def usable(model) -> bool:
     learned positions, Megatron's attention layers."""
     from mnb.megatron.record import device_of
 
-    if device_of().type != "cuda" and not cpu_standin:
+    if not enabled or device_of().type != "cuda" and not cpu_standin:
         return False
     chunk = model.chunks[0]
     if getattr(chunk, "position_embedding_type", None) not in ("rope", "learned_absolute"):
