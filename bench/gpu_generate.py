@@ -165,12 +165,21 @@ def side_mnb(models: list[str], check: bool) -> list[dict]:
             for batch in BATCHES:
                 row = pool.run(f"timed({batch})", quiet=True, timeout=600)[0]
                 emit(rows, {**row, "model": model, "build_and_compile_s": round(build, 1)})
+            if check and model == models[0]:  # the decode attention uncompiled: what torch.compile adds
+                for batch in BATCHES:
+                    row = pool.run(f"decode_graphs.compile_attention = False\nmodel.decoder = None\n"
+                                   f"try:\n    row = timed({batch})\nfinally:\n"
+                                   "    decode_graphs.compile_attention = True\n    model.decoder = None\nrow",
+                                   quiet=True, timeout=600)[0]
+                    emit(rows, {**row, "side": "mnb-uncompiled", "model": model})
     finally:
         pool.stop()
     return rows
 
 
-def side_hf(models: list[str], static: bool) -> list[dict]:
+def side_hf(models: list[str], static: bool, folders: dict | None = None) -> list[dict]:
+    """transformers' generate; ``folders`` (label -> Hugging Face folder) loads checkpoints instead of
+    building random models of mnb's preset shapes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.generation.streamers import BaseStreamer
@@ -190,15 +199,21 @@ def side_hf(models: list[str], static: bool) -> list[dict]:
 
     rows = []
     for model_name in models:
-        s = shape(model_name)
-        config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
-                             num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                             num_key_value_heads=s["groups"], max_position_embeddings=131072,
-                             rope_theta=float(s["rope_base"]), tie_word_embeddings=s["tied"],
-                             attn_implementation="sdpa")
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        if folders:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(folders[model_name], dtype=torch.bfloat16,
+                                                         attn_implementation="sdpa").cuda().eval()
+        else:
+            s = shape(model_name)
+            config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                                 num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                                 num_key_value_heads=s["groups"], max_position_embeddings=131072,
+                                 rope_theta=float(s["rope_base"]), tie_word_embeddings=s["tied"],
+                                 attn_implementation="sdpa")
+            torch.manual_seed(0)
+            with torch.device("cuda"):
+                model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
         for batch in BATCHES:
             ids = torch.tensor(prompts(batch), device="cuda")
             mask = torch.ones_like(ids)
@@ -253,6 +268,8 @@ def main() -> int:
     parser.add_argument("--sides", default="floor,mnb,hf-dynamic,hf-static")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--side-timeout", type=float, default=None, help="seconds each side may run")
+    parser.add_argument("--hf-folders", help="JSON {label: Hugging Face folder}: transformers loads these "
+                        "(bench/hf_gpu.py); the labels are the --models")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
     args = parser.parse_args()
     models = args.models.split(",")
@@ -267,7 +284,8 @@ def main() -> int:
         elif args.side == "mnb":
             side_mnb(models, args.check)
         else:
-            side_hf(models, static=args.side == "hf-static")
+            side_hf(models, static=args.side == "hf-static",
+                    folders=json.loads(args.hf_folders) if args.hf_folders else None)
         return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -49,10 +49,18 @@ log = logging.getLogger(__name__)
 
 LENGTH_STEP = 256
 """Cache positions are allocated in multiples of this (a length bucket)."""
+PROMPT_STEP = 64
+"""Prompts are right-padded to a multiple of this (a prefill bucket)."""
+PREFILL_GRAPH_TOKENS = 32768
+"""rows x prompt positions up to which prefill is a graph too (above it its activations would stay
+in the graph's memory pool; such a prefill runs the same code eagerly)."""
 SYNC_EVERY = 16
 """Tokens decoded between host synchronisations (streaming, ends, stop strings, interrupts)."""
 MAX_ENTRIES = 4
 """Buckets kept per model (least recently used dropped first)."""
+compile_attention = True
+"""CUDA ranks: the decode attention (RoPE, cache write, scores, softmax, values) through ``torch.compile``,
+a few kernels instead of about twenty per layer; False: the same function eagerly."""
 cpu_standin = False
 """Tests only: run this path on CPU ranks, the graph replaced by :class:`Eager` (no CUDA capture)."""
 enabled = True
@@ -71,14 +79,19 @@ def length_bucket(positions: int) -> int:
     return -(-positions // LENGTH_STEP) * LENGTH_STEP
 
 
+def prompt_bucket(longest: int, limit: int) -> int:
+    """Positions of the prefill for prompts of at most ``longest`` tokens: the next multiple of
+    PROMPT_STEP, but not past the model's ``limit`` (max_position_embeddings)."""
+    return min(-(-longest // PROMPT_STEP) * PROMPT_STEP, max(limit, longest))
+
+
 class Eager:
     """The stand-in of a captured graph: ``replay()`` runs the step's Python again."""
 
     captured = False
 
     def __init__(self, step: Callable[[], Any]):
-        self.step = step
-        self.output = step()
+        self.step, self.output = step, None
 
     def replay(self) -> None:
         self.output = self.step()
@@ -109,8 +122,9 @@ class Pass:
     """What the swapped core attentions read during one forward: mode, positions, mask, caches."""
 
     prefill: bool = False
-    mask: torch.Tensor | None = None  # decode: [B, 1, 1, 1, S] bool, key j visible to row b
+    bias: torch.Tensor | None = None  # decode: [B, 1, 1, S] fp32, 0 where row b sees key j, else -inf
     positions: torch.Tensor | None = None  # decode: [B, 1] long
+    attend: Callable | None = None  # decode_attention, compiled or not
     caches: dict = field(default_factory=dict)  # id(layer attention) -> (keys, values)
     cos: torch.Tensor | None = None  # RoPE applied here (``[s, b, 1, rot]``), or None: by Megatron
     sin: torch.Tensor | None = None
@@ -150,15 +164,35 @@ class CachedAttention(torch.nn.Module):
                 k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
-        rows = torch.arange(b, device=query.device).unsqueeze(1)
-        keys[rows, :, self.state.positions] = key.transpose(0, 1)  # [b, 1, groups, dim]
-        values[rows, :, self.state.positions] = value.transpose(0, 1)
-        q = query.permute(1, 2, 0, 3).reshape(b, groups, heads // groups * s, dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [b, g, rep, S]
-        scores = scores.view(b, groups, heads // groups, s, -1).masked_fill(~self.state.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, groups, heads // groups * s, -1)
-        out = torch.matmul(probs, values).view(b, heads, s, dim)
-        return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+        return self.state.attend(query, key, value, keys, values, self.state.positions, self.state.bias,
+                                 self.scale)
+
+
+def decode_attention(query, key, value, keys, values, where, bias, scale: float):
+    """One new position per row (``query [1, b, heads, dim]``, ``key/value [1, b, groups, dim]``,
+    already rotated): written into the cache at ``where [b, 1]``, attended over the whole cache with
+    the additive ``bias`` (two batched matmuls, fp32 scores and softmax)."""
+    _, b, heads, dim = query.shape
+    groups = key.shape[2]
+    index = where.view(b, 1, 1, 1).expand(b, groups, 1, dim)
+    keys.scatter_(2, index, key.permute(1, 2, 0, 3))
+    values.scatter_(2, index, value.permute(1, 2, 0, 3))
+    q = query.permute(1, 2, 0, 3).reshape(b, groups, heads // groups, dim)
+    scores = torch.add(bias, torch.matmul(q, keys.transpose(-1, -2)), alpha=scale)  # [b, g, rep, S] fp32
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values).view(b, heads, 1, dim)
+    return out.permute(2, 0, 1, 3).reshape(1, b, heads * dim)
+
+
+_compiled_attention = None
+
+
+def compiled_attention():
+    """:func:`decode_attention` through ``torch.compile`` (made once per process)."""
+    global _compiled_attention
+    if _compiled_attention is None:
+        _compiled_attention = torch.compile(decode_attention, dynamic=False)
+    return _compiled_attention
 
 
 def attentions(chunk: torch.nn.Module) -> list[torch.nn.Module]:
@@ -255,6 +289,7 @@ class Entry:
         self.cos_sin = None if self.rope is None or not decoder.own_rope else (self.rope.cos(), self.rope.sin())
         self.sampling = Sampling(decoder.vocab, rows, device)
         self.graphs: dict = {}  # (stage, greedy) -> Graph | Eager
+        self.prefills: dict[int, Prefill] = {}  # prompt bucket -> its buffers and graphs
         self.pool = torch.cuda.graph_pool_handle() if decoder.capture else None
 
     def advance(self) -> None:
@@ -263,6 +298,21 @@ class Entry:
         self.where.add_(1)
         self.out.index_copy_(1, self.count, self.chosen.unsqueeze(1))
         self.count.add_(1)
+
+
+class Prefill:
+    """The static inputs of one prompt bucket: right-padded tokens, each row's last prompt position."""
+
+    def __init__(self, decoder: "GraphDecoder", rows: int, length: int):
+        device = decoder.device
+        self.length = length
+        self.tokens = torch.zeros(rows, length, dtype=torch.long, device=device)
+        self.ends = torch.zeros(rows, dtype=torch.long, device=device)
+        self.where = torch.arange(length, device=device).expand(rows, -1).contiguous()
+        self.row_index = torch.arange(rows, device=device)
+        self.hidden_in = {v: torch.zeros(length, rows, decoder.hidden, dtype=decoder.dtype, device=device)
+                          for v in decoder.stages}
+        self.graphs: dict = {}  # (stage, greedy) -> Graph | Eager
 
 
 class GraphDecoder:
@@ -289,6 +339,7 @@ class GraphDecoder:
         self.why_eager = ("MoE layers (Megatron's token dispatch counts tokens on the host)" if moe else
                           "Megatron-FSDP gathers parameters per layer" if model.parallel.fsdp else "CPU rank")
         self.signature = self.params_signature(model)
+        self.limit = model.config.max_position_embeddings
         # RoPE in CachedAttention (one cos/sin lookup per step) where it is Megatron's plain kind.
         self.own_rope = not (tconfig.rotary_interleaved or getattr(tconfig, "no_rope_freq", None)
                              or getattr(tconfig, "multi_latent_attention", False)
@@ -348,7 +399,7 @@ class GraphDecoder:
         """The decode step of ``stage`` (what is captured)."""
         state.prefill = False
         state.positions = entry.where
-        state.mask = (entry.key_index <= entry.where).view(entry.rows, 1, 1, 1, -1)
+        state.bias = torch.where(entry.key_index <= entry.where, 0.0, float("-inf")).view(entry.rows, 1, 1, -1)
         hidden = self.stage_forward(stage, entry, state, entry.tokens, entry.where, entry.hidden_in[stage])
         if stage < self.n_stages - 1:
             return hidden
@@ -357,15 +408,39 @@ class GraphDecoder:
             entry.advance()
         return None
 
-    def graph(self, stage: int, entry: Entry, state: Pass, sampling: Sampling):
-        key = (stage, sampling.greedy)
-        if key not in entry.graphs:
+    def prefill_step(self, stage: int, entry: Entry, prefill: Prefill, state: Pass, sampling: Sampling):
+        """The prefill of ``stage`` for one prompt bucket (what is captured when small enough)."""
+        state.prefill = True
+        hidden = self.stage_forward(stage, entry, state, prefill.tokens, prefill.where, prefill.hidden_in[stage])
+        if stage < self.n_stages - 1:
+            return hidden
+        last = hidden[prefill.ends, prefill.row_index].unsqueeze(0)  # each row's last prompt position
+        sampling.choose(self.logits(stage, last).float(), entry.chosen)
+        if self.pp == 1:
+            entry.where.copy_(prefill.ends.unsqueeze(1))
+            entry.count.zero_()
+            entry.advance()
+        return None
+
+    def graph(self, graphs: dict, key, step: Callable[[], Any], entry: Entry, capture: bool):
+        """``graphs[key]``, captured now if missing (``capture`` False: the step run as it is)."""
+        if key not in graphs:
             entry.where.zero_()
             entry.count.zero_()
-            step = lambda: self.step(stage, entry, state, sampling)  # noqa: E731
-            entry.graphs[key] = Graph(step, entry.pool) if self.capture else Eager(step)
+            if not capture:
+                graphs[key] = Eager(step)
+            else:
+                try:
+                    graphs[key] = Graph(step, entry.pool)
+                except Exception as error:  # noqa: BLE001 - torch.compile missing a toolchain, say
+                    if self.state.attend is decode_attention:
+                        raise
+                    log.warning("mnb.generate: the compiled decode attention failed (%s); capturing it "
+                                "uncompiled", error)
+                    self.state.attend = decode_attention
+                    graphs[key] = Graph(step, entry.pool)
             self.captures += 1
-        return entry.graphs[key]
+        return graphs[key]
 
     # ---- the call -----------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], max_new_tokens: int, sampling_args: dict, on_block,
@@ -380,13 +455,21 @@ class GraphDecoder:
         entry = self.entry(rows, positions)
         sampling, state = entry.sampling, self.state
         sampling.configure(**sampling_args)
+        length = prompt_bucket(max(lengths), self.limit)
+        prefill = entry.prefills.get(length) or entry.prefills.setdefault(length, Prefill(self, rows, length))
+        if state.attend is None:
+            state.attend = compiled_attention() if self.capture and compile_attention else decode_attention
         with swapped_attention(self.chunks, state):
-            new = [(v, sampling.greedy) not in entry.graphs for v in self.stages]
-            start = time.perf_counter()
-            graphs = {v: self.graph(v, entry, state, sampling) for v in self.stages}
-            if any(new) and self.capture:
-                self._announce(rows, positions, time.perf_counter() - start)
-            self.prefill(entry, state, sampling, prompts, lengths)
+            before, start = self.captures, time.perf_counter()
+            greedy = sampling.greedy
+            graphs = {v: self.graph(entry.graphs, (v, greedy), lambda v=v: self.step(v, entry, state, sampling),
+                                    entry, self.capture) for v in self.stages}
+            prefills = {v: self.graph(prefill.graphs, (v, greedy),
+                                      lambda v=v: self.prefill_step(v, entry, prefill, state, sampling), entry,
+                                      self.capture and rows * length <= PREFILL_GRAPH_TOKENS) for v in self.stages}
+            if self.captures > before and self.capture:
+                self._announce(rows, positions, length, time.perf_counter() - start)
+            self.prefill(entry, prefill, prefills, sampling, prompts)
             done, steps = False, 1
             while not done:
                 if steps < max_new_tokens:
@@ -402,39 +485,32 @@ class GraphDecoder:
                     return True
         return False
 
-    def prefill(self, entry: Entry, state: Pass, sampling: Sampling, prompts, lengths) -> None:
-        """All prompts in one causal pass; each row's first token from its own last position."""
-        longest = max(lengths)
-        tokens = torch.zeros(entry.rows, longest, dtype=torch.long)
+    def prefill(self, entry: Entry, prefill: Prefill, graphs: dict, sampling: Sampling, prompts) -> None:
+        """All prompts in one causal pass, right-padded; each row's first token from its own last position."""
+        tokens = torch.zeros(entry.rows, prefill.length, dtype=torch.long)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p)
-        ends = torch.tensor(lengths + [1] * (entry.rows - len(prompts)), device=self.device)
-        tokens = tokens.to(self.device)
-        where = torch.arange(longest, device=self.device).expand(entry.rows, -1)
-        state.prefill = True
-        hidden = None
-        for stage in self.stages:
-            if stage > 0:
-                hidden = torch.empty(longest, entry.rows, self.hidden, dtype=self.dtype, device=self.device)
-                torch.distributed.recv(hidden, src=self.prev_rank, group=self.pp_group)
-            hidden = self.stage_forward(stage, entry, state, tokens, where, hidden)
-            if stage < self.n_stages - 1:
-                torch.distributed.send(hidden.contiguous(), dst=self.next_rank, group=self.pp_group)
+        ends = torch.tensor([len(p) - 1 for p in prompts] + [0] * (entry.rows - len(prompts)))
+        prefill.tokens.copy_(tokens)
+        prefill.ends.copy_(ends)
         sampling.draw()
-        if self.n_stages - 1 in self.stages:
-            last = hidden[ends - 1, torch.arange(entry.rows, device=self.device)].unsqueeze(0)
-            sampling.choose(self.logits(self.n_stages - 1, last).float(), entry.chosen)
-        entry.where.copy_((ends - 1).unsqueeze(1))
-        entry.count.zero_()
-        self.share(entry)
+        self.run_stages(graphs, prefill.hidden_in)
+        if self.pp > 1:
+            entry.where.copy_(prefill.ends.unsqueeze(1))
+            entry.count.zero_()
+            self.share(entry)
 
-    def decode_one(self, entry: Entry, graphs: dict) -> None:
+    def run_stages(self, graphs: dict, hidden_in: dict) -> None:
+        """Each of this rank's stages in order: its input from the previous stage, replay, output on."""
         for stage in self.stages:
             if stage > 0:
-                torch.distributed.recv(entry.hidden_in[stage], src=self.prev_rank, group=self.pp_group)
+                torch.distributed.recv(hidden_in[stage], src=self.prev_rank, group=self.pp_group)
             graphs[stage].replay()
             if stage < self.n_stages - 1:
                 torch.distributed.send(graphs[stage].output.contiguous(), dst=self.next_rank, group=self.pp_group)
+
+    def decode_one(self, entry: Entry, graphs: dict) -> None:
+        self.run_stages(graphs, entry.hidden_in)
         if self.pp > 1:
             self.share(entry)
 
@@ -451,10 +527,10 @@ class GraphDecoder:
         torch.distributed.all_reduce(flag)
         return bool(flag.item())
 
-    def _announce(self, rows: int, positions: int, seconds: float) -> None:
+    def _announce(self, rows: int, positions: int, length: int, seconds: float) -> None:
         if torch.distributed.get_rank() == 0:
-            print(f"mnb.generate: captured the decode step as CUDA graphs for batch <= {rows}, "
-                  f"{positions} positions, in {seconds:.2f} s (kept for later calls of this size)", flush=True)
+            print(f"mnb.generate: captured CUDA graphs for batch <= {rows}, prompts <= {length} tokens, "
+                  f"{positions} positions in {seconds:.2f} s (kept for later calls of this size)", flush=True)
 
 
 def decoder_of(model) -> GraphDecoder:

@@ -86,10 +86,13 @@ def test_the_static_cache_decode_equals_the_reference_and_keeps_its_buckets(cpu_
         assert first == same_on_every_rank(cpu_pool.run(sample.format(PROMPTS=PROMPTS, t=1.0, k=0, s=7), quiet=True))
         assert first != same_on_every_rank(cpu_pool.run(sample.format(PROMPTS=PROMPTS, t=1.0, k=0, s=8), quiet=True))
         # Buckets: 3 prompts -> 4 rows, 7 + 20 positions -> 256; 4 prompts reuse them, 6 make a second.
+        # Prompts of up to 7 tokens -> a prefill bucket of 64 positions, its graphs beside the decode step's.
         code = ("d = model.decoder\n(sorted(d.entries), d.captures, sorted(k for e in d.entries.values() "
-                 "for k in e.graphs))")
+                "for k in e.graphs), sorted((n, k) for e in d.entries.values() for n, p in e.prefills.items() "
+                "for k in p.graphs))")
         books = cpu_pool.run(code, quiet=True)  # pp2+vpp2: rank r holds virtual stages r and r + 2
-        assert books == {r: ([(4, 256)], 4, [(r, False), (r, True), (r + 2, False), (r + 2, True)]) for r in (0, 1)}
+        stages = {r: [(r, False), (r, True), (r + 2, False), (r + 2, True)] for r in (0, 1)}
+        assert books == {r: ([(4, 256)], 8, stages[r], [(64, k) for k in stages[r]]) for r in (0, 1)}
         captures = books[0][1]
         cpu_pool.run(f"mnb.generate(model, {PROMPTS + [[1, 2]]}, max_new_tokens=4, stream=False)", quiet=True)
         assert same_on_every_rank({r: v[:2] for r, v in cpu_pool.run(code, quiet=True).items()}) == ([(4, 256)], captures)
