@@ -166,7 +166,7 @@ def side_mnb(models: list[str], check: bool) -> list[dict]:
                 row = pool.run(f"timed({batch})", quiet=True, timeout=600)[0]
                 emit(rows, {**row, "model": model, "build_and_compile_s": round(build, 1)})
             if check and model == models[0]:  # the decode attention uncompiled: what torch.compile adds
-                for batch in BATCHES:
+                for batch in BATCHES[:1]:
                     row = pool.run(f"decode_graphs.compile_attention = False\nmodel.decoder = None\n"
                                    f"try:\n    row = timed({batch})\nfinally:\n"
                                    "    decode_graphs.compile_attention = True\n    model.decoder = None\nrow",
@@ -267,7 +267,7 @@ def main() -> int:
     parser.add_argument("--models", default="llama-1b,llama-3b")
     parser.add_argument("--sides", default="floor,mnb,hf-dynamic,hf-static")
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("--side-timeout", type=float, default=None, help="seconds each side may run")
+    parser.add_argument("--side-timeouts", default="", help="seconds each side may run, e.g. mnb=190,hf-static=220")
     parser.add_argument("--hf-folders", help="JSON {label: Hugging Face folder}: transformers loads these "
                         "(bench/hf_gpu.py); the labels are the --models")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
@@ -301,6 +301,7 @@ def main() -> int:
         result["megatron_core"] = megatron.core.__version__
     except Exception:  # noqa: BLE001 - the version is a label only
         pass
+    limits = {k: float(v) for k, v in (item.split("=") for item in args.side_timeouts.split(",") if item)}
     for side in args.sides.split(","):  # one process per side, one after the other: the machine to itself
         part = out.with_suffix(f".{side}.jsonl")
         part.unlink(missing_ok=True)
@@ -308,7 +309,7 @@ def main() -> int:
         command = [sys.executable, __file__, "--side", side, "--models", args.models, "--out", str(part)]
         proc = subprocess.Popen(command + (["--check"] if args.check else []), env=dict(os.environ))
         try:
-            code = proc.wait(timeout=args.side_timeout)
+            code = proc.wait(timeout=limits.get(side))
         except subprocess.TimeoutExpired:  # the rows it finished are kept; SIGTERM lets it stop its pool
             proc.terminate()
             try:

@@ -51,7 +51,7 @@ LENGTH_STEP = 256
 """Cache positions are allocated in multiples of this (a length bucket)."""
 PROMPT_STEP = 64
 """Prompts are right-padded to a multiple of this (a prefill bucket)."""
-PREFILL_GRAPH_TOKENS = 32768
+PREFILL_GRAPH_TOKENS = 8192
 """rows x prompt positions up to which prefill is a graph too (above it its activations would stay
 in the graph's memory pool; such a prefill runs the same code eagerly)."""
 SYNC_EVERY = 16
