@@ -147,31 +147,45 @@ def check():
 
 
 def side_mnb(models: list[str], check: bool) -> list[dict]:
+    import traceback
+
     from mnb.controller import Pool
 
     rows = []
+
+    def cell(code: str, **labels):
+        try:
+            return pool.run(code, quiet=True, timeout=600)[0]
+        except Exception:  # noqa: BLE001 - the row says what failed; the next rows still run
+            emit(rows, {"side": "mnb", **labels, "error": traceback.format_exc()[-3000:]})
+            return None
+
     pool = Pool.start(1, gpus=[0], timeout=600)
     try:
-        pool.run(MNB_TIMED + MNB_CHECK, quiet=True, timeout=300)
+        cell(MNB_TIMED + MNB_CHECK, step="define")
         for model in models:
             start = time.perf_counter()
-            pool.run(f"model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
-                     f"model = mnb.gpt({model!r})\nfor chunk in model.chunks:\n    chunk.bfloat16()\n"
-                     "pending = background_compile.pending()\n"
-                     "compiled = pending.wait(600) if pending is not None else True", quiet=True, timeout=900)
+            if cell(f"model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+                    f"model = mnb.gpt({model!r})\nfor chunk in model.chunks:\n    chunk.bfloat16()\n"
+                    "pending = background_compile.pending()\n"
+                    "pending.wait(600) if pending is not None else True", model=model, step="build") is None:
+                continue
             build = time.perf_counter() - start
             if check and model == models[0]:
-                emit(rows, {**pool.run("check()", quiet=True, timeout=600)[0], "model": model})
+                row = cell("check()", model=model, step="check")
+                if row is not None:
+                    emit(rows, {**row, "model": model})
             for batch in BATCHES:
-                row = pool.run(f"timed({batch})", quiet=True, timeout=600)[0]
-                emit(rows, {**row, "model": model, "build_and_compile_s": round(build, 1)})
-            if check and model == models[0]:  # the decode attention uncompiled: what torch.compile adds
-                for batch in BATCHES[:1]:
-                    row = pool.run(f"decode_graphs.compile_attention = False\nmodel.decoder = None\n"
-                                   f"try:\n    row = timed({batch})\nfinally:\n"
-                                   "    decode_graphs.compile_attention = True\n    model.decoder = None\nrow",
-                                   quiet=True, timeout=600)[0]
-                    emit(rows, {**row, "side": "mnb-uncompiled", "model": model})
+                row = cell(f"timed({batch})", model=model, batch=batch)
+                if row is not None:
+                    emit(rows, {**row, "model": model, "build_and_compile_s": round(build, 1)})
+            if check and model == models[0]:  # the decode attention compiled (off by default)
+                row = cell(f"decode_graphs.compile_attention = True\nmodel.decoder = None\n"
+                           f"try:\n    row = timed(1)\nfinally:\n"
+                           "    decode_graphs.compile_attention = False\n    model.decoder = None\nrow",
+                           model=model, batch=1, step="compiled")
+                if row is not None:
+                    emit(rows, {**row, "side": "mnb-compiled-attention", "model": model})
     finally:
         pool.stop()
     return rows

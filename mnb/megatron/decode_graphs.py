@@ -58,9 +58,10 @@ SYNC_EVERY = 16
 """Tokens decoded between host synchronisations (streaming, ends, stop strings, interrupts)."""
 MAX_ENTRIES = 4
 """Buckets kept per model (least recently used dropped first)."""
-compile_attention = True
-"""CUDA ranks: the decode attention (RoPE, cache write, scores, softmax, values) through ``torch.compile``,
-a few kernels instead of about twenty per layer; False: the same function eagerly."""
+compile_attention = False
+"""True: on CUDA ranks the decode attention (cache write, scores, softmax, values) goes through
+``torch.compile`` (fewer kernels per layer). Off by default: its one GPU run (2026-12-03) failed to
+capture (the retry then met the pool the failed capture left recording; retries now take a fresh pool)."""
 cpu_standin = False
 """Tests only: run this path on CPU ranks, the graph replaced by :class:`Eager` (no CUDA capture)."""
 enabled = True
@@ -102,7 +103,7 @@ class Graph:
 
     captured = True
 
-    def __init__(self, step: Callable[[], Any], pool):
+    def __init__(self, step: Callable[[], Any]):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -110,7 +111,7 @@ class Graph:
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()):  # its own pool
             self.output = step()
 
     def replay(self) -> None:
@@ -290,7 +291,6 @@ class Entry:
         self.sampling = Sampling(decoder.vocab, rows, device)
         self.graphs: dict = {}  # (stage, greedy) -> Graph | Eager
         self.prefills: dict[int, Prefill] = {}  # prompt bucket -> its buffers and graphs
-        self.pool = torch.cuda.graph_pool_handle() if decoder.capture else None
 
     def advance(self) -> None:
         """The chosen tokens become the next inputs, one position on, recorded in ``out``."""
@@ -430,17 +430,32 @@ class GraphDecoder:
             if not capture:
                 graphs[key] = Eager(step)
             else:
-                try:
-                    graphs[key] = Graph(step, entry.pool)
-                except Exception as error:  # noqa: BLE001 - torch.compile missing a toolchain, say
-                    if self.state.attend is decode_attention:
-                        raise
-                    log.warning("mnb.generate: the compiled decode attention failed (%s); capturing it "
-                                "uncompiled", error)
-                    self.state.attend = decode_attention
-                    graphs[key] = Graph(step, entry.pool)
+                graphs[key] = self._capture(step)
             self.captures += 1
         return graphs[key]
+
+    def _capture(self, step: Callable[[], Any]):
+        """A :class:`Graph` of ``step``; if capture fails, again with the uncompiled attention, and
+        last the step run uncaptured (:class:`Eager`), with a warning saying why."""
+        try:
+            return Graph(step)
+        except Exception as error:  # noqa: BLE001 - any capture failure: the call still runs
+            first = error
+        if self.state.attend is not decode_attention:
+            self.state.attend = decode_attention
+            try:
+                graph = Graph(step)
+                log.warning("mnb.generate: the compiled decode attention did not capture (%s); captured "
+                            "it uncompiled", first)
+                return graph
+            except Exception as error:  # noqa: BLE001
+                first = error
+        log.warning("mnb.generate: the decode step did not capture as a CUDA graph (%s); it runs "
+                    "uncaptured (slower)", first)
+        if torch.distributed.get_rank() == 0:
+            print(f"mnb.generate: CUDA graph capture failed ({type(first).__name__}: {first}); "
+                  "decoding without graphs", flush=True)
+        return Eager(step)
 
     # ---- the call -----------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], max_new_tokens: int, sampling_args: dict, on_block,
