@@ -7,7 +7,9 @@ Inside a ``%%megatron`` cell (any layout: tp with or without sp, pp, vpp, dp, ep
     mnb.generate(model, ["a", "longer prompt"], temperature=0.8, seed=1)  # -> list of strings
     mnb.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=8)            # -> list of id lists
 
-How it runs (the decode loop is mnb's, the modules and the KV cache are Megatron-Core's):
+On CUDA ranks the decode runs in :mod:`mnb.megatron.decode_graphs` (static KV cache, CUDA graphs
+of prefill and decode step, sampling on the GPU; :func:`decode_static`).  On CPU ranks (below) the
+decode loop is mnb's, the modules and the KV cache are Megatron-Core's:
 
 - every chunk is Megatron's ``GPTModel``, called with a
   ``megatron.core.inference.contexts.StaticInferenceContext`` (the same on 0.16 and 0.19):

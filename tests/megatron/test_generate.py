@@ -10,6 +10,8 @@ loop; evaluation equals the loss ``mnb.logits`` implies and is recorded by ``eva
 for a Hugging Face checkpoint whose BPE tokenizer reads the text (under dp2 and tp2);
 greedy continuations of tiny random Hugging Face checkpoints (Llama, Qwen2, GPT-2, Mixtral)
 equal transformers' ``generate(do_sample=False)`` under dp2, tp2, pp2 and (Mixtral) ep2 and tp2+sp.
+The GPU ranks' static-cache path (:mod:`mnb.megatron.decode_graphs`), run here with its graphs replaced
+by plain calls, equals the reference under dp2, tp2, pp2, pp2+vpp2 and (MoE) ep2, and keeps its buckets.
 Both CI legs (megatron-core 0.16 and 0.19).
 """
 
@@ -78,6 +80,14 @@ def test_the_static_cache_decode_equals_the_reference_and_keeps_its_buckets(cpu_
             got = cpu_pool.run(STANDIN.format(on=True) + "model = mnb.gpt('tiny')\n" + code,
                                layout=layout, quiet=True)
             assert same_on_every_rank(got) == reference, layout
+        # An MoE model (Megatron's token dispatch: run uncaptured on GPUs) through the same step, under ep2.
+        cpu_pool.run("moe = mnb.gpt('moe-tiny')\nref_moe = reference(moe, " + repr(PROMPTS) + ", 8)",
+                     layout=ParallelConfig(ep=2), quiet=True)
+        moe = cpu_pool.run(STANDIN.format(on=True) + f"mnb.generate(moe, {PROMPTS}, max_new_tokens=8, stream=False)",
+                           quiet=True)
+        assert same_on_every_rank(moe) == same_on_every_rank(cpu_pool.pull("ref_moe"))
+        again = cpu_pool.run("model = mnb.gpt('tiny')\n" + code, layout=ParallelConfig(pp=2, vpp=2), quiet=True)
+        assert same_on_every_rank(again) == reference
         # Sampling on the device: top_k=1 is greedy; a seed repeats; another seed differs.
         sample = "mnb.generate(model, {PROMPTS}, max_new_tokens=20, temperature={t}, top_k={k}, seed={s}, stream=False)"
         one = cpu_pool.run(sample.format(PROMPTS=PROMPTS, t=2.0, k=1, s=3), quiet=True)
