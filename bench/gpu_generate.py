@@ -1,113 +1,343 @@
-"""Decode throughput of ``mnb.generate`` on one GPU against transformers' ``generate``, same GPU, same call.
+"""Decode speed of ``mnb.generate`` against transformers' ``generate`` and the copy-bandwidth floor (issue 40).
 
-    python3 bench/gpu_generate.py --out gpu-out/generate.json
+    python3 bench/gpu_generate.py --out $OUT/generate.json [--models llama-1b,llama-3b]
+        [--sides floor,mnb,hf-dynamic,hf-static] [--check]
 
-A random-weight Llama-3.2-1B-shaped model (mnb's ``llama-1b`` preset: 16 layers, hidden 2048, GQA 32/8,
-vocabulary 128256, untied) in bf16; prompts of 128 random tokens, 256 new tokens, greedy, batch 1 and 32.
-mnb runs in a 1-rank pool (``Pool.start(1, gpus=[0])``, the cell a notebook would run); transformers
-(``attn_implementation="sdpa"``, bf16) runs in this process afterwards, on the same GPU.  Time to first
-token: a call with ``max_new_tokens=1`` (prefill and one token).  tokens/s: new tokens / wall time of
-the whole 256-token call (prefill included).  Each number is the median of 3 calls after a warm-up.
+Random-weight Llama shapes (mnb's ``llama-1b`` / ``llama-3b`` presets: untied, RoPE base 500000) in bf16;
+prompts of 128 random token ids (the same ids on every side), 256 new tokens, greedy, batch 1 and 32.
+
+Fair by construction: every side runs in its own process, one after the other, with the GPU and the CPUs
+to itself: ``mnb`` (a one-rank pool, ``Pool.start(1, gpus=[0])``, the cell a notebook runs; the pool's
+background compile of the fused kernels waited for before any timing), ``hf-dynamic`` (transformers,
+sdpa, its default dynamic cache), ``hf-static`` (transformers' static-cache recipe:
+``cache_implementation="static"``, which compiles the forward), and ``floor`` (the copy bandwidth of
+this GPU; the floor of a step reads every weight but the input embedding table once, plus the KV cache).
+Each number is the median of 3 calls after a warm-up call of the same size (the warm-up of mnb and of
+hf-static includes the capture / compile, reported as ``first_call_s``).  tokens/s = new tokens / wall time
+of the whole call (prefill included); time to first token: mnb a call with ``max_new_tokens=1``,
+transformers the time its streamer receives the first new token (its static cache keeps one compile).
+``--check`` adds a GPU check that the graph path chooses the tokens of the per-token path.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 PROMPT, NEW, BATCHES, REPEATS = 128, 256, (1, 32), 3
 
-RANK_CODE = f"""
-import time, statistics, torch
-model = mnb.gpt("llama-1b", fusions=FUSIONS)
-for chunk in model.chunks:
-    chunk.bfloat16()
 
-def timed(batch, stream=False):
-    prompts = torch.randint(0, 128000, (batch, {PROMPT}), generator=torch.Generator().manual_seed(batch)).tolist()
-    mnb.generate(model, prompts, max_new_tokens=8, stream=False)  # warm-up: allocator, kernels
-    def once(new, s):
+def prompts(batch: int) -> list[list[int]]:
+    import torch
+
+    return torch.randint(0, 128000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).tolist()
+
+
+def shape(preset: str) -> dict:
+    from mnb.config import load_preset
+
+    c = load_preset(preset)
+    return dict(layers=c.num_layers, hidden=c.hidden_size, heads=c.num_attention_heads, groups=c.num_query_groups,
+                ffn=c.ffn_hidden_size, vocab=c.vocab_size, tied=c.share_embeddings_and_output_weights,
+                rope_base=c.rotary_base)
+
+
+def weights_read_bytes(s: dict) -> int:
+    """bf16 bytes a decode step reads: every weight once, but only one row per token of the input table."""
+    hd = s["hidden"] // s["heads"]
+    layer = s["hidden"] * (s["hidden"] + 2 * s["groups"] * hd) + s["hidden"] ** 2 + 3 * s["hidden"] * s["ffn"] \
+        + 2 * s["hidden"]
+    return 2 * (s["layers"] * layer + s["vocab"] * s["hidden"] + s["hidden"])
+
+
+def kv_bytes(s: dict, batch: int, positions: int) -> int:
+    return 2 * 2 * s["layers"] * s["groups"] * (s["hidden"] // s["heads"]) * positions * batch
+
+
+# ----------------------------------------------------------------------------------- sides
+PART: Path | None = None  # a side process appends its rows here as they come (a timeout keeps them)
+
+
+def emit(rows: list[dict], row: dict) -> None:
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if PART is not None:
+        with PART.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def side_floor(models: list[str]) -> list[dict]:
+    import torch
+
+    n = 2 * 2**30  # 2 GiB
+    a = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    bandwidth = 2 * n / statistics.median(times)  # read + write
+    rows = []
+    for model in models:
+        s = shape(model)
+        for batch in BATCHES:
+            step = (weights_read_bytes(s) + kv_bytes(s, batch, PROMPT + NEW // 2)) / bandwidth
+            emit(rows, dict(side="floor", model=model, batch=batch, copy_TBps=round(bandwidth / 1e12, 2),
+                            weights_GB=round(weights_read_bytes(s) / 1e9, 2), step_ms=round(step * 1e3, 3),
+                            tokens_per_s=round(batch / step, 1)))
+    return rows
+
+
+MNB_TIMED = f"""
+import statistics, time, torch
+from mnb.megatron import background_compile, decode_graphs
+
+def timed(batch, new={NEW}):
+    ids = torch.randint(0, 128000, (batch, {PROMPT}), generator=torch.Generator().manual_seed(batch)).tolist()
+    def once(n):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = mnb.generate(model, prompts, max_new_tokens=new, stream=s)
+        out = mnb.generate(model, ids, max_new_tokens=n, stream=False)
         torch.cuda.synchronize()
-        return time.perf_counter() - t0, sum(len(o) for o in out)
-    ttft = statistics.median(once(1, False)[0] for _ in range({REPEATS}))
-    runs = [once({NEW}, stream) for _ in range({REPEATS})]
-    total = statistics.median(t for t, _ in runs)
-    tokens = runs[0][1]
-    return dict(batch=batch, stream=stream, ttft_s=ttft, total_s=total, new_tokens=tokens,
-                tokens_per_s=tokens / total, first_tokens=prompts[0][:4])
+        return time.perf_counter() - t0, sum(len(o) for o in out), out
+    first = once(new)[0]  # captures this bucket's graphs
+    ttft = statistics.median(once(1)[0] for _ in range({REPEATS}))
+    runs = [once(new) for _ in range({REPEATS})]
+    total = statistics.median(t for t, _, _ in runs)
+    return dict(side="mnb", batch=batch, first_call_s=round(first, 3), ttft_s=round(ttft, 4), total_s=round(total, 3),
+                new_tokens=runs[0][1], tokens_per_s=round(runs[0][1] / total, 1), first_ids=runs[0][2][0][:8])
+"""
+
+MNB_CHECK = """
+def check():
+    '''Graph path vs the per-token path on this GPU: a ragged fp32 batch, greedy and top_k=1 sampling,
+    and the bf16 model's first tokens.'''
+    import torch
+    small = mnb.gpt("tiny", fusions=False)
+    ragged = [[5, 17, 33, 2, 90, 41, 7], [300, 12], [64, 65, 66, 67]]
+    fast = mnb.generate(small, ragged, max_new_tokens=40, stream=False)
+    top1 = mnb.generate(small, ragged, max_new_tokens=40, temperature=1.5, top_k=1, seed=3, stream=False)
+    decode_graphs.enabled = False
+    try:
+        slow = mnb.generate(small, ragged, max_new_tokens=40, stream=False)
+        ids = torch.randint(0, 128000, (1, 128), generator=torch.Generator().manual_seed(1)).tolist()
+        slow_big = mnb.generate(model, ids, max_new_tokens=16, stream=False)
+    finally:
+        decode_graphs.enabled = True
+    fast_big = mnb.generate(model, ids, max_new_tokens=16, stream=False)
+    same_big = next((i for i, (a, b) in enumerate(zip(fast_big[0], slow_big[0])) if a != b), 16)
+    return dict(side="check", fp32_greedy_equal=fast == slow, fp32_top1_equal=top1 == slow,
+                bf16_first_equal_tokens=same_big, bf16_graph=fast_big[0], bf16_per_token=slow_big[0],
+                graphs=sorted(small.decoder.entries))
 """
 
 
-def hf_rows(batches) -> list[dict]:
+def side_mnb(models: list[str], check: bool) -> list[dict]:
+    import traceback
+
+    from mnb.controller import Pool
+
+    rows = []
+
+    def cell(code: str, **labels):
+        try:
+            return pool.run(code, quiet=True, timeout=600)[0]
+        except Exception:  # noqa: BLE001 - the row says what failed; the next rows still run
+            emit(rows, {"side": "mnb", **labels, "error": traceback.format_exc()[-3000:]})
+            return None
+
+    pool = Pool.start(1, gpus=[0], timeout=600)
+    try:
+        cell(MNB_TIMED + MNB_CHECK, step="define")
+        for model in models:
+            start = time.perf_counter()
+            if cell(f"model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+                    f"model = mnb.gpt({model!r})\nfor chunk in model.chunks:\n    chunk.bfloat16()\n"
+                    "pending = background_compile.pending()\n"
+                    "pending.wait(600) if pending is not None else True", model=model, step="build") is None:
+                continue
+            build = time.perf_counter() - start
+            if check and model == models[0]:
+                row = cell("check()", model=model, step="check")
+                if row is not None:
+                    emit(rows, {**row, "model": model})
+            for batch in BATCHES:
+                row = cell(f"timed({batch})", model=model, batch=batch)
+                if row is not None:
+                    emit(rows, {**row, "model": model, "build_and_compile_s": round(build, 1)})
+            if check and model == models[0]:  # the decode attention compiled (off by default)
+                row = cell(f"decode_graphs.compile_attention = True\nmodel.decoder = None\n"
+                           f"try:\n    row = timed(1)\nfinally:\n"
+                           "    decode_graphs.compile_attention = False\n    model.decoder = None\nrow",
+                           model=model, batch=1, step="compiled")
+                if row is not None:
+                    emit(rows, {**row, "side": "mnb-compiled-attention", "model": model})
+    finally:
+        pool.stop()
+    return rows
+
+
+def side_hf(models: list[str], static: bool, folders: dict | None = None) -> list[dict]:
+    """transformers' generate; ``folders`` (label -> Hugging Face folder) loads checkpoints instead of
+    building random models of mnb's preset shapes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.generation.streamers import BaseStreamer
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                         rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    class FirstToken(BaseStreamer):
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:  # the first put is the prompt
+                value.cpu()
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
     rows = []
-    for batch in batches:
-        prompts = torch.randint(0, 128000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).cuda()
-        mask = torch.ones_like(prompts)
+    for model_name in models:
+        if folders:
+            from transformers import AutoModelForCausalLM
 
-        def once(new):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                out = model.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                                     min_new_tokens=new, pad_token_id=0)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t0, (out.shape[1] - PROMPT) * batch
+            model = AutoModelForCausalLM.from_pretrained(folders[model_name], dtype=torch.bfloat16,
+                                                         attn_implementation="sdpa").cuda().eval()
+        else:
+            s = shape(model_name)
+            config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                                 num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                                 num_key_value_heads=s["groups"], max_position_embeddings=131072,
+                                 rope_theta=float(s["rope_base"]), tie_word_embeddings=s["tied"],
+                                 attn_implementation="sdpa")
+            torch.manual_seed(0)
+            with torch.device("cuda"):
+                model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        for batch in BATCHES:
+            ids = torch.tensor(prompts(batch), device="cuda")
+            mask = torch.ones_like(ids)
+            extra = dict(cache_implementation="static") if static else {}
 
-        once(8)
-        ttft = statistics.median(once(1)[0] for _ in range(REPEATS))
-        runs = [once(NEW) for _ in range(REPEATS)]
-        total = statistics.median(t for t, _ in runs)
-        rows.append(dict(batch=batch, ttft_s=ttft, total_s=total, new_tokens=runs[0][1],
-                         tokens_per_s=runs[0][1] / total))
-    del model
-    torch.cuda.empty_cache()
+            def once(new):
+                streamer = FirstToken()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                         min_new_tokens=new, pad_token_id=0, streamer=streamer, **extra)
+                torch.cuda.synchronize()
+                end = time.perf_counter()
+                return end - start, streamer.first - start, (out.shape[1] - PROMPT) * batch, out[0, PROMPT:PROMPT + 8]
+
+            first = once(NEW)[0]
+            runs = [once(NEW) for _ in range(REPEATS)]
+            total = statistics.median(r[0] for r in runs)
+            emit(rows, dict(side="hf-static" if static else "hf-dynamic", model=model_name, batch=batch,
+                            first_call_s=round(first, 3), ttft_s=round(statistics.median(r[1] for r in runs), 4),
+                            total_s=round(total, 3), new_tokens=runs[0][2],
+                            tokens_per_s=round(runs[0][2] / total, 1), first_ids=runs[0][3].tolist()))
+        del model
+        torch.cuda.empty_cache()
     return rows
+
+
+# ----------------------------------------------------------------------------------- table
+def table(rows: list[dict]) -> str:
+    out = ["| model | batch | mnb tok/s | hf dynamic tok/s | hf static tok/s | floor tok/s | mnb / hf static "
+           "| mnb / floor | TTFT mnb | TTFT hf dynamic | TTFT hf static | mnb first call (capture) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    get = {(r["side"], r.get("model"), r.get("batch")): r for r in rows}
+    models = list(dict.fromkeys(r["model"] for r in rows if "batch" in r and "model" in r))
+    for model in models:
+        for batch in BATCHES:
+            m, d, st, f = (get.get((side, model, batch), {}) for side in ("mnb", "hf-dynamic", "hf-static", "floor"))
+            tps = lambda r: f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "–"  # noqa: E731
+            ttft = lambda r: f"{r['ttft_s'] * 1e3:.1f} ms" if r.get("ttft_s") else "–"  # noqa: E731
+            ratio = lambda a, b: f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" if a.get("tokens_per_s") and b.get("tokens_per_s") else "–"  # noqa: E731,E501
+            out.append(f"| {model} | {batch} | {tps(m)} | {tps(d)} | {tps(st)} | {tps(f)} | {ratio(m, st)} | "
+                       f"{ratio(m, f)} | {ttft(m)} | {ttft(d)} | {ttft(st)} | "
+                       f"{m.get('first_call_s', '–')} s |")
+    return "\n".join(out)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-out/generate.json")
-    parser.add_argument("--fusions", default="auto")
+    parser.add_argument("--models", default="llama-1b,llama-3b")
+    parser.add_argument("--sides", default="floor,mnb,hf-dynamic,hf-static")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--side-timeouts", default="", help="seconds each side may run, e.g. mnb=190,hf-static=220")
+    parser.add_argument("--hf-folders", help="JSON {label: Hugging Face folder}: transformers loads these "
+                        "(bench/hf_gpu.py); the labels are the --models")
+    parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
     args = parser.parse_args()
-    from mnb.controller import Pool
+    models = args.models.split(",")
+    if args.side:
+        import signal
 
-    result: dict = {"prompt": PROMPT, "new": NEW}
-    pool = Pool.start(1, gpus=[0], timeout=600)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks (the pool's stop)
+        global PART
+        PART = Path(args.out)
+        if args.side == "floor":
+            side_floor(models)
+        elif args.side == "mnb":
+            side_mnb(models, args.check)
+        else:
+            side_hf(models, static=args.side == "hf-static",
+                    folders=json.loads(args.hf_folders) if args.hf_folders else None)
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+    import transformers
+
+    result: dict = {"prompt": PROMPT, "new": NEW, "repeats": REPEATS, "torch": torch.__version__,
+                    "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "rows": []}
     try:
-        fusions = args.fusions if args.fusions == "auto" else args.fusions == "true"
-        t0 = time.perf_counter()
-        pool.run(RANK_CODE.replace("FUSIONS", repr(fusions)), quiet=True, timeout=600)
-        result["build_s"] = time.perf_counter() - t0
-        rows = [pool.run(f"timed({b})", quiet=True, timeout=600)[0] for b in BATCHES]
-        rows.append(pool.run("timed(1, stream=True)", quiet=True, timeout=600)[0])
-        result["mnb"] = rows
-        print(json.dumps(rows, indent=1), flush=True)
-    finally:
-        pool.stop()
-    result["transformers"] = hf_rows(BATCHES)
-    for m, h in zip(result["mnb"], result["transformers"]):
-        m["vs_transformers"] = round(m["tokens_per_s"] / h["tokens_per_s"], 2)
-        m["ttft_vs_transformers"] = round(m["ttft_s"] / h["ttft_s"], 2)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+        import megatron.core
+
+        result["megatron_core"] = megatron.core.__version__
+    except Exception:  # noqa: BLE001 - the version is a label only
+        pass
+    limits = {k: float(v) for k, v in (item.split("=") for item in args.side_timeouts.split(",") if item)}
+    for side in args.sides.split(","):  # one process per side, one after the other: the machine to itself
+        part = out.with_suffix(f".{side}.jsonl")
+        part.unlink(missing_ok=True)
+        start = time.perf_counter()
+        command = [sys.executable, __file__, "--side", side, "--models", args.models, "--out", str(part)]
+        proc = subprocess.Popen(command + (["--check"] if args.check else []), env=dict(os.environ))
+        try:
+            code = proc.wait(timeout=limits.get(side))
+        except subprocess.TimeoutExpired:  # the rows it finished are kept; SIGTERM lets it stop its pool
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            code = "timeout"
+        rows = [json.loads(line) for line in part.read_text().splitlines()] if part.exists() else []
+        result["rows"] += rows + ([{"side": side, "error": f"exit {code}"}] if code != 0 else [])
+        result[f"{side}_wall_s"] = round(time.perf_counter() - start, 1)
+        out.write_text(json.dumps(result, indent=1))
+    result["table"] = table(result["rows"])
+    out.write_text(json.dumps(result, indent=1))
+    print(result["table"])
     return 0
 
 

@@ -11,10 +11,10 @@
 2. **Fine-tune.** ``mnb.train`` on the loaded model (bf16, 6 steps, micro batch 8, 8 microbatches,
    seq 2048) beside ``mnb.gpt("llama-1b"/"llama-3b")`` with the same settings: MFU against the
    measured 790 TFLOP/s GEMM peak (bench/gpu_measure.py's ``run_row``).
-3. **Generate.** ``mnb.generate`` (greedy, token-id prompts of 128 tokens, 256 new tokens, batch 1
-   and 32) against transformers' ``generate`` (sdpa attention, bf16, ``do_sample=False``) in a
-   separate process on the same GPU, in the same call: new tokens per second and time to first
-   token (a call with ``max_new_tokens=1``).
+3. **Generate.** ``mnb.generate`` on the loaded model (greedy, token-id prompts of 128 tokens, 256
+   new tokens, batch 1 and 32; its background compile waited for) against transformers' ``generate``
+   of the same checkpoint, dynamic cache and static-cache recipe, each after the pool has stopped, in
+   its own process (bench/gpu_generate.py's sides: the same call, median of 3 after a warm-up).
 
 Uses the pool API (the device machine has no IPython; ``%%megatron`` calls the same methods).
 Writes OUTDIR/hf_gpu.json and prints one line per row.
@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from gpu_generate import BATCHES, MNB_TIMED  # noqa: E402
 from gpu_measure import Rows, run_row  # noqa: E402
 
 SHAPES = {  # the Llama-3.2 configs' shapes (tied embeddings, llama3 RoPE scaling), random weights
@@ -48,7 +49,6 @@ SHAPES = {  # the Llama-3.2 configs' shapes (tied embeddings, llama3 RoPE scalin
 }
 PRESET = {"1b": "llama-1b", "3b": "llama-3b"}
 TRAIN = "steps=6, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True"
-PROMPT_TOKENS, NEW_TOKENS = 128, 256
 
 
 def build_checkpoint(size: str, folder: Path, device: str = "cuda") -> dict:
@@ -85,28 +85,6 @@ def raw_read_s(folder: Path) -> float:
     return time.perf_counter() - start
 
 
-HF_GENERATE = r"""
-import json, sys, time, torch
-from transformers import AutoModelForCausalLM
-folder, batches, prompt, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-rows = []
-for b in batches:
-    ids = torch.randint(0, 128000, (b, prompt), generator=torch.Generator().manual_seed(1)).cuda()
-    kw = dict(do_sample=False, pad_token_id=0)
-    model.generate(ids, max_new_tokens=8, **kw)              # warm-up
-    torch.cuda.synchronize(); t = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, **kw); torch.cuda.synchronize(); ttft = time.perf_counter() - t
-    t = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw); torch.cuda.synchronize()
-    dt = time.perf_counter() - t
-    n = (out.shape[1] - prompt) * b
-    rows.append({"batch": b, "new_tokens": n, "s": round(dt, 3), "tokens_per_s": round(n / dt, 1),
-                 "ttft_s": round(ttft, 4)})
-print("ROWS " + json.dumps(rows))
-"""
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("hf-gpu-out"))
@@ -121,6 +99,7 @@ def main() -> None:
 
     from mnb.controller import Pool
 
+    later: list[tuple[str, Path]] = []  # checkpoints whose transformers generate runs after the pool
     pool = Pool.start(1, gpus=[0], timeout=600)
     try:
         for size in args.sizes.split(","):
@@ -155,44 +134,36 @@ def main() -> None:
                         bench.add("finetune", {"model": label, **run_row(mnb.last_run, train)})
                     except Exception:
                         bench.add("finetune", {"model": label, "error": traceback.format_exc()[-2000:]})
-            if "generate" in sections:
+            if "generate" in sections:  # mnb's side now; transformers' after the pool has stopped
                 try:
-                    pool.run("model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+                    pool.run(MNB_TIMED + "model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
                              f"model = mnb.from_hf({str(folder)!r})\n"
-                             "import time\ngen_rows = []\n"
-                             "for b in (1, 32):\n"
-                             f"    ids = torch.randint(0, 128000, (b, {PROMPT_TOKENS}), "
-                             "generator=torch.Generator().manual_seed(1)).tolist()\n"
-                             "    mnb.generate(model, ids, max_new_tokens=8, stream=False)\n"
-                             "    torch.cuda.synchronize(); t = time.perf_counter()\n"
-                             "    mnb.generate(model, ids, max_new_tokens=1, stream=False)\n"
-                             "    torch.cuda.synchronize(); ttft = time.perf_counter() - t\n"
-                             "    t = time.perf_counter()\n"
-                             f"    out = mnb.generate(model, ids, max_new_tokens={NEW_TOKENS}, stream=False)\n"
-                             "    torch.cuda.synchronize(); dt = time.perf_counter() - t\n"
-                             "    n = sum(len(o) for o in out)\n"
-                             "    gen_rows.append({'batch': b, 'new_tokens': n, 's': round(dt, 3), "
-                             "'tokens_per_s': round(n / dt, 1), 'ttft_s': round(ttft, 4)})", quiet=True)
-                    mnb_rows = pool.pull("gen_rows")[0]
+                             "pending = background_compile.pending()\n"
+                             "pending is None or pending.wait(600)", quiet=True, timeout=900)
+                    for batch in BATCHES:
+                        row = pool.run(f"timed({batch})", quiet=True, timeout=600)[0]
+                        bench.add("generate", {**row, "model": f"from_hf {size}"})
                     pool.run("model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()", quiet=True)
-                    proc = subprocess.run([sys.executable, "-c", HF_GENERATE, str(folder), "[1, 32]",
-                                           str(PROMPT_TOKENS), str(NEW_TOKENS)],
-                                          capture_output=True, text=True, timeout=400, env=dict(os.environ))
-                    hf_rows = next((json.loads(line[5:]) for line in proc.stdout.splitlines()
-                                    if line.startswith("ROWS ")), None)
-                    if hf_rows is None:
-                        bench.add("generate", {"size": size, "transformers_error": proc.stderr[-2000:]})
-                        hf_rows = [{}] * len(mnb_rows)
-                    for m, h in zip(mnb_rows, hf_rows):
-                        ratio = (round(m["tokens_per_s"] / h["tokens_per_s"], 2) if h.get("tokens_per_s") else None)
-                        bench.add("generate", {"size": size, "batch": m["batch"], "mnb": m, "transformers": h,
-                                               "mnb_over_transformers": ratio})
+                    later.append((size, folder))
+                    continue
                 except Exception:
                     bench.add("generate", {"size": size, "error": traceback.format_exc()[-2000:]})
             for f in folder.glob("*"):
                 f.unlink()
     finally:
         pool.stop()
+    for side in ("hf-dynamic", "hf-static"):  # each in its own process, the GPU and CPUs to itself
+        for size, folder in later:
+            part = args.out / f"hf_gpu.{side}.{size}.jsonl"
+            part.unlink(missing_ok=True)
+            subprocess.run([sys.executable, str(HERE / "gpu_generate.py"), "--side", side, "--models",
+                            f"from_hf {size}", "--hf-folders", json.dumps({f"from_hf {size}": str(folder)}),
+                            "--out", str(part)], timeout=900, env=dict(os.environ))
+            for line in (part.read_text().splitlines() if part.exists() else []):
+                bench.add("generate", json.loads(line))
+    for _, folder in later:
+        for f in folder.glob("*"):
+            f.unlink()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ Inside a ``%%megatron`` cell (any layout: tp with or without sp, pp, vpp, dp, ep
     mnb.generate(model, ["a", "longer prompt"], temperature=0.8, seed=1)  # -> list of strings
     mnb.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=8)            # -> list of id lists
 
-How it runs (the decode loop is mnb's, the modules and the KV cache are Megatron-Core's):
+On CUDA ranks the decode runs in :mod:`mnb.megatron.decode_graphs` (static KV cache, CUDA graphs
+of prefill and decode step, sampling on the GPU; :func:`decode_static`).  On CPU ranks (below) the
+decode loop is mnb's, the modules and the KV cache are Megatron-Core's:
 
 - every chunk is Megatron's ``GPTModel``, called with a
   ``megatron.core.inference.contexts.StaticInferenceContext`` (the same on 0.16 and 0.19):
@@ -176,11 +178,18 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
     bad = sorted({t for p in batch.ids for t in p if not 0 <= t < vocab})
     if bad:
         raise ValueError(f"token ids {bad[:5]} lie outside the model's vocabulary [0, {vocab})")
-    sampler = Sampler(temperature, top_k, top_p, seed, vocab)
     view = Stream(batch, tokenizer) if stream else None
+    from mnb.megatron import decode_graphs
+
     with interrupts.deferred() as flag:
-        outputs, stopped = decode(model, batch.ids, max_new_tokens, sampler, tokenizer, stops, flag, view,
-                                  ends=end_ids(model, tokenizer))
+        if decode_graphs.usable(model):
+            outputs, stopped = decode_static(model, batch.ids, max_new_tokens,
+                                             dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+                                             tokenizer, stops, flag, view, ends=end_ids(model, tokenizer))
+        else:
+            sampler = Sampler(temperature, top_k, top_p, seed, vocab)
+            outputs, stopped = decode(model, batch.ids, max_new_tokens, sampler, tokenizer, stops, flag, view,
+                                      ends=end_ids(model, tokenizer))
     if stopped:
         raise KeyboardInterrupt(
             f"mnb.generate stopped on every rank after {max(len(o) for o in outputs)} new tokens "
@@ -320,6 +329,37 @@ def decode(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, 
                 break
             if all(done):
                 break
+    return outputs, stopped
+
+
+def decode_static(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, sampling: dict,
+                  tokenizer, stops: list[str], flag: interrupts.InterruptFlag, view: Stream | None = None,
+                  ends: set[int] = frozenset()):
+    """GPU ranks: the static-cache, CUDA-graph decode (:mod:`mnb.megatron.decode_graphs`); the
+    new tokens come to the host every few tokens and end each continuation as :func:`decode` does."""
+    from mnb.megatron import decode_graphs
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+
+    def on_block(tokens: torch.Tensor, last: bool) -> bool:
+        rows = tokens.tolist()
+        for i, row in enumerate(rows):
+            for token in row[len(outputs[i]):]:
+                if done[i]:
+                    break
+                outputs[i].append(token)
+                ended = token in ends or len(outputs[i]) >= max_new_tokens
+                if stops and not ended:
+                    ended = cut_at_stop(tokenizer.detokenize(outputs[i]), stops)[1]
+                done[i] = ended
+        if view is not None:
+            view.show(outputs, stops, final=all(done) or last)
+        return all(done)
+
+    with inference_mode(model):
+        decoder = decode_graphs.decoder_of(model)
+        stopped = decoder.run(prompts, max_new_tokens, sampling, on_block, lambda: flag.requested)
     return outputs, stopped
 
 

@@ -104,6 +104,9 @@ class MegatronModel:
     user_model: bool = False
     """Built by the user's own code (``mnb.train(module, forward_step_func=...)``), not by :func:`gpt`:
     its TransformerConfig's recompute settings are left as they are unless ``recompute`` is given."""
+    decoder: Any = None
+    """``mnb.generate``'s static KV caches and CUDA graphs (:class:`mnb.megatron.decode_graphs.GraphDecoder`),
+    kept across calls; None until the first call on a CUDA rank, and again once released."""
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -115,7 +118,8 @@ class MegatronModel:
         return sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
 
     def release(self, reason: str) -> None:
-        """Drop parameters, DDP buffers and optimizer state; the model cannot be used after."""
+        """Drop parameters, DDP buffers, optimizer state and decode graphs; the model cannot be used after."""
+        self.decoder = None
         self.wrapped = None
         self.optimizer = None
         self.scheduler = None

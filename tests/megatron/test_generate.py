@@ -10,6 +10,8 @@ loop; evaluation equals the loss ``mnb.logits`` implies and is recorded by ``eva
 for a Hugging Face checkpoint whose BPE tokenizer reads the text (under dp2 and tp2);
 greedy continuations of tiny random Hugging Face checkpoints (Llama, Qwen2, GPT-2, Mixtral)
 equal transformers' ``generate(do_sample=False)`` under dp2, tp2, pp2 and (Mixtral) ep2 and tp2+sp.
+The GPU ranks' static-cache path (:mod:`mnb.megatron.decode_graphs`), run here with its graphs replaced
+by plain calls, equals the reference under dp2, tp2, pp2, pp2+vpp2 and (MoE) ep2, and keeps its buckets.
 Both CI legs (megatron-core 0.16 and 0.19).
 """
 
@@ -60,6 +62,60 @@ def test_greedy_equals_the_no_cache_reference_under_every_layout(cpu_pool):
     assert same_on_every_rank(one) == reference[1]
     cpu_pool.run("ref_pp = reference(model, " + repr(PROMPTS[:1]) + ", 8)", quiet=True)
     assert same_on_every_rank(cpu_pool.pull("ref_pp")) == [reference[0][:8]]
+
+
+STANDIN = "from mnb.megatron import decode_graphs\ndecode_graphs.cpu_standin = {on}\n"
+
+
+def test_the_static_cache_decode_equals_the_reference_and_keeps_its_buckets(cpu_pool):
+    """The GPU path (static cache, one step per token, GPU-side sampling) run on the CPU ranks with
+    the graph replaced by a plain call: the same tokens as the reference under dp2, tp2, pp2 and
+    pp2+vpp2; its buckets reused across calls; released by a layout change and by ``del model``."""
+    cpu_pool.run(REFERENCE, quiet=True)
+    cpu_pool.run("model = mnb.gpt('tiny')\nref = reference(model, " + repr(PROMPTS) + ", 20)", quiet=True)
+    reference = same_on_every_rank(cpu_pool.pull("ref"))
+    code = f"mnb.generate(model, {PROMPTS}, max_new_tokens=20, stream=False)"
+    try:
+        for layout in (ParallelConfig(), ParallelConfig(tp=2), ParallelConfig(pp=2), ParallelConfig(pp=2, vpp=2)):
+            got = cpu_pool.run(STANDIN.format(on=True) + "model = mnb.gpt('tiny')\n" + code,
+                               layout=layout, quiet=True)
+            assert same_on_every_rank(got) == reference, layout
+        # An MoE model (Megatron's token dispatch: run uncaptured on GPUs) through the same step, under ep2.
+        cpu_pool.run("moe = mnb.gpt('moe-tiny')\nref_moe = reference(moe, " + repr(PROMPTS) + ", 8)",
+                     layout=ParallelConfig(ep=2), quiet=True)
+        moe = cpu_pool.run(STANDIN.format(on=True) + f"mnb.generate(moe, {PROMPTS}, max_new_tokens=8, stream=False)",
+                           quiet=True)
+        assert same_on_every_rank(moe) == same_on_every_rank(cpu_pool.pull("ref_moe"))
+        again = cpu_pool.run("model = mnb.gpt('tiny')\n" + code, layout=ParallelConfig(pp=2, vpp=2), quiet=True)
+        assert same_on_every_rank(again) == reference
+        # Sampling on the device: top_k=1 is greedy; a seed repeats; another seed differs.
+        sample = "mnb.generate(model, {PROMPTS}, max_new_tokens=20, temperature={t}, top_k={k}, seed={s}, stream=False)"
+        one = cpu_pool.run(sample.format(PROMPTS=PROMPTS, t=2.0, k=1, s=3), quiet=True)
+        assert same_on_every_rank(one) == reference
+        first = same_on_every_rank(cpu_pool.run(sample.format(PROMPTS=PROMPTS, t=1.0, k=0, s=7), quiet=True))
+        assert first == same_on_every_rank(cpu_pool.run(sample.format(PROMPTS=PROMPTS, t=1.0, k=0, s=7), quiet=True))
+        assert first != same_on_every_rank(cpu_pool.run(sample.format(PROMPTS=PROMPTS, t=1.0, k=0, s=8), quiet=True))
+        # Buckets: 3 prompts -> 4 rows, 7 + 20 positions -> 256; 4 prompts reuse them, 6 make a second.
+        # Prompts of up to 7 tokens -> a prefill bucket of 64 positions, its graphs beside the decode step's.
+        code = ("d = model.decoder\n(sorted(d.entries), d.captures, sorted(k for e in d.entries.values() "
+                "for k in e.graphs), sorted((n, k) for e in d.entries.values() for n, p in e.prefills.items() "
+                "for k in p.graphs))")
+        books = cpu_pool.run(code, quiet=True)  # pp2+vpp2: rank r holds virtual stages r and r + 2
+        stages = {r: [(r, False), (r, True), (r + 2, False), (r + 2, True)] for r in (0, 1)}
+        assert books == {r: ([(4, 256)], 8, stages[r], [(64, k) for k in stages[r]]) for r in (0, 1)}
+        captures = books[0][1]
+        cpu_pool.run(f"mnb.generate(model, {PROMPTS + [[1, 2]]}, max_new_tokens=4, stream=False)", quiet=True)
+        assert same_on_every_rank({r: v[:2] for r, v in cpu_pool.run(code, quiet=True).items()}) == ([(4, 256)], captures)
+        cpu_pool.run(f"mnb.generate(model, {PROMPTS * 2}, max_new_tokens=4, stream=False)", quiet=True)
+        assert same_on_every_rank({r: v[0] for r, v in cpu_pool.run(code, quiet=True).items()}) == [(4, 256), (8, 256)]
+        # A layout change releases the graphs with the model; del frees them.
+        cpu_pool.run("old = model", layout=ParallelConfig(tp=2), quiet=True)
+        assert same_on_every_rank(cpu_pool.run("(old.decoder, bool(old.released))", quiet=True)) == (None, True)
+        freed = ("import gc, weakref\nmodel = mnb.gpt('tiny')\nmnb.generate(model, [[1, 2]], max_new_tokens=2, "
+                 "stream=False)\nw = weakref.ref(model.decoder)\ndel model\ngc.collect()\nw() is None")
+        assert same_on_every_rank(cpu_pool.run(freed, quiet=True)) is True
+    finally:
+        cpu_pool.run(STANDIN.format(on=False), quiet=True)
 
 
 def test_a_trained_model_generates_the_same_text_after_a_live_relayout(cpu_pool, tmp_path):

@@ -1,0 +1,575 @@
+"""Decoding at the GPU's speed (issue 40): a static KV cache and the decode step as a CUDA graph.
+
+Used by :func:`mnb.generate` on CUDA ranks (CPU ranks keep :func:`mnb.megatron.generate.decode`).
+The model's own Megatron modules run every step (embedding, norms, qkv, RoPE, projections, MLP or
+MoE, LoRA adapters, tp collectives); only the core attention of each layer is swapped, for the
+call, for :class:`CachedAttention`:
+
+- **static KV cache**: per layer ``[batch, groups, positions, head_dim]``, sized by a bucket of
+  the call (batch rounded up to a power of two, positions to a multiple of :data:`LENGTH_STEP`)
+  and kept with its graphs for later calls of that size.
+- **prefill**: the prompts, right-padded to the longest, in one causal pass
+  (``scaled_dot_product_attention``); each prompt's first token comes from its own last
+  position, and decoding continues each prompt at its own position, so padding is never
+  attended to and nothing is recomputed.
+- **decode step**: one new token per prompt at per-prompt positions (a device tensor); attention
+  is two batched matmuls over the whole cache with a ``key <= position`` mask, so no kernel
+  plan depends on the key length.  The step (embedding .. sampling, and with pp = 1 the advance
+  of tokens, positions and the output buffer) is captured once per bucket and virtual stage with
+  ``torch.cuda.graph`` and replayed per token: no host work per token but ``replay()``.
+  With tp > 1 the tp all-reduces/all-gathers are NCCL calls inside the graph; with pp > 1 each
+  stage has its graph, hidden states go point to point between replays and the last stage's
+  tokens reach every stage with one all-reduce over the pipeline group per token.
+- **sampling on the GPU**: greedy (argmax of the fp32 logits) or temperature / top-k / top-p with
+  one uniform draw per prompt and step from a CUDA generator seeded with ``seed`` (the same on
+  every rank, so every tp/dp rank picks the same token without a collective).
+- **host sync every** :data:`SYNC_EVERY` **tokens**: the new tokens come to the host once per block
+  (end tokens, stop strings, streaming, and one all-reduce carrying the interrupt flag).
+
+Graphs live in the model's :attr:`MegatronModel.decoder` (:class:`GraphDecoder`): kept across calls,
+captured again when the model's parameters moved (a LoRA adapter added, training re-bucketing), dropped
+with the model (``del model``) or when a layout change releases it.  MoE layers (host-side token
+counts in Megatron's dispatchers) and Megatron-FSDP models run the same step eagerly (:class:`Eager`),
+as do CPU ranks when :data:`cpu_standin` is set (tests of this path's bookkeeping and arithmetic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+LENGTH_STEP = 256
+"""Cache positions are allocated in multiples of this (a length bucket)."""
+PROMPT_STEP = 64
+"""Prompts are right-padded to a multiple of this (a prefill bucket)."""
+PREFILL_GRAPH_TOKENS = 8192
+"""rows x prompt positions up to which prefill is a graph too (above it its activations would stay
+in the graph's memory pool; such a prefill runs the same code eagerly)."""
+SYNC_EVERY = 16
+"""Tokens decoded between host synchronisations (streaming, ends, stop strings, interrupts)."""
+MAX_ENTRIES = 4
+"""Buckets kept per model (least recently used dropped first)."""
+compile_attention = False
+"""True: on CUDA ranks the decode attention (cache write, scores, softmax, values) goes through
+``torch.compile`` (fewer kernels per layer). Off by default: its one GPU run (2026-12-03) failed to
+capture (the retry then met the pool the failed capture left recording; retries now take a fresh pool)."""
+cpu_standin = False
+"""Tests only: run this path on CPU ranks, the graph replaced by :class:`Eager` (no CUDA capture)."""
+enabled = True
+"""False: GPU ranks too take the per-token path (:func:`mnb.megatron.generate.decode`), for comparisons."""
+
+
+def batch_bucket(batch: int) -> int:
+    """Rows of the cache and graph for ``batch`` prompts: the next power of two."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    return 1 << (batch - 1).bit_length()
+
+
+def length_bucket(positions: int) -> int:
+    """Cache positions for a call needing ``positions``: the next multiple of LENGTH_STEP."""
+    return -(-positions // LENGTH_STEP) * LENGTH_STEP
+
+
+def prompt_bucket(longest: int, limit: int) -> int:
+    """Positions of the prefill for prompts of at most ``longest`` tokens: the next multiple of
+    PROMPT_STEP, but not past the model's ``limit`` (max_position_embeddings)."""
+    return min(-(-longest // PROMPT_STEP) * PROMPT_STEP, max(limit, longest))
+
+
+class Eager:
+    """The stand-in of a captured graph: ``replay()`` runs the step's Python again."""
+
+    captured = False
+
+    def __init__(self, step: Callable[[], Any]):
+        self.step, self.output = step, None
+
+    def replay(self) -> None:
+        self.output = self.step()
+
+
+class Graph:
+    """``step`` captured as one CUDA graph (after two warm-up runs on a side stream)."""
+
+    captured = True
+
+    def __init__(self, step: Callable[[], Any]):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()):  # its own pool
+            self.output = step()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+@dataclass
+class Pass:
+    """What the swapped core attentions read during one forward: mode, positions, mask, caches."""
+
+    prefill: bool = False
+    bias: torch.Tensor | None = None  # decode: [B, 1, 1, S] fp32, 0 where row b sees key j, else -inf
+    positions: torch.Tensor | None = None  # decode: [B, 1] long
+    attend: Callable | None = None  # decode_attention, compiled or not
+    caches: dict = field(default_factory=dict)  # id(layer attention) -> (keys, values)
+    cos: torch.Tensor | None = None  # RoPE applied here (``[s, b, 1, rot]``), or None: by Megatron
+    sin: torch.Tensor | None = None
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Megatron's non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``, mscale 1), its order of
+    operations, with cos/sin looked up once per step rather than computed in every layer."""
+    rot = cos.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class CachedAttention(torch.nn.Module):
+    """A layer's core attention over the static cache (Megatron shapes: ``[s, b, heads, dim]``)."""
+
+    def __init__(self, original: torch.nn.Module, state: Pass, key: int, head_dim: int):
+        super().__init__()
+        self.state, self.key = state, key
+        scale = getattr(original, "softmax_scale", None)
+        self.scale = scale if scale else 1.0 / math.sqrt(head_dim)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        keys, values = self.state.caches[self.key]
+        if self.state.cos is not None:
+            query, key = (rotate(t, self.state.cos, self.state.sin) for t in (query, key))
+        s, b, heads, dim = query.shape
+        groups = key.shape[2]
+        if self.state.prefill:  # positions 0..s-1 for every row (right-padded prompts)
+            keys[:, :, :s].copy_(key.permute(1, 2, 0, 3))
+            values[:, :, :s].copy_(value.permute(1, 2, 0, 3))
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            if groups != heads:
+                k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+        return self.state.attend(query, key, value, keys, values, self.state.positions, self.state.bias,
+                                 self.scale)
+
+
+def decode_attention(query, key, value, keys, values, where, bias, scale: float):
+    """One new position per row (``query [1, b, heads, dim]``, ``key/value [1, b, groups, dim]``,
+    already rotated): written into the cache at ``where [b, 1]``, attended over the whole cache with
+    the additive ``bias`` (two batched matmuls, fp32 scores and softmax)."""
+    _, b, heads, dim = query.shape
+    groups = key.shape[2]
+    index = where.view(b, 1, 1, 1).expand(b, groups, 1, dim)
+    keys.scatter_(2, index, key.permute(1, 2, 0, 3))
+    values.scatter_(2, index, value.permute(1, 2, 0, 3))
+    q = query.permute(1, 2, 0, 3).reshape(b, groups, heads // groups, dim)
+    scores = torch.add(bias, torch.matmul(q, keys.transpose(-1, -2)), alpha=scale)  # [b, g, rep, S] fp32
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values).view(b, heads, 1, dim)
+    return out.permute(2, 0, 1, 3).reshape(1, b, heads * dim)
+
+
+_compiled_attention = None
+
+
+def compiled_attention():
+    """:func:`decode_attention` through ``torch.compile`` (made once per process)."""
+    global _compiled_attention
+    if _compiled_attention is None:
+        _compiled_attention = torch.compile(decode_attention, dynamic=False)
+    return _compiled_attention
+
+
+def attentions(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention module of every layer of ``chunk``."""
+    return [layer.self_attention for layer in chunk.decoder.layers]
+
+
+@contextlib.contextmanager
+def swapped_attention(chunks, state: Pass):
+    """Every layer's core attention replaced by :class:`CachedAttention`; RoPE fusion off; restored after."""
+    originals = []
+    config = chunks[0].config
+    rope_fusion = getattr(config, "apply_rope_fusion", False)
+    try:
+        config.apply_rope_fusion = False  # per-row positions: Megatron's unfused RoPE broadcasts them
+        for chunk in chunks:
+            for attention in attentions(chunk):
+                original = attention.core_attention
+                originals.append((attention, original))
+                attention.core_attention = CachedAttention(original, state, id(attention),
+                                                           attention.hidden_size_per_attention_head)
+        yield
+    finally:
+        for attention, original in originals:
+            attention.core_attention = original
+        config.apply_rope_fusion = rope_fusion
+
+
+class Sampling:
+    """Greedy or temperature / top-k / top-p choice of one token per row, on the device, graph-safe.
+
+    Its tensors belong to a bucket (graphs read them); :meth:`configure` sets them for each call.
+    """
+
+    def __init__(self, vocab: int, rows: int, device: torch.device):
+        self.greedy, self.vocab = True, vocab
+        self.temperature = torch.ones((), dtype=torch.float64, device=device)
+        self.top_k = torch.tensor(vocab, device=device)
+        self.top_p = torch.tensor(2.0, dtype=torch.float64, device=device)
+        self.ranks = torch.arange(vocab, device=device)
+        self.draws = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.generator = torch.Generator(device=device)
+
+    def configure(self, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+        self.greedy = temperature == 0
+        self.temperature.fill_(temperature or 1.0)
+        self.top_k.fill_(top_k or self.vocab)
+        self.top_p.fill_(top_p if top_p < 1 else 2.0)  # 2: no nucleus cut, whatever the rounding
+        self.generator.manual_seed(int(seed))
+
+    def draw(self) -> None:
+        """The next uniform numbers (outside the graph: one kernel per token)."""
+        if not self.greedy:
+            torch.rand(self.draws.shape, generator=self.generator, dtype=torch.float64,
+                       device=self.draws.device, out=self.draws)
+
+    def choose(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        logits = logits[:, : self.vocab].float()
+        if self.greedy:
+            out.copy_(logits.argmax(dim=-1))
+            return
+        scaled = logits.double() / self.temperature
+        order = torch.argsort(scaled, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(torch.gather(scaled, -1, order), dim=-1)
+        probs = probs.masked_fill(self.ranks >= self.top_k, 0)
+        probs = probs.masked_fill(torch.cumsum(probs, dim=-1) - probs >= self.top_p, 0)
+        cdf = torch.cumsum(probs, dim=-1)
+        picked = torch.searchsorted(cdf, (self.draws * cdf[:, -1]).unsqueeze(-1), right=True)
+        out.copy_(torch.gather(order, -1, picked.clamp(max=self.vocab - 1)).squeeze(-1))
+
+
+class Entry:
+    """One bucket: caches, static inputs/outputs and the graphs of this rank's virtual stages."""
+
+    def __init__(self, decoder: "GraphDecoder", rows: int, positions: int):
+        self.rows, self.positions = rows, positions
+        device, dtype = decoder.device, decoder.dtype
+        self.caches = {}
+        for chunk in decoder.chunks:
+            for attention in attentions(chunk):
+                shape = (rows, attention.num_query_groups_per_partition, positions,
+                         attention.hidden_size_per_attention_head)
+                self.caches[id(attention)] = (torch.zeros(shape, dtype=dtype, device=device),
+                                              torch.zeros(shape, dtype=dtype, device=device))
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.where = torch.zeros(rows, 1, dtype=torch.long, device=device)  # each row's position
+        self.chosen = torch.zeros(rows, dtype=torch.long, device=device)
+        self.out = torch.zeros(rows, positions, dtype=torch.long, device=device)
+        self.count = torch.zeros(1, dtype=torch.long, device=device)
+        self.hidden_in = {v: torch.zeros(1, rows, decoder.hidden, dtype=dtype, device=device)
+                          for v in decoder.stages}
+        self.key_index = torch.arange(positions, device=device)
+        self.rope = decoder.rope_table(positions)
+        self.cos_sin = None if self.rope is None or not decoder.own_rope else (self.rope.cos(), self.rope.sin())
+        self.sampling = Sampling(decoder.vocab, rows, device)
+        self.graphs: dict = {}  # (stage, greedy) -> Graph | Eager
+        self.prefills: dict[int, Prefill] = {}  # prompt bucket -> its buffers and graphs
+
+    def advance(self) -> None:
+        """The chosen tokens become the next inputs, one position on, recorded in ``out``."""
+        self.tokens[:, 0].copy_(self.chosen)
+        self.where.add_(1)
+        self.out.index_copy_(1, self.count, self.chosen.unsqueeze(1))
+        self.count.add_(1)
+
+
+class Prefill:
+    """The static inputs of one prompt bucket: right-padded tokens, each row's last prompt position."""
+
+    def __init__(self, decoder: "GraphDecoder", rows: int, length: int):
+        device = decoder.device
+        self.length = length
+        self.tokens = torch.zeros(rows, length, dtype=torch.long, device=device)
+        self.ends = torch.zeros(rows, dtype=torch.long, device=device)
+        self.where = torch.arange(length, device=device).expand(rows, -1).contiguous()
+        self.row_index = torch.arange(rows, device=device)
+        self.hidden_in = {v: torch.zeros(length, rows, decoder.hidden, dtype=decoder.dtype, device=device)
+                          for v in decoder.stages}
+        self.graphs: dict = {}  # (stage, greedy) -> Graph | Eager
+
+
+class GraphDecoder:
+    """The decode graphs of one model on this rank (kept in ``MegatronModel.decoder``)."""
+
+    def __init__(self, model, device: torch.device):
+        from megatron.core import parallel_state as ps
+
+        self.chunks = list(model.chunks)
+        self.device = device
+        self.dtype = next(self.chunks[0].parameters()).dtype
+        self.hidden = model.config.hidden_size
+        self.vocab = model.config.vocab_size
+        self.pp = model.parallel.pp
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.next_rank = ps.get_pipeline_model_parallel_next_rank()
+        self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
+        self.n_stages = self.pp * len(self.chunks)
+        self.stages = list(range(self.pp_rank, self.n_stages, self.pp))
+        tconfig = model.transformer_config
+        moe = bool(getattr(tconfig, "num_moe_experts", None))
+        self.capture = device.type == "cuda" and not moe and model.parallel.fsdp is None
+        self.why_eager = ("MoE layers (Megatron's token dispatch counts tokens on the host)" if moe else
+                          "Megatron-FSDP gathers parameters per layer" if model.parallel.fsdp else "CPU rank")
+        self.signature = self.params_signature(model)
+        self.limit = model.config.max_position_embeddings
+        # RoPE in CachedAttention (one cos/sin lookup per step) where it is Megatron's plain kind.
+        self.own_rope = not (tconfig.rotary_interleaved or getattr(tconfig, "no_rope_freq", None)
+                             or getattr(tconfig, "multi_latent_attention", False)
+                             or any(getattr(a, "_yarn_concentration_factor", 1.0) not in (None, 1.0)
+                                    for c in self.chunks for a in attentions(c)))
+        self.entries: dict[tuple[int, int], Entry] = {}
+        self.state = Pass()  # what the swapped attentions read; graphs captured it, so one per decoder
+        self.captures = 0
+
+    @staticmethod
+    def params_signature(model) -> tuple:
+        """Where every parameter lives: graphs read these addresses, so a move means capture again."""
+        return tuple(p.data_ptr() for chunk in model.chunks for p in chunk.parameters())
+
+    def rope_table(self, positions: int) -> torch.Tensor | None:
+        """RoPE angles ``[positions, dim]`` from the model's own rotary module (None without RoPE)."""
+        rotary = getattr(self.chunks[0], "rotary_pos_emb", None)
+        if getattr(self.chunks[0], "position_embedding_type", "rope") != "rope" or rotary is None:
+            return None
+        return rotary(positions).reshape(positions, -1).to(self.device)
+
+    def entry(self, rows: int, positions: int) -> Entry:
+        key = (rows, positions)
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            while len(self.entries) >= MAX_ENTRIES:
+                self.entries.pop(next(iter(self.entries)))
+            entry = Entry(self, rows, positions)
+        self.entries[key] = entry  # most recently used last
+        return entry
+
+    # ---- one forward of a virtual stage -------------------------------------------------------
+    def stage_forward(self, stage: int, entry: Entry, state: Pass, tokens, where, hidden_in):
+        """Stage ``stage``'s output: hidden states, or on the last stage the last positions' logits."""
+        chunk = self.chunks[stage // self.pp]
+        state.caches = entry.caches
+        if stage == 0:
+            hidden = chunk.embedding(input_ids=tokens, position_ids=where)
+        else:
+            chunk.set_input_tensor(hidden_in)
+            hidden = None
+        rope = state.cos = state.sin = None
+        if entry.cos_sin is not None:
+            state.cos, state.sin = (t[where].to(self.dtype).transpose(0, 1).unsqueeze(2) for t in entry.cos_sin)
+        elif entry.rope is not None:
+            rope = entry.rope[where].transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]: Megatron rotates
+        hidden = chunk.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
+        return hidden
+
+    def logits(self, stage: int, hidden: torch.Tensor) -> torch.Tensor:
+        chunk = self.chunks[stage // self.pp]
+        weight = chunk.shared_embedding_or_output_weight() if chunk.share_embeddings_and_output_weights else None
+        logits, _ = chunk.output_layer(hidden, weight=weight, runtime_gather_output=True)
+        return logits[-1]
+
+    def step(self, stage: int, entry: Entry, state: Pass, sampling: Sampling):
+        """The decode step of ``stage`` (what is captured)."""
+        state.prefill = False
+        state.positions = entry.where
+        state.bias = torch.where(entry.key_index <= entry.where, 0.0, float("-inf")).view(entry.rows, 1, 1, -1)
+        hidden = self.stage_forward(stage, entry, state, entry.tokens, entry.where, entry.hidden_in[stage])
+        if stage < self.n_stages - 1:
+            return hidden
+        sampling.choose(self.logits(stage, hidden).float(), entry.chosen)
+        if self.pp == 1:
+            entry.advance()
+        return None
+
+    def prefill_step(self, stage: int, entry: Entry, prefill: Prefill, state: Pass, sampling: Sampling):
+        """The prefill of ``stage`` for one prompt bucket (what is captured when small enough)."""
+        state.prefill = True
+        hidden = self.stage_forward(stage, entry, state, prefill.tokens, prefill.where, prefill.hidden_in[stage])
+        if stage < self.n_stages - 1:
+            return hidden
+        last = hidden[prefill.ends, prefill.row_index].unsqueeze(0)  # each row's last prompt position
+        sampling.choose(self.logits(stage, last).float(), entry.chosen)
+        if self.pp == 1:
+            entry.where.copy_(prefill.ends.unsqueeze(1))
+            entry.count.zero_()
+            entry.advance()
+        return None
+
+    def graph(self, graphs: dict, key, step: Callable[[], Any], entry: Entry, capture: bool):
+        """``graphs[key]``, captured now if missing (``capture`` False: the step run as it is)."""
+        if key not in graphs:
+            entry.where.zero_()
+            entry.count.zero_()
+            if not capture:
+                graphs[key] = Eager(step)
+            else:
+                graphs[key] = self._capture(step)
+            self.captures += 1
+        return graphs[key]
+
+    def _capture(self, step: Callable[[], Any]):
+        """A :class:`Graph` of ``step``; if capture fails, again with the uncompiled attention, and
+        last the step run uncaptured (:class:`Eager`), with a warning saying why."""
+        try:
+            return Graph(step)
+        except Exception as error:  # noqa: BLE001 - any capture failure: the call still runs
+            first = error
+        if self.state.attend is not decode_attention:
+            self.state.attend = decode_attention
+            try:
+                graph = Graph(step)
+                log.warning("mnb.generate: the compiled decode attention did not capture (%s); captured "
+                            "it uncompiled", first)
+                return graph
+            except Exception as error:  # noqa: BLE001
+                first = error
+        log.warning("mnb.generate: the decode step did not capture as a CUDA graph (%s); it runs "
+                    "uncaptured (slower)", first)
+        if torch.distributed.get_rank() == 0:
+            print(f"mnb.generate: CUDA graph capture failed ({type(first).__name__}: {first}); "
+                  "decoding without graphs", flush=True)
+        return Eager(step)
+
+    # ---- the call -----------------------------------------------------------------------------
+    def run(self, prompts: list[list[int]], max_new_tokens: int, sampling_args: dict, on_block,
+            interrupted: Callable[[], bool]) -> bool:
+        """Decode; ``on_block(tokens [batch, n] on the host, last)`` after every block; True ends it.
+
+        Returns whether an interrupt ended it.
+        """
+        batch = len(prompts)
+        lengths = [len(p) for p in prompts]
+        rows, positions = batch_bucket(batch), length_bucket(max(lengths) + max_new_tokens)
+        entry = self.entry(rows, positions)
+        sampling, state = entry.sampling, self.state
+        sampling.configure(**sampling_args)
+        length = prompt_bucket(max(lengths), self.limit)
+        prefill = entry.prefills.get(length) or entry.prefills.setdefault(length, Prefill(self, rows, length))
+        if state.attend is None:
+            state.attend = compiled_attention() if self.capture and compile_attention else decode_attention
+        with swapped_attention(self.chunks, state):
+            before, start = self.captures, time.perf_counter()
+            greedy = sampling.greedy
+            graphs = {v: self.graph(entry.graphs, (v, greedy), lambda v=v: self.step(v, entry, state, sampling),
+                                    entry, self.capture) for v in self.stages}
+            prefills = {v: self.graph(prefill.graphs, (v, greedy),
+                                      lambda v=v: self.prefill_step(v, entry, prefill, state, sampling), entry,
+                                      self.capture and rows * length <= PREFILL_GRAPH_TOKENS) for v in self.stages}
+            if self.captures > before and self.capture:
+                self._announce(rows, positions, length, time.perf_counter() - start)
+            self.prefill(entry, prefill, prefills, sampling, prompts)
+            done, steps = False, 1
+            while not done:
+                if steps < max_new_tokens:
+                    sampling.draw()
+                    self.decode_one(entry, graphs)
+                    steps += 1
+                if steps % SYNC_EVERY and steps < max_new_tokens:
+                    continue
+                stop = self._any_rank(interrupted())
+                last = stop or steps >= max_new_tokens
+                done = on_block(entry.out[:batch, :steps].cpu(), last) or last
+                if stop:
+                    return True
+        return False
+
+    def prefill(self, entry: Entry, prefill: Prefill, graphs: dict, sampling: Sampling, prompts) -> None:
+        """All prompts in one causal pass, right-padded; each row's first token from its own last position."""
+        tokens = torch.zeros(entry.rows, prefill.length, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p)
+        ends = torch.tensor([len(p) - 1 for p in prompts] + [0] * (entry.rows - len(prompts)))
+        prefill.tokens.copy_(tokens)
+        prefill.ends.copy_(ends)
+        sampling.draw()
+        self.run_stages(graphs, prefill.hidden_in)
+        if self.pp > 1:
+            entry.where.copy_(prefill.ends.unsqueeze(1))
+            entry.count.zero_()
+            self.share(entry)
+
+    def run_stages(self, graphs: dict, hidden_in: dict) -> None:
+        """Each of this rank's stages in order: its input from the previous stage, replay, output on."""
+        for stage in self.stages:
+            if stage > 0:
+                torch.distributed.recv(hidden_in[stage], src=self.prev_rank, group=self.pp_group)
+            graphs[stage].replay()
+            if stage < self.n_stages - 1:
+                torch.distributed.send(graphs[stage].output.contiguous(), dst=self.next_rank, group=self.pp_group)
+
+    def decode_one(self, entry: Entry, graphs: dict) -> None:
+        self.run_stages(graphs, entry.hidden_in)
+        if self.pp > 1:
+            self.share(entry)
+
+    def share(self, entry: Entry) -> None:
+        """The last stage's tokens on every stage (pp > 1: one all-reduce), then the advance."""
+        if self.pp > 1:
+            if self.n_stages - 1 not in self.stages:
+                entry.chosen.zero_()
+            torch.distributed.all_reduce(entry.chosen, group=self.pp_group)
+        entry.advance()
+
+    def _any_rank(self, interrupted: bool) -> bool:
+        flag = torch.tensor([int(interrupted)], device=self.device)
+        torch.distributed.all_reduce(flag)
+        return bool(flag.item())
+
+    def _announce(self, rows: int, positions: int, length: int, seconds: float) -> None:
+        if torch.distributed.get_rank() == 0:
+            print(f"mnb.generate: captured CUDA graphs for batch <= {rows}, prompts <= {length} tokens, "
+                  f"{positions} positions in {seconds:.2f} s (kept for later calls of this size)", flush=True)
+
+
+def decoder_of(model) -> GraphDecoder:
+    """The model's :class:`GraphDecoder`, made (or made again, if its parameters moved) here."""
+    from mnb.megatron.record import device_of
+
+    current = model.decoder
+    if current is None or current.signature != GraphDecoder.params_signature(model):
+        model.decoder = None  # free the old graphs and caches first
+        current = model.decoder = GraphDecoder(model, device_of())
+    return current
+
+
+def usable(model) -> bool:
+    """Whether :func:`mnb.generate` takes this path: CUDA ranks (or :data:`cpu_standin`), RoPE or
+    learned positions, Megatron's attention layers."""
+    from mnb.megatron.record import device_of
+
+    if not enabled or device_of().type != "cuda" and not cpu_standin:
+        return False
+    chunk = model.chunks[0]
+    if getattr(chunk, "position_embedding_type", None) not in ("rope", "learned_absolute"):
+        return False
+    if getattr(model.transformer_config, "multi_latent_attention", False):
+        return False
+    return all(hasattr(a, "core_attention") and hasattr(a, "num_query_groups_per_partition")
+               for c in model.chunks for a in attentions(c))
