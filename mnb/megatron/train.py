@@ -373,7 +373,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
     record = build_record(
         model=model, train=tc, device=device, num_microbatches=num_microbatches,
         steps=step_rows, timeline=timeline, meter=meter, components=components,
-        flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size),
+        flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size, model.lora),
     )
     events.publish_record(record)
     if stopped or flag.requested:
