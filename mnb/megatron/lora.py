@@ -247,10 +247,11 @@ def rules_of(model) -> tuple[dict[str, Rule], bool]:
     """The model's Megatron -> Hugging Face rules, and whether it is GPT-2-like (Conv1D names)."""
     from mnb.megatron.hf import gpt2, llama
     from mnb.megatron.hf.load import family_tensors
-    from mnb.megatron.hf.save import hf_config_dict
+    from mnb.hf_config import architecture, to_hf_config
 
-    try:
-        arch = hf_config_dict(model, torch.float32)[0]
+    source = getattr(model, "hf", None)
+    try:  # the source's architecture, or the one mnb.save_hf would write
+        arch = architecture(source.config if source is not None else to_hf_config(model.config), "config.json")
     except ValueError:  # an mnb.gpt model no Hugging Face architecture describes: names for slicing only
         arch = "GPT2LMHeadModel" if not model.config.gated_linear_unit else "LlamaForCausalLM"
     cfg = model.config

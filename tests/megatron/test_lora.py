@@ -102,6 +102,8 @@ LAYOUTS = {
     "tp2": (ParallelConfig(tp=2), ("llama", "gpt2")),
     "tp2+sp": (ParallelConfig(tp=2, sequence_parallel=True), ("llama", "gpt2")),
     "pp2": (ParallelConfig(pp=2), ("llama", "gpt2")),
+    "pp2-vpp2": (ParallelConfig(pp=2, vpp=2), ("llama",)),
+    "cp2": (ParallelConfig(cp=2), ("llama",)),
     "ep2": (ParallelConfig(ep=2), ("mixtral",)),
 }
 
@@ -211,7 +213,7 @@ def test_bad_adapter_folders_and_targets_are_refused_alike(cpu_pool, made):
         (str(rank), ["rank-mismatch/adapter_model.safetensors: rank mismatch:", "says r=8"]),
         (str(missing), ["no-weights/adapter_model.safetensors is missing"]),
         (str(layer9), ["layer-9/adapter_model.safetensors: unknown target module model.layers.9.mlp.down_proj"]),
-        (gpt2_adapter, ["gpt2-adapter/adapter_config.json: unknown target module 'c_attn' for this model"]),
+        (gpt2_adapter, ["gpt2-adapter/adapter_config.json: unknown target module 'c_", "for this model (llama)"]),
     ]
     for folder, fragments in cases:
         with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
