@@ -152,10 +152,14 @@ def test_lora_trains_under_tp2_then_peft_transformers_and_pp2_agree(cpu_pool, ma
         "_changed = sorted(n for c in _m.chunks for n, p in c.named_parameters() if not (p == _before[n]).all())\n"
         f"_after = mnb.logits(_m, {tokens!r}).numpy()\n"
         "(_logits, _after, _changed, _n, len(_opt), sum(p.numel() for p in _opt),\n"
-        " sum(p.numel() for p in _adapters), _grads, repr(_s))",
+        " sum(p.numel() for p in _adapters), _grads, repr(_s), _r['memory_components'])",
         layout=ParallelConfig(tp=2), quiet=True)
     mine = trained[0][0]
-    for rank, (logits, after, changed, n, n_opt, opt_numel, adapter_numel, grads, summary) in trained.items():
+    for rank, (logits, after, changed, n, n_opt, opt_numel, adapter_numel, grads, summary, measured) in \
+            trained.items():
+        # counted: fp32 gradients and Adam's two moments of the adapters alone (the base's weights are 20x more)
+        assert adapter_numel * 4 <= measured["gradients"] <= adapter_numel * 4 + 4096, (measured, adapter_numel)
+        assert adapter_numel * 8 <= measured["optimizer"] <= adapter_numel * 12 + 4096, (measured, adapter_numel)
         assert np.array_equal(logits, mine), rank
         assert float(np.abs(mine - base_logits).max()) > 1e-2, "training changed nothing"
         assert float(np.abs(after - mine).max()) < ATOL, (rank, "merge_lora changed the logits")
