@@ -84,7 +84,7 @@ class LoraLinear(torch.nn.Module):
 
         self.kind, self.targets, self.config = kind, targets, lora
         self.scale = lora.scale
-        self.tp, self.sequence_parallel, self.tp_group = tp, sequence_parallel, tp_group
+        self.tp, self.tp_group = tp, tp_group
         self.dropout = torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else torch.nn.Identity()
         self.A = torch.nn.ParameterDict()
         self.B = torch.nn.ParameterDict()
@@ -105,23 +105,24 @@ class LoraLinear(torch.nn.Module):
             elif sequence_parallel:
                 param.sequence_parallel = True  # its gradient is partial over the sequence: summed over tp
 
-    def u(self, x: torch.Tensor, short: str) -> torch.Tensor:
-        """``A x`` where ``B`` applies it: the whole sequence (column) or this rank's output rows (row)."""
+    def u(self, x: torch.Tensor, short: str, sp: bool) -> torch.Tensor:
+        """``A x`` where ``B`` applies it: the whole sequence (column) or this rank's output rows (row).
+        ``sp``: the linear's input (column) or output (row) is split over the sequence."""
         from megatron.core import tensor_parallel as tpl
 
         u = F.linear(self.dropout(x), self.A[short])
         if self.kind == "column":
-            if self.sequence_parallel:
+            if sp:
                 return tpl.gather_from_sequence_parallel_region(u, group=self.tp_group)
             return tpl.copy_to_tensor_model_parallel_region(u, group=self.tp_group) if self.tp > 1 else u
-        if self.sequence_parallel:
+        if sp:
             return tpl.reduce_scatter_to_sequence_parallel_region(u, group=self.tp_group)
         return tpl.reduce_from_tensor_model_parallel_region(u, group=self.tp_group) if self.tp > 1 else u
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor, sp: bool = False) -> torch.Tensor:
         last = out.dim() - 1
         for t in self.targets:
-            u = self.u(x, t.short)
+            u = self.u(x, t.short, sp and self.tp > 1)
             for piece in t.pieces:
                 delta = F.linear(u, self.B[piece.key]) * self.scale
                 if piece.positions is None:
@@ -372,8 +373,10 @@ def _target_names(rules: dict[str, Rule]) -> set[str]:
 
 
 def _hook(module, args, output):
+    """The linear's output plus its adapters', split over the sequence when the linear is now (the
+    flag is read per call: ``mnb.generate`` switches sequence parallelism off for its calls)."""
     out, bias = output
-    return module.lora(args[0], out), bias
+    return module.lora(args[0], out, bool(getattr(module, "sequence_parallel", False))), bias
 
 
 def _sharded_state_dict_with_adapter(self, prefix: str = "", sharded_offsets=(), metadata=None):

@@ -45,7 +45,10 @@ def _build(folder, kind: str):
     return model
 
 
-def peft_logits(base_folder, adapter_folder, tokens):
+PROMPT, NEW = 6, 4  # mnb.generate continues tokens[0][:PROMPT] by NEW tokens, greedy
+
+
+def peft_logits(base_folder, adapter_folder, tokens, greedy: bool = False):
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -53,7 +56,13 @@ def peft_logits(base_folder, adapter_folder, tokens):
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32).eval()
     model = PeftModel.from_pretrained(base, adapter_folder).eval()
     with torch.no_grad():
-        return model(torch.as_tensor(tokens)).logits.numpy()
+        logits = model(torch.as_tensor(tokens)).logits.numpy()
+        if not greedy:
+            return logits
+        ids = list(tokens[0][:PROMPT])
+        for _ in range(NEW):
+            ids.append(int(model(torch.as_tensor([ids])).logits[0, -1].argmax()))
+        return logits, ids[PROMPT:]
 
 
 def hf_logits(folder, tokens):
@@ -81,8 +90,9 @@ def made(tmp_path_factory):
         torch.manual_seed(7)
         peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=names, init_lora_weights=False))
         peft.save_pretrained(root / f"{kind}-adapter")
-        models[kind] = (str(root / kind), str(root / f"{kind}-adapter"),
-                        peft_logits(root / kind, root / f"{kind}-adapter", tokens), hf_logits(root / kind, tokens))
+        logits, continued = peft_logits(root / kind, root / f"{kind}-adapter", tokens, greedy=True)
+        models[kind] = (str(root / kind), str(root / f"{kind}-adapter"), logits, hf_logits(root / kind, tokens),
+                        continued)
     return {"models": models, "tokens": tokens, "root": root}
 
 
@@ -92,7 +102,8 @@ def _adapter_cell(models: dict, tokens) -> str:
             f"for _name, (_base, _adapter) in {paths!r}.items():\n"
             "    _m = mnb.from_hf(_base)\n"
             "    _s = mnb.load_adapter(_m, _adapter)\n"
-            f"    _out[_name] = (mnb.logits(_m, {tokens!r}).numpy(), _s.trainable, _s.total)\n"
+            f"    _out[_name] = (mnb.logits(_m, {tokens!r}).numpy(), _s.trainable, _s.total,\n"
+            f"                   mnb.generate(_m, [{tokens[0][:PROMPT]!r}], max_new_tokens={NEW}, stream=False)[0])\n"
             "del _m\n"
             "_out")
 
@@ -110,17 +121,19 @@ LAYOUTS = {
 
 def test_peft_adapters_give_peft_logits_under_each_layout(cpu_pool, made):
     """A peft adapter with random A and B on every projection (GPT-2's fused c_attn; Llama's q/k/v inside
-    Megatron's head-interleaved QKV, gate/up inside fc1): mnb.logits within 1e-4 of peft's, every layout."""
+    Megatron's head-interleaved QKV, gate/up inside fc1): mnb.logits within 1e-4 of peft's and mnb.generate
+    continuing as peft's greedy decoding, every layout (generate switches sequence parallelism off)."""
     counts = {}
     for label, (layout, names) in LAYOUTS.items():
         models = {n: made["models"][n] for n in names}
         results = cpu_pool.run(_adapter_cell(models, made["tokens"]), layout=layout, quiet=True)
         for rank, per_model in results.items():
-            for name, (got, trainable, total) in per_model.items():
+            for name, (got, trainable, total, continued) in per_model.items():
                 want, base = models[name][2], models[name][3]
                 assert float(np.abs(want - base).max()) > 0.1  # the adapter matters
                 err = float(np.abs(got - want).max())
                 assert err < ATOL, f"{label} rank {rank} {name}: max |mnb - peft| = {err:.2e}"
+                assert continued == models[name][4], (label, rank, name, continued)  # mnb.generate: peft's greedy
                 counts.setdefault(name, set()).add((trainable, total))
     # the same counts under every layout: peft's (r * (in + out) per adapter; the checkpoint's tensors)
     per_layer = 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 96))  # q, k and v, o, gate/up/down
@@ -132,7 +145,7 @@ def test_lora_trains_under_tp2_then_peft_transformers_and_pp2_agree(cpu_pool, ma
     """Train LoRA 3 steps under tp2 (only the adapters get gradients and Adam's state); save_adapter -> peft
     and save_hf -> transformers give mnb's logits; merging changes only the targeted projections; pp2
     reads the adapter folder back, and mnb.save/mnb.load moves the adapters from tp2 to pp2."""
-    base, _, _, base_logits = made["models"]["llama"]
+    base, _, _, base_logits, _ = made["models"]["llama"]
     tokens, root = made["tokens"], made["root"]
     adapter, merged, ckpt = str(root / "trained-adapter"), str(root / "trained-merged"), str(root / "trained-ckpt")
     trained = cpu_pool.run(
@@ -232,3 +245,24 @@ def test_bad_adapter_folders_and_targets_are_refused_alike(cpu_pool, made):
     # the pool is still usable, and the good folder loads after all that
     assert cpu_pool.run(f"mnb.load_adapter(mnb.from_hf({base!r}), {good!r}).trainable > 0",
                         layout=ParallelConfig(tp=2), quiet=True) == {0: True, 1: True}
+
+
+def test_lora_under_zero3_trains_as_under_ddp(cpu_pool, made):
+    """Megatron-FSDP (ZeRO-3) with adapters: the same steps as Megatron DDP where Megatron-FSDP leaves frozen
+    weights alone (megatron-core 0.19); refused with what to do where it hooks them too (0.16)."""
+    import megatron.core
+
+    base, tokens = made["models"]["llama"][0], made["tokens"]
+    cell = (f"_m = mnb.from_hf({base!r})\n"
+            "mnb.lora(_m, rank=4, alpha=8, targets=('q_proj', 'v_proj'))\n"
+            "mnb.train(_m, steps=3, micro_batch_size=2, global_batch_size=4, lr=2e-2, data='mock')\n"
+            f"mnb.logits(_m, {tokens!r}).numpy()")
+    ddp = cpu_pool.run(cell, layout=ParallelConfig(), quiet=True)
+    if megatron.core.__version__.startswith("0.16"):
+        with pytest.raises(CompositeRankError, match="cannot train LoRA adapters here: drop --fsdp"):
+            cpu_pool.run(cell, layout=ParallelConfig(fsdp="optim_grads_params"), quiet=True)
+        return
+    zero3 = cpu_pool.run(cell, layout=ParallelConfig(fsdp="optim_grads_params"), quiet=True)
+    for rank in (0, 1):
+        assert float(np.abs(zero3[rank] - ddp[rank]).max()) < ATOL, rank
+        assert float(np.abs(ddp[rank] - made["models"]["llama"][3]).max()) > 1e-3  # it trained
