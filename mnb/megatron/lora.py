@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mnb.config import LORA_HF_TARGETS, LORA_MEGATRON_TARGETS, LoraConfig
+from mnb.config import LORA_ALL, LORA_HF_TARGETS, LORA_MEGATRON_TARGETS, LoraConfig
 from mnb.megatron.hf.rules import Rule, read_local
 
 ATTRIBUTE = "lora"
@@ -321,7 +321,10 @@ def apply(model, config: LoraConfig, only: dict[str, set[str]] | None = None) ->
         raise ValueError("mnb.lora goes before the model's first mnb.train (its DDP and optimizer hold every "
                          "weight now); build the model again (or mnb.save_hf / mnb.from_hf) and add the adapters")
     rules, gpt2 = rules_of(model)
+    every_name = _target_names(rules)  # the whole model's (a stage may hold none of a target)
     wanted = set(config.resolved_targets(gpt2))
+    if config.targets and LORA_ALL in config.targets:  # peft's "all-linear": this model's projections, HF names
+        wanted = {n for n in every_name if n in LORA_HF_TARGETS}
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     heads = heads_of(model.config)
     found: set[str] = set()
@@ -342,7 +345,6 @@ def apply(model, config: LoraConfig, only: dict[str, set[str]] | None = None) ->
                              "projections (q_proj, k_proj, v_proj, o_proj or linear_qkv, linear_proj)")
         found |= hit
         plans.append((module, kind, module_targets(rule, kind, want, path.rsplit(".", 1)[-1], tp, tp_rank, heads)))
-    every_name = _target_names(rules)  # the whole model's (a stage may hold none of a target)
     absent = sorted(t for t in wanted if t not in every_name) if only is None else []
     if absent:
         raise ValueError(f"this model ({model.config.name}) has no projection {absent[0]!r}; its projections are "
