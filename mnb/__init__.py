@@ -10,8 +10,8 @@ Notebook side::
 
 Everything here is imported lazily: ``import mnb`` in the notebook kernel
 pulls in neither torch nor Megatron.  ``mnb.gpt``, ``mnb.train``, ``mnb.record``,
-``mnb.save``, ``mnb.load``, ``mnb.from_hf``, ``mnb.logits``, ``mnb.save_hf``, ``mnb.generate`` and
-``mnb.evaluate`` are rank-side functions (they need torch and run inside
+``mnb.save``, ``mnb.load``, ``mnb.from_hf``, ``mnb.logits``, ``mnb.save_hf``, ``mnb.generate``,
+``mnb.evaluate`` and LoRA's ``mnb.lora``, ``mnb.merge_lora``, ``mnb.save_adapter``, ``mnb.load_adapter`` are rank-side functions (they need torch and run inside
 ``%%megatron`` cells); ``mnb.pool``, ``mnb.last_run``, ``mnb.estimate``,
 ``mnb.explorer``, ``mnb.sweep``, ``mnb.hf_config`` and ``mnb.export`` (Megatron-LM / torchrun / Slurm
 launches of the notebook's layout) belong to the notebook side.
@@ -44,6 +44,10 @@ __all__ = [
     "logits",
     "save_hf",
     "hf_config",
+    "lora",
+    "merge_lora",
+    "save_adapter",
+    "load_adapter",
     "ParallelConfig",
     "ModelConfig",
     "TrainConfig",
@@ -69,6 +73,10 @@ _LAZY = {
     "logits": ("mnb.megatron.logits", "logits"),
     "save_hf": ("mnb.megatron.hf", "save_hf"),
     "hf_config": ("mnb.hf_config", "hf_config"),
+    "lora": ("mnb.megatron.lora", "lora"),
+    "merge_lora": ("mnb.megatron.lora", "merge_lora"),
+    "save_adapter": ("mnb.megatron.hf.adapters", "save_adapter"),
+    "load_adapter": ("mnb.megatron.hf.adapters", "load_adapter"),
     "ParallelConfig": ("mnb.config", "ParallelConfig"),
     "ModelConfig": ("mnb.config", "ModelConfig"),
     "TrainConfig": ("mnb.config", "TrainConfig"),

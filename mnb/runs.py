@@ -328,7 +328,8 @@ class Run:
     def predicted_memory(self) -> estimate.MemoryEstimate:
         """mnb.estimate.memory for this run's model, layout and train settings."""
         mem = estimate.memory(self.model, self.layout, self.train, num_microbatches=self.num_microbatches,
-                              fused_loss=self.fusions, fused_kernels=self.fusions, cpu_kernels=self.on_cpu)
+                              fused_loss=self.fusions, fused_kernels=self.fusions, cpu_kernels=self.on_cpu,
+                              lora=self._first.get("lora"))
         if self.capacity_bytes:
             from dataclasses import replace
 

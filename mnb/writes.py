@@ -89,6 +89,13 @@ HF_CHECKPOINT = Kind(
      "tokenizer.model", "chat_template.jinja", "chat_template.json"),
     _hf_checkpoint_complete)
 
+PEFT_ADAPTER = Kind(
+    "peft adapter",
+    # adapter_config.json (written last by mnb.save_adapter) and the weights; peft's README.md beside them
+    ("adapter_config.json", "adapter_config.json.part", "adapter_model.safetensors", "adapter_model.bin", "README.md"),
+    lambda folder: (folder / "adapter_config.json").is_file()
+    and (folder / "adapter_model.safetensors").is_file())
+
 
 def listing(folder: Path, names: list[str] | None = None) -> str:
     """``notes.txt, sub/ (2 entries)``: the entries of ``folder`` (or ``names``), folders with ``/``."""

@@ -45,8 +45,8 @@ FLAGS = {
 
 PUBLIC = ["CompositeRankError", "ModelConfig", "ParallelConfig", "RankError", "TrainConfig", "__version__",
           "estimate", "evaluate", "explorer", "export", "from_hf", "generate", "gpt", "hf_config", "last_profile",
-          "last_run", "load", "load_ipython_extension", "logits", "pool", "record", "save", "save_hf", "sweep", "train",
-          "unload_ipython_extension"]
+          "last_run", "load", "load_adapter", "load_ipython_extension", "logits", "lora", "merge_lora", "pool", "record",
+          "save", "save_adapter", "save_hf", "sweep", "train", "unload_ipython_extension"]
 """``mnb.__all__``, sorted: adding a public name means adding it here (and to docs/api.md)."""
 
 

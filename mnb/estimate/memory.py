@@ -35,14 +35,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig
+from mnb.config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, lora_config
 from mnb.units import Text, format_bytes
 
 from . import hardware
 from ._inputs import as_model, as_parallel, as_train, dropout, padded_vocab_size
 from ._inputs import num_microbatches as resolve_microbatches
 from .activations import LayerShape, full_layer_bytes, layer_activation_bytes, norm_extra_bytes
-from .params import stage_params
+from .params import lora_layer_params, stage_params
 from .pipeline import in_flight
 from .sharding import (
     ADAM_STATE_BYTES, MAIN_WEIGHT_BYTES, gathered_params, level_name, sharded_components, unsharded_bytes_per_param,
@@ -198,6 +198,7 @@ def memory(
     cpu_kernels: bool = False,
     grad_bytes: int | None = None,
     overhead_fraction: float = 0.05,
+    lora: LoraConfig | dict | None = None,
 ) -> MemoryEstimate:
     """Predict memory per rank and pipeline stage, by component, in bytes.
 
@@ -212,6 +213,9 @@ def memory(
     ``fused_kernels``: mnb's compiled SwiGLU and RoPE (False: Megatron's own ops keep more).
     ``cpu_kernels``: the ranks run on CPU (torch's CPU norms keep more; see activations.py).
     ``grad_bytes``: gradient bytes per param (default 4: fp32 main grads).
+    ``lora``: LoRA adapters (:class:`mnb.config.LoraConfig` or its fields, as :func:`mnb.lora` takes
+    them): the base weights are frozen (their weights only, no gradients or Adam state); the
+    adapters hold weights, gradients and optimizer state.
 
     Example::
 
@@ -248,6 +252,10 @@ def memory(
     dense_bpp = bytes_per_param(train, dp * cp, grad_bytes=grad_bytes, fsdp=parallel.fsdp)
     expert_bpp = bytes_per_param(train, max(dp * cp // ep, 1), grad_bytes=grad_bytes, fsdp=parallel.fsdp)
     full_weight = unsharded_bytes_per_param(train)["weights"]
+    lora = lora_config(lora)
+    adapter_per_layer = lora_layer_params(model, lora, tp) if lora is not None else 0
+    # frozen weights (LoRA): the weights alone, sharded only by ZeRO-3
+    frozen_bpp = full_weight / (dp * cp) if parallel.fsdp == "optim_grads_params" else full_weight
 
     stages = []
     for stage in range(pp):
@@ -272,17 +280,24 @@ def memory(
             # gradient in place, cast to a logits-sized copy).  mnb's fused one keeps the
             # logits only, and its backward writes their gradient beside them.
             logits = s_local * b * vocab / tp * (2 * e if fused_loss else 4 + (e if e != 4 else 0))
+        if lora is None:
+            weights = params.dense * dense_bpp["weights"] + params.expert * expert_bpp["weights"]
+            gradients = params.dense * dense_bpp["gradients"] + params.expert * expert_bpp["gradients"]
+            optimizer = params.dense * dense_bpp["optimizer"] + params.expert * expert_bpp["optimizer"]
+        else:  # every base weight frozen; the adapters train
+            adapters = params.num_layers * adapter_per_layer
+            weights = params.total * frozen_bpp + adapters * dense_bpp["weights"]
+            gradients, optimizer = adapters * dense_bpp["gradients"], adapters * dense_bpp["optimizer"]
         stages.append(
             StageMemory(
                 stage=stage,
                 num_layers=params.num_layers,
-                params=params.total,
+                params=params.total + (params.num_layers * adapter_per_layer),
                 in_flight_microbatches=chunks,
-                weights_bytes=params.dense * dense_bpp["weights"] + params.expert * expert_bpp["weights"]
-                + gathered,
+                weights_bytes=weights + gathered,
                 gathered_weights_bytes=gathered,
-                gradients_bytes=params.dense * dense_bpp["gradients"] + params.expert * expert_bpp["gradients"],
-                optimizer_bytes=params.dense * dense_bpp["optimizer"] + params.expert * expert_bpp["optimizer"],
+                gradients_bytes=gradients,
+                optimizer_bytes=optimizer,
                 activations_bytes=acts,
                 recomputed_bytes=recomputed,
                 logits_bytes=logits,
@@ -311,6 +326,8 @@ def memory(
             "bytes_per_param": dense_bpp,
             "sharding": level_name(parallel, train),
             "overhead_fraction": overhead_fraction,
+            "lora": lora,
+            "lora_params_per_layer": adapter_per_layer,
         },
     )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mnb.config import ModelConfig, ParallelConfig
+from mnb.config import LoraConfig, ModelConfig, ParallelConfig
 
 from ._inputs import padded_vocab_size
 
@@ -93,3 +93,31 @@ def stage_params(model: ModelConfig, parallel: ParallelConfig, stage: int) -> St
         expert=layers * expert_layer,
         embedding=embedding,
     )
+
+
+def lora_projections(model: ModelConfig) -> dict[str, tuple[int, int, str, str]]:
+    """Hugging Face projection name -> (in, out, ``column``/``row``, Megatron linear) of one layer."""
+    h, q, kv = model.hidden_size, model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
+    f = model.moe_ffn if model.is_moe else model.ffn
+    if not model.gated_linear_unit:  # GPT-2's Conv1D names
+        return {"c_attn": (h, q + 2 * kv, "column", "linear_qkv"), "c_proj": (q, h, "row", "linear_proj"),
+                "c_proj ": (f, h, "row", "linear_fc2"), "c_fc": (h, f, "column", "linear_fc1")}
+    return {"q_proj": (h, q, "column", "linear_qkv"), "k_proj": (h, kv, "column", "linear_qkv"),
+            "v_proj": (h, kv, "column", "linear_qkv"), "o_proj": (q, h, "row", "linear_proj"),
+            "gate_proj": (h, f, "column", "linear_fc1"), "up_proj": (h, f, "column", "linear_fc1"),
+            "down_proj": (f, h, "row", "linear_fc2")}
+
+
+def lora_layer_params(model: ModelConfig, lora: LoraConfig, tp: int = 1) -> int:
+    """LoRA adapter parameters of one transformer layer on one rank (Hu et al. 2021: ``r * (in + out)``
+    per projection; column-parallel: ``B`` split over tp, row-parallel: ``A``).  MoE experts take none."""
+    wanted = set(lora.resolved_targets(gpt2=not model.gated_linear_unit))
+    total = 0
+    for name, (n_in, n_out, kind, megatron) in lora_projections(model).items():
+        if name.strip() not in wanted and megatron not in wanted:
+            continue
+        if model.is_moe and megatron in ("linear_fc1", "linear_fc2"):
+            raise ValueError(f"LoRA on MoE experts ({name.strip()}) is not supported; target the attention "
+                             "projections (q_proj, k_proj, v_proj, o_proj)")
+        total += lora.rank * (n_in + n_out // tp) if kind == "column" else lora.rank * (n_in // tp + n_out)
+    return total

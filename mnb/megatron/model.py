@@ -101,6 +101,8 @@ class MegatronModel:
     """The model's tokenizer: None = mnb's byte tokenizer; :func:`mnb.from_hf` sets the checkpoint's."""
     hf: Any = None
     """Where :func:`mnb.from_hf` read the model (:class:`mnb.megatron.hf.load.Source`), or None."""
+    lora: Any = None
+    """The :class:`mnb.config.LoraConfig` of the adapters :func:`mnb.lora` added, or None."""
     user_model: bool = False
     """Built by the user's own code (``mnb.train(module, forward_step_func=...)``), not by :func:`gpt`:
     its TransformerConfig's recompute settings are left as they are unless ``recompute`` is given."""

@@ -7,6 +7,7 @@ Schema (JSON-able; the controller, ``mnb.runs`` and ``mnb.plot`` read it)::
       "coords": {"tp", "pp", "dp", "cp", "ep"},          # this rank's index in each group
       "layout": ParallelConfig.as_dict() (dp filled),
       "model": ModelConfig.to_dict(), "train": TrainConfig.to_dict(),
+      "lora": LoraConfig fields | None,                 # mnb.lora's adapters (base weights frozen)
       "tokenizer": str | None,                          # folder of a Hugging Face model's tokenizer
       "device": "cpu" | "cuda:N", "device_name": str,
       "num_microbatches": int,                          # per step, per dp rank
@@ -34,6 +35,8 @@ finalize_model_grads timers), or "optimizer".
 
 from __future__ import annotations
 
+import dataclasses
+
 import platform
 
 import torch
@@ -56,7 +59,7 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_size: int) -> float:
+def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_size: int, lora=None) -> float:
     """Model FLOPs of one training step (forward + backward, no recompute), whole model.
 
     Megatron-LM's ``num_floating_point_operations`` (training.py), after
@@ -66,6 +69,10 @@ def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_
     with g/a query groups per head, q = heads * head_dim, k experts per token,
     f = 3/2 for gated MLPs; plus the logits ``6 B s h V``.  Core attention is
     counted in full (not halved for causal masking), as in megatron-core 0.16.
+
+    With LoRA (``lora``, a :class:`mnb.config.LoraConfig`) the frozen weights' gradient GEMMs are not
+    done (Megatron's ``linear_with_frozen_weight``): ``2 B s`` per frozen weight less, and the
+    adapters' ``6 B s r (in + out)`` more.
     """
     b, s, h, layers = global_batch_size, cfg.seq_length, cfg.hidden_size, cfg.num_layers
     q = cfg.num_attention_heads * cfg.head_dim
@@ -75,7 +82,14 @@ def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_
     else:
         mlp = (cfg.ffn / h) * gated
     attention = (1 + cfg.query_groups / cfg.num_attention_heads + s / h) * (q / h)
-    return float(12 * b * s * layers * h * h * (attention + mlp) + 6 * b * s * h * padded_vocab_size)
+    full = float(12 * b * s * layers * h * h * (attention + mlp) + 6 * b * s * h * padded_vocab_size)
+    if lora is None:
+        return full
+    from mnb.estimate.params import lora_layer_params
+
+    weights = 2 * h * h * ((1 + cfg.query_groups / cfg.num_attention_heads) * (q / h) + mlp)  # active, per layer
+    frozen_wgrad = 2 * b * s * (layers * weights + h * padded_vocab_size)
+    return full - frozen_wgrad + 6 * b * s * layers * lora_layer_params(cfg, lora, 1)
 
 
 def _peak(device: torch.device, train) -> dict:
@@ -107,6 +121,7 @@ def build_record(*, model, train, device: torch.device, num_microbatches: int, s
         "coords": layout.coordinates(),
         "layout": model.parallel.as_dict(),
         "model": model.config.to_dict(),
+        "lora": dataclasses.asdict(model.lora) if getattr(model, "lora", None) is not None else None,
         "tokenizer": _tokenizer_folder(model),
         "train": train.to_dict(),
         "device": "cpu" if device.type == "cpu" else f"cuda:{device.index}",

@@ -179,11 +179,26 @@ def _fsdp_strategy(model: MegatronModel) -> str | None:
         from mnb.config import FSDP_OPTIM_ON_CPU
 
         raise ValueError(FSDP_OPTIM_ON_CPU)
+    if wanted is not None and getattr(model, "lora", None) is not None and not _fsdp_skips_frozen():
+        import megatron.core
+
+        raise ValueError(f"Megatron-FSDP in megatron-core {megatron.core.__version__} hooks every parameter's "
+                         f"gradient, the frozen ones too, so --fsdp ({wanted}) cannot train LoRA adapters here: "
+                         "drop --fsdp (Megatron DDP; the adapters are small), or use megatron-core 0.19")
     if wanted is not None and model.user_model:
         raise ValueError(f"--fsdp ({wanted}) wraps models built by mnb.gpt / mnb.from_hf; "
                          "your own module trains with Megatron DDP: drop --fsdp")
     model.parallel = dataclasses.replace(model.parallel, fsdp=wanted)
     return wanted
+
+
+def _fsdp_skips_frozen() -> bool:
+    """Whether this Megatron-FSDP leaves frozen parameters alone (0.19 does; 0.16 hooks them and fails)."""
+    import inspect
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+
+    return "if not param.requires_grad" in inspect.getsource(megatron_fsdp.MegatronFSDP._register_fsdp_hooks)
 
 
 def _use_fused_adam(inner) -> None:
@@ -374,7 +389,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
     record = build_record(
         model=model, train=tc, device=device, num_microbatches=num_microbatches,
         steps=step_rows, timeline=timeline, meter=meter, components=components,
-        flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size),
+        flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size, model.lora),
     )
     events.publish_record(record)
     if stopped or flag.requested:

@@ -194,3 +194,26 @@ def test_invalid_inputs_carry_numbers():
         est.memory("llama-7b", ParallelConfig(), TrainConfig(global_batch_size=6), gpus=4)
     with pytest.raises(ValueError, match="unknown model preset"):
         est.memory("llama-9000", ParallelConfig(dp=1))
+
+
+def test_lora_keeps_frozen_weights_without_gradients_or_optimizer_state():
+    """mnb.lora freezes the base: its weights stay (bf16 2 B), the adapters alone hold gradients (4 B) and
+    Adam (12 B); Llama-3.2-1B-shaped, rank 16 on every projection: 16 * 44,032 adapter parameters a layer."""
+    from mnb.config import LoraConfig, ParallelConfig, TrainConfig
+
+    train = TrainConfig(bf16=True)
+    full = est.memory("llama-1b", ParallelConfig(), train, gpus=1).stages[0]
+    lora = est.memory("llama-1b", ParallelConfig(), train, gpus=1,
+                      lora={"rank": 16, "targets": ("all-linear",)}).stages[0]
+    adapters = full.num_layers * 16 * ((2048 + 2048) + 2 * (2048 + 512) + (2048 + 2048) + 3 * (2048 + 8192))
+    assert lora.params == full.params + adapters
+    assert lora.gradients_bytes == adapters * 4 and lora.optimizer_bytes == adapters * 12
+    assert lora.weights_bytes == full.params * 2 + adapters * 2
+    assert lora.activations_bytes == full.activations_bytes
+    # under tp2 the column-parallel B and row-parallel A are split: fewer adapter parameters per rank
+    tp2 = est.memory("llama-1b", ParallelConfig(tp=2), train, gpus=2, lora=LoraConfig(rank=16, targets=("q_proj",)))
+    assert tp2.assumptions["lora_params_per_layer"] == 16 * (2048 + 2048 // 2)
+    with pytest.raises(ValueError, match="unknown LoRA target 'w1'"):
+        LoraConfig(targets=("w1",))
+    with pytest.raises(ValueError, match="LoRA rank must be a positive integer, got 0"):
+        est.memory("llama-1b", ParallelConfig(), train, gpus=1, lora={"rank": 0})

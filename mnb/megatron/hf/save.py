@@ -143,10 +143,15 @@ def _gather(local: torch.Tensor, rule) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def _write_local(model, rules, dtype: torch.dtype, shards: _Shards) -> None:
+    from mnb.megatron import lora
+
     cfg, heads = model.config, heads_of(model.config)
+    merged = lora.merged_weights(model)  # adapters folded into their weights (mnb.lora)
     written: set[str] = set()
     for chunk in model.chunks:
         for (name, param), canon in zip(chunk.named_parameters(), canonical_names(chunk).values()):
+            if lora.is_adapter_parameter(name):
+                continue
             rule = rules.get(canon)
             if rule is None:
                 raise ValueError(f"mnb.save_hf has no Hugging Face name for the Megatron parameter {canon}")
@@ -154,7 +159,7 @@ def _write_local(model, rules, dtype: torch.dtype, shards: _Shards) -> None:
                 continue  # tied: the embedding (first stage) is the one copy
             if not _writes(rule):
                 continue
-            parts = _gather(param.detach().float(), rule)
+            parts = _gather(merged.get(id(param), param.detach().float()), rule)
             _, tp_rank = tp_coords(rule)
             if tp_rank != 0:
                 continue
@@ -171,7 +176,8 @@ def save_hf(path: str | os.PathLike, model, *, dtype=None, max_shard_bytes: int 
 
     ``dtype``: the weights' dtype on disk (default: bf16 for a model trained in bf16, else the
     source checkpoint's, else fp32).  ``max_shard_bytes``: the largest safetensors shard.
-    Collective: every rank of the pool calls it.  ValueError for a model no supported
+    Collective: every rank of the pool calls it.  A model with LoRA adapters (:func:`mnb.lora`) is
+    written with them merged into its weights (the model keeps its adapters).  ValueError for a model no supported
     architecture describes (e.g. an ``mnb.gpt`` model with LayerNorm and SwiGLU).
 
     ``path`` may be new, empty or a Hugging Face checkpoint (replaced once the new one is
