@@ -174,8 +174,9 @@ LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
      "the pool: driven by the front end, widgets and export, never the other way; never the rank side"),
     ("mnb.worker", "only", ("rank side", "shared types"),
      "the rank's loop drives mnb.megatron; never the controller, the front end or the notebook's analysis"),
-    ("mnb.megatron", "only", ("mnb.megatron", "shared types"),
-     "never the worker (it installs its event sink in mnb.megatron.events), never the notebook side"),
+    ("mnb.megatron", "only", ("mnb.megatron", "shared types", "mnb.estimate"),
+     "never the worker (it installs its event sink in mnb.megatron.events), never the notebook side; the "
+     "estimators' pure counts (e.g. LoRA's adapter parameters) have one owner, read on both sides"),
     ("mnb.estimate", "only", ("mnb.estimate", "mnb.config", "mnb.units", "mnb.model_source", "mnb.hf_config"),
      "pure functions of the configs (a preset or a checkpoint's config.json): usable without a pool, a run or matplotlib"),
     ("mnb.model_source", "only", ("mnb.config", "mnb.hf_config", "mnb.units"),
