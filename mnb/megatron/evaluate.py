@@ -92,6 +92,9 @@ def run_evaluation(model: MegatronModel, data: str, batches: int | None, micro_b
     if batches is None:  # every sample once, in whole batches
         per_batch = micro_batch_size * model.parallel.dp
         batches = max(1, -(-dataset.epoch_size // per_batch))
+        if model.parallel.vpp > 1:  # Megatron's interleaved schedule takes whole groups of pp microbatches
+            pp = model.parallel.pp
+            batches = -(-batches // pp) * pp
         dataset = Finite(dataset, dataset.epoch_size)
     plan = BatchPlan(start_sample=0, micro_batch_size=micro_batch_size, num_microbatches=batches,
                      dp=model.parallel.dp, dp_rank=ps.get_data_parallel_rank())

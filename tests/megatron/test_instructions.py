@@ -93,7 +93,7 @@ def sft(tmp_path_factory):
     folder = root / "llama"
     torch.manual_seed(5)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                         intermediate_size=96, num_hidden_layers=2, vocab_size=300,
+                                         intermediate_size=96, num_hidden_layers=4, vocab_size=300,
                                          max_position_embeddings=128, initializer_range=0.1, rope_theta=10000.0))
     model.save_pretrained(folder)
     tokenizer = llama_style(root / "tokenizer", vocab_size=300)
@@ -122,7 +122,8 @@ def _close(got: dict, want: tuple, label: str) -> None:
     assert got["loss"] == pytest.approx(total / count, rel=RTOL), (label, got["loss"], total / count)
 
 
-@pytest.mark.parametrize("layout", [ParallelConfig(tp=2), ParallelConfig(pp=2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [ParallelConfig(tp=2), ParallelConfig(pp=2), ParallelConfig(pp=2, vpp=2)],
+                         ids=["tp2", "pp2", "pp2-vpp2"])  # vpp: chunks in the middle need the mask too
 def test_evaluate_equals_transformers_packed_and_unpacked(cpu_pool, sft, layout):
     """Every example once (batches=None), packed and one per sequence; chat data on assistant turns only."""
     rows, chats = sft["rows"], sft["chats"]
