@@ -345,6 +345,8 @@ def attention_mask(segment_ids):
 
 _said: set = set()
 _cache: dict = {}
+CACHED_SETS = 4
+"""Tokenized data sets kept per rank process (training's and evaluation's, a few more)."""
 
 
 def can_pack(model) -> tuple[bool, str]:
@@ -392,7 +394,16 @@ def samples(model, files: list[Path], seed: int, *, pack: bool = True, truncate:
         if top >= model.config.vocab_size:
             raise ValueError(f"instruction data {files[0]} has token ids up to {top} but the model's "
                              f"vocab_size is {model.config.vocab_size}; build the model with the tokenizer's vocabulary")
-        _cache.clear()  # one data set at a time: a long list of cached sets would only hold memory
+        while len(_cache) >= CACHED_SETS:  # the oldest goes: training's and evaluation's sets stay
+            _cache.pop(next(iter(_cache)))
         _cache[key] = items = (items, encoder.eos)
     items, eos = items
     return InstructionSamples(items, seq_length, packed=packed, pad_id=eos, seed=seed, shuffle=shuffle)
+
+
+def check(model, data, *, truncate: bool = False) -> None:
+    """Read, check and tokenize ``data`` if it is instruction data (cached for :func:`samples`):
+    ``mnb.train`` calls it first, so a bad row is refused before any rank starts a collective."""
+    files = files_of(data)
+    if files is not None:
+        samples(model, files, 0, pack=False, truncate=truncate, shuffle=False)

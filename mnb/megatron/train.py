@@ -310,6 +310,11 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
         raise ValueError(f"eval_every={tc.eval_every} needs eval_data= (held-out data: 'stdlib', a text "
                          "folder, a .bin/.idx prefix or 'mock')")
     model.check_layout()
+    if own is None:  # instruction rows read and checked alike on every rank, before any collective
+        from mnb.megatron import instructions
+
+        for data in (tc.data, tc.eval_data):
+            instructions.check(model, data, truncate=tc.truncate)
     parallel = model.parallel
     num_microbatches = tc.num_microbatches(parallel.dp)
     device = device_of()

@@ -192,8 +192,19 @@ def test_bad_rows_are_refused_alike_on_every_rank(cpu_pool, sft):
         text = str(info.value)
         assert "[r0-1] ValueError" in text, text  # one error, the same on both ranks
         assert all(f in text for f in fragments), text
-    # truncate=True cuts the long row; the pool is still usable after all that
-    out = cpu_pool.run(f"_m = mnb.from_hf({sft['folder']!r}, seq_length={SEQ})\n"
-                       f"mnb.evaluate(_m, data={long!r}, batches=None, truncate=True)['tokens']",
-                       layout=ParallelConfig(tp=2), quiet=True)
-    assert out[0] == out[1] > 0, out
+    with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:  # training checks first too
+        cpu_pool.run(f"_m = mnb.from_hf({sft['folder']!r}, seq_length={SEQ})\n"
+                     f"mnb.train(_m, steps=1, data={sft['rows']!r}, eval_data={missing!r})",
+                     layout=ParallelConfig(tp=2), quiet=True)
+    assert "[r0-1] ValueError" in str(info.value) and "line 2: 'completion' is missing" in str(info.value)
+    # truncate=True cuts the long row; the pool is still usable after all that.  A text file with
+    # batches=None: every sequence of its first epoch once (in micro batches of 2; an odd count pads the last).
+    text = root / "text.txt"
+    text.write_text(open(json.__file__).read())
+    out = cpu_pool.run(_cell(sft["folder"], {
+        "long": f"mnb.evaluate(_m, data={long!r}, batches=None, truncate=True)['tokens']",
+        "text": f"mnb.evaluate(_m, data={str(text)!r}, batches=None, micro_batch_size=2)['tokens']",
+        "sequences": f"mnb.megatron.batches.samples(_m, {str(text)!r}, 1234).epoch_size",
+    }), layout=ParallelConfig(tp=2), quiet=True)
+    assert out[0] == out[1], out
+    assert out[0]["long"] > 0 and out[0]["text"] == out[0]["sequences"] * SEQ, out
