@@ -68,8 +68,8 @@ def check(model: Any, data: Any, batches: Any, micro_batch_size: Any) -> None:
         if name == "batches" and value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer{' or None (every sample once)' if name == 'batches' else ''}, "
-                             f"got {value!r}")
+            extra = " or None (every sample once)" if name == "batches" else ""
+            raise ValueError(f"{name} must be a positive integer{extra}, got {value!r}")
     if not isinstance(data, str) or not data:
         raise TypeError(f"data must be a string ('mock', 'stdlib', a text folder, a .bin/.idx prefix or "
                         f".jsonl instruction rows), got {data!r}")

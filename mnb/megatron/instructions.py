@@ -198,7 +198,7 @@ class Encoder:
         template = self._template(row)
         messages = [dict(m) for m in row.messages]
         try:
-            if "generation" in template and "{%" in template and _marks_generation(template):
+            if _marks_generation(template):
                 out = self.hf.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                   return_assistant_tokens_mask=True)
                 return list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
@@ -393,7 +393,8 @@ def samples(model, files: list[Path], seed: int, *, pack: bool = True, truncate:
         top = max(int(e.ids.max()) for e in items)
         if top >= model.config.vocab_size:
             raise ValueError(f"instruction data {files[0]} has token ids up to {top} but the model's "
-                             f"vocab_size is {model.config.vocab_size}; build the model with the tokenizer's vocabulary")
+                             f"vocab_size is {model.config.vocab_size}; build the model with the "
+                             "tokenizer's vocabulary")
         while len(_cache) >= CACHED_SETS:  # the oldest goes: training's and evaluation's sets stay
             _cache.pop(next(iter(_cache)))
         _cache[key] = items = (items, encoder.eos)

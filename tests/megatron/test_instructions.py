@@ -187,7 +187,8 @@ def test_bad_rows_are_refused_alike_on_every_rank(cpu_pool, sft):
     ]
     for data, folder, fragments in cases:
         with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
-            cpu_pool.run(f"_m = mnb.from_hf({folder!r}, seq_length={SEQ})\nmnb.evaluate(_m, data={data!r}, batches=None)",
+            cpu_pool.run(f"_m = mnb.from_hf({folder!r}, seq_length={SEQ})\n"
+                         f"mnb.evaluate(_m, data={data!r}, batches=None)",
                          layout=ParallelConfig(tp=2), quiet=True)
         text = str(info.value)
         assert "[r0-1] ValueError" in text, text  # one error, the same on both ranks
