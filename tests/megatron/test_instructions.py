@@ -142,15 +142,20 @@ def test_evaluate_equals_transformers_packed_and_unpacked(cpu_pool, sft, layout)
         assert unpacked == len(ROWS) and packed < unpacked, (label, out["sequences"])
 
 
-def test_cp2_pads_and_training_loss_excludes_vocab_padding(cpu_pool, sft):
+def test_cp2_pads_and_training_loss_excludes_vocab_padding(cpu_pool, sft, capsys):
     """cp2 cannot isolate packed examples: one per sequence (said once), same loss.  tp2: the first
     training step's loss over one batch of every example is transformers' (no vocab padding in it),
     and mnb.last_run reports how full the sequences were."""
     rows = sft["rows"]
-    out = cpu_pool.run(_cell(sft["folder"], {"eval": f"mnb.evaluate(_m, data={rows!r}, batches=None)"}),
-                       layout=ParallelConfig(cp=2), quiet=True)
+    capsys.readouterr()
+    out = cpu_pool.run(_cell(sft["folder"], {"eval": f"mnb.evaluate(_m, data={rows!r}, batches=None)",
+                                             "again": f"mnb.evaluate(_m, data={rows!r}, batches=None)"}),
+                       layout=ParallelConfig(cp=2), quiet=False)
     for rank, got in out.items():
         _close(got["eval"], sft["ref_rows"], f"cp2 rank {rank}")
+        assert got["again"] == got["eval"], got
+    printed = capsys.readouterr().out
+    assert printed.count("instruction data is padded, one example per sequence, not packed (cp=2") == 1, printed
     n = cpu_pool.run(_cell(sft["folder"], {"n": f"mnb.megatron.batches.samples(_m, {rows!r}, 1234).epoch_size"}),
                      layout=ParallelConfig(tp=2), quiet=True)[0]["n"]
     assert n < len(ROWS), n  # packed
