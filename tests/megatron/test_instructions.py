@@ -214,3 +214,13 @@ def test_bad_rows_are_refused_alike_on_every_rank(cpu_pool, sft):
     }), layout=ParallelConfig(tp=2), quiet=True)
     assert out[0] == out[1], out
     assert out[0]["long"] > 0 and out[0]["text"] == out[0]["sequences"] * SEQ, out
+    # a model without a checkpoint tokenizer reads prompt/completion as UTF-8 bytes, then its eod;
+    # it has no chat template
+    out = cpu_pool.run(f"_g = mnb.gpt('tiny', seq_length={SEQ})\n"
+                       f"mnb.evaluate(_g, data={sft['rows']!r}, batches=None)['tokens']",
+                       layout=ParallelConfig(tp=2), quiet=True)
+    assert out[0] == out[1] == sum(len(r["completion"].encode()) + 1 for r in ROWS), out
+    with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
+        cpu_pool.run(f"mnb.evaluate(mnb.gpt('tiny', seq_length={SEQ}), data={sft['chats']!r})",
+                     layout=ParallelConfig(tp=2), quiet=True)
+    assert "needs a chat template, and this model (mnb's byte tokenizer) has none" in str(info.value)
