@@ -48,7 +48,8 @@ class BatchPlan:
 
     def dataset(self, tc, model) -> "EpochSamples":
         """The run's samples, numbered independently of its length (built collectively on all ranks)."""
-        return samples(model, tc.data, tc.seed, pack=tc.pack, truncate=tc.truncate)
+        return samples(model, tc.data, tc.seed, pack=getattr(tc, "pack", True),
+                       truncate=getattr(tc, "truncate", False))
 
 
 def samples(model, data: str, seed: int, *, pack: bool = True, truncate: bool = False) -> "EpochSamples":
