@@ -532,7 +532,14 @@ class TrainConfig:
     seed: int = 1234
     """Seed of the initial weights, dropout and mock data; the same in every layout."""
     data: str = "mock"
-    """'mock', a corpus preset such as 'stdlib', a folder/glob of text files, or a .bin/.idx prefix."""
+    """'mock', a corpus preset such as 'stdlib', a folder/glob of text files, a .bin/.idx prefix, or
+    instruction rows: ``.jsonl`` files of ``{"prompt", "completion"}`` or ``{"messages": [...]}``
+    (the loss on completions / assistant turns only; docs/hf.md)."""
+    pack: bool = True
+    """Instruction data: several examples per sequence, each attending to itself alone, where the layout
+    can isolate them (not under cp > 1: one example per sequence, padded); False: always one per sequence."""
+    truncate: bool = False
+    """Instruction data: cut rows longer than a sequence (seq_length + 1 tokens) instead of refusing them."""
     log_every: int = 1
     """Print the progress line every this many steps."""
     eval_data: str | None = None
@@ -557,6 +564,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ValueError(f"eval_every must be an integer >= 0 (0 = after the last step), got {self.eval_every!r}")
+        for name in ("pack", "truncate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.eval_batches, int) or self.eval_batches < 1:
             raise ValueError(f"eval_batches must be a positive integer, got {self.eval_batches!r}")
         if self.schedule_steps is not None:

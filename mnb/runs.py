@@ -157,6 +157,16 @@ class Run:
         return [sum(v) / len(v) if v else None for v in self._per_step("eval_loss").values()]
 
     @property
+    def packing(self) -> dict[str, Any] | None:
+        """How full the training sequences were, for instruction data (``.jsonl`` rows); None for text.
+
+        ``{"examples", "sequences", "packed", "fill", "loss_tokens"}``: ``fill`` is the share of the
+        sequences' positions that hold example tokens (packing efficiency; the rest is padding),
+        ``packed`` whether several examples shared a sequence (False: one each, padded).
+        """
+        return self._first.get("packing")
+
+    @property
     def step_times_s(self) -> list[float | None]:
         """Step time per step: the slowest rank's."""
         return [max(v) if v else None for v in self._per_step("step_time_s").values()]

@@ -48,19 +48,31 @@ class BatchPlan:
 
     def dataset(self, tc, model) -> "EpochSamples":
         """The run's samples, numbered independently of its length (built collectively on all ranks)."""
-        return samples(model, tc.data, tc.seed)
+        return samples(model, tc.data, tc.seed, pack=getattr(tc, "pack", True),
+                       truncate=getattr(tc, "truncate", False))
 
 
-def samples(model, data: str, seed: int) -> "EpochSamples":
+def samples(model, data: str, seed: int, *, pack: bool = True, truncate: bool = False) -> "EpochSamples":
     """The samples of ``data`` as ``model`` reads them: the one place training and evaluation get data.
 
     Sequences of the model's ``seq_length``; text through the model's own tokenizer
     (``model.tokenizer``: a Hugging Face checkpoint's, or None for mnb's byte tokenizer);
     sample ``k`` independent of how many are read (:class:`EpochSamples`).  ``mnb.train`` reads
     ``data`` with ``seed`` from its ``consumed_samples`` on; ``mnb.evaluate`` reads the first
-    samples with its fixed seed, so the same text and seed give both the same tokens.  A
-    collective (Megatron builds its sample indices on global rank 0): call it on every rank.
+    samples with its fixed seed, so the same text and seed give both the same tokens.
+
+    Instruction data (``.jsonl`` rows, :mod:`mnb.megatron.instructions`): examples shuffled by
+    ``seed``, ``pack``-ed several to a sequence where the layout isolates them, rows longer
+    than a sequence refused unless ``truncate``; its samples carry ``segment_ids`` when packed,
+    which :func:`microbatch_iterators` turns into the attention mask every stage needs.
+    A collective for text (Megatron builds its sample indices on global rank 0): call it on
+    every rank.
     """
+    from mnb.megatron import instructions
+
+    files = instructions.files_of(data)
+    if files is not None:
+        return EpochSamples(instructions.samples(model, files, seed, pack=pack, truncate=truncate), seed)
     first_epoch = build_dataset(data, model.config, model.config.seq_length, 1, seed,
                                 tokenizer=getattr(model, "tokenizer", None))
     return EpochSamples(first_epoch, seed)
@@ -81,6 +93,17 @@ class EpochSamples:
         self.seed = seed
         self.epoch_size = len(first_epoch)
         self._order: tuple[int, np.ndarray] | None = None  # the latest later epoch's permutation
+
+    @property
+    def packed(self) -> bool:
+        """Whether samples carry ``segment_ids`` (packed instruction examples)."""
+        return bool(getattr(self.first_epoch, "packed", False))
+
+    @property
+    def packing(self) -> dict | None:
+        """How full the sequences are (instruction data), for the run record; None for text."""
+        summary = getattr(self.first_epoch, "summary", None)
+        return summary() if summary is not None else None
 
     def __getitem__(self, index: int):
         epoch, within = divmod(int(index), self.epoch_size)
@@ -138,7 +161,12 @@ def _mock_dataset(vocab_size: int, seq_length: int, num_samples: int, seed: int)
 
 def _collate(dataset, indices: range, device) -> dict[str, torch.Tensor]:
     items = [dataset[i] for i in indices]
-    batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in KEYS if key in items[0]}
+    batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items])
+             for key in (*KEYS, "segment_ids") if key in items[0]}
+    if "segment_ids" in batch:  # packed examples: each attends to itself alone
+        from mnb.megatron.instructions import attention_mask
+
+        batch["attention_mask"] = attention_mask(batch.pop("segment_ids"))
     if device.type != "cuda":
         return batch
     # A copy from pageable host memory waits for the GPU to finish its queued work,
@@ -160,11 +188,67 @@ def _microbatches(dataset, plan: BatchPlan, step: int, device):
 
 
 def microbatch_iterators(dataset, plan: BatchPlan, step: int, chunks, device) -> list:
-    """One iterator per model chunk; chunks without embedding or loss get ``None``s."""
+    """One iterator per model chunk; chunks without embedding or loss get ``None``s, or, for
+    packed examples, ``{"attention_mask"}`` alone (every stage's attention needs it)."""
     iterators = []
+    packed = getattr(dataset, "packed", False)
     for chunk in chunks:
         if getattr(chunk, "pre_process", True) or getattr(chunk, "post_process", True):
             iterators.append(_microbatches(dataset, plan, step, device))
+        elif packed:
+            iterators.append(iter([{"attention_mask": batch["attention_mask"]}
+                                   for batch in _microbatches(dataset, plan, step, device)]))
         else:
             iterators.append(iter([None] * plan.num_microbatches))
     return iterators
+
+
+def model_inputs(batch: dict | None) -> tuple:
+    """``(tokens, position_ids, attention_mask)`` of a microbatch for ``GPTModel.forward``
+    (``None``s where the stage reads none)."""
+    if batch is None:
+        return None, None, None
+    return batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask")
+
+
+class Finite:
+    """The first ``count`` samples of ``dataset``, then samples with nothing in the loss:
+    ``mnb.evaluate(batches=None)`` reads every sample once in whole batches."""
+
+    def __init__(self, dataset, count: int) -> None:
+        self.dataset, self.count = dataset, count
+        self.packed = getattr(dataset, "packed", False)
+
+    def __getitem__(self, index: int):
+        if index < self.count:
+            return self.dataset[index]
+        item = dict(self.dataset[0])
+        item["loss_mask"] = torch.zeros_like(torch.as_tensor(item["loss_mask"]))
+        return item
+
+
+def forward_step(data_iterator, model):
+    """Megatron ``forward_step_func`` of ``mnb.train`` and ``mnb.evaluate``: one loss rule.
+
+    One microbatch through one model chunk; the last stage's loss function returns the sum of
+    the per-token losses where ``loss_mask`` is set and their count (``calculate_per_token_loss``).
+    The per-token loss is the model's own (``MnbGPTModel.compute_language_model_loss``): the
+    cross entropy over the real vocabulary, Megatron's padding columns hidden, as transformers
+    computes it for a Hugging Face checkpoint.
+    """
+    batch = next(data_iterator)
+    labels = None if batch is None else batch.get("labels")
+    if labels is None:  # middle pipeline stage: input comes from the previous stage
+        return model(*model_inputs(batch)), None
+    output = model(*model_inputs(batch), labels=labels)
+    loss_mask = batch["loss_mask"]
+
+    def loss_func(output_tensor):
+        losses = output_tensor.float().reshape(-1)
+        mask = loss_mask.reshape(-1).float()
+        loss_sum = torch.sum(losses * mask)
+        num_tokens = mask.sum().to(torch.int)
+        report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+        return loss_sum, num_tokens, {"lm loss": report}
+
+    return output, loss_func

@@ -24,7 +24,6 @@ means), ``perplexity`` its exponential, ``tokens`` their number.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -38,18 +37,23 @@ EVAL_SEED = 1234
 """Seed of the evaluation dataset (mock data, shuffles): the TrainConfig default, fixed."""
 
 
-def evaluate(model: MegatronModel, *, data: str = "mock", batches: int = 1,
-             micro_batch_size: int = 1) -> dict[str, Any]:
+def evaluate(model: MegatronModel, *, data: str = "mock", batches: int | None = 1,
+             micro_batch_size: int = 1, pack: bool = True, truncate: bool = False) -> dict[str, Any]:
     """``{"loss", "perplexity", "tokens"}`` of ``model`` on ``batches`` batches of ``data``.
 
     ``data`` takes what ``mnb.train(data=...)`` takes ('mock', a corpus preset such as
-    'stdlib', a folder or glob of text files, a .bin/.idx prefix).  One batch is
-    ``micro_batch_size`` sequences per data-parallel rank.  The same on every rank; must
-    run on every rank of the pool.  Kernel -> Interrupt stops every rank after the forward.
+    'stdlib', a folder or glob of text files, a .bin/.idx prefix, instruction rows in ``.jsonl``
+    files).  One batch is ``micro_batch_size`` sequences per data-parallel rank.
+    ``batches=None``: every sample exactly once (every example of instruction data; every
+    sequence of a text corpus's first epoch), the last batch filled with samples outside the
+    loss.  Instruction data: ``pack`` several examples per sequence (each attends to itself
+    alone; the loss is the same), ``truncate`` rows longer than a sequence instead of refusing
+    them.  The same on every rank; must run on every rank of the pool.  Kernel -> Interrupt
+    stops every rank after the forward.
     """
     check(model, data, batches, micro_batch_size)
     with interrupts.deferred() as flag:
-        result, stop = run_evaluation(model, data, batches, micro_batch_size, flag)
+        result, stop = run_evaluation(model, data, batches, micro_batch_size, flag, pack=pack, truncate=truncate)
     if stop:
         raise KeyboardInterrupt("mnb.evaluate was interrupted (every rank finished the forward first); "
                                 "the model is unchanged")
@@ -61,26 +65,39 @@ def check(model: Any, data: Any, batches: Any, micro_batch_size: Any) -> None:
     if not isinstance(model, MegatronModel):
         raise TypeError(f"mnb.evaluate needs a model built by mnb (mnb.gpt, mnb.from_hf), got {type(model).__name__}")
     for name, value in (("batches", batches), ("micro_batch_size", micro_batch_size)):
+        if name == "batches" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            extra = " or None (every sample once)" if name == "batches" else ""
+            raise ValueError(f"{name} must be a positive integer{extra}, got {value!r}")
     if not isinstance(data, str) or not data:
-        raise TypeError(f"data must be a string ('mock', 'stdlib', a text folder or a .bin/.idx prefix), got {data!r}")
+        raise TypeError(f"data must be a string ('mock', 'stdlib', a text folder, a .bin/.idx prefix or "
+                        f".jsonl instruction rows), got {data!r}")
     model.check_layout()
 
 
-def run_evaluation(model: MegatronModel, data: str, batches: int, micro_batch_size: int,
-                   flag: interrupts.InterruptFlag) -> tuple[dict[str, Any], bool]:
+def run_evaluation(model: MegatronModel, data: str, batches: int | None, micro_batch_size: int,
+                   flag: interrupts.InterruptFlag, *, pack: bool = True,
+                   truncate: bool = False) -> tuple[dict[str, Any], bool]:
     """The evaluation, and whether any rank was interrupted (``flag``: the caller's, e.g. train's)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mnb.megatron.batches import BatchPlan, microbatch_iterators, samples
+    from mnb.megatron.batches import BatchPlan, Finite, forward_step, microbatch_iterators, samples
 
     device = device_of()
+    seq = model.config.seq_length
+    # training's reader: the model's tokenizer, its seq_length; instruction rows checked alike on every rank
+    dataset = samples(model, data, EVAL_SEED, pack=pack, truncate=truncate)
+    if batches is None:  # every sample once, in whole batches
+        per_batch = micro_batch_size * model.parallel.dp
+        batches = max(1, -(-dataset.epoch_size // per_batch))
+        if model.parallel.vpp > 1:  # Megatron's interleaved schedule takes whole groups of pp microbatches
+            pp = model.parallel.pp
+            batches = -(-batches // pp) * pp
+        dataset = Finite(dataset, dataset.epoch_size)
     plan = BatchPlan(start_sample=0, micro_batch_size=micro_batch_size, num_microbatches=batches,
                      dp=model.parallel.dp, dp_rank=ps.get_data_parallel_rank())
-    seq = model.config.seq_length
-    dataset = samples(model, data, EVAL_SEED)  # training's reader: the model's tokenizer, its seq_length
     config = model.transformer_config
     timers, config.timers = config.timers, None  # a training's timeline records training only
     modes = [module.training for module in model.modules]
@@ -89,7 +106,7 @@ def run_evaluation(model: MegatronModel, data: str, batches: int, micro_batch_si
             module.eval()
         with torch.no_grad():
             losses = get_forward_backward_func()(
-                forward_step_func=functools.partial(_forward_step, vocab=model.config.vocab_size),
+                forward_step_func=forward_step,  # training's, so both use one loss rule
                 data_iterator=microbatch_iterators(dataset, plan, 0, model.chunks, device),
                 model=model.modules,
                 num_microbatches=batches,
@@ -112,39 +129,3 @@ def run_evaluation(model: MegatronModel, data: str, batches: int, micro_batch_si
     result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
               "tokens": int(totals[1])}
     return result, bool(totals[2] > 0)
-
-
-def _forward_step(data_iterator, model, *, vocab: int):
-    """Megatron forward_step_func: the per-token loss sum and token count of one microbatch.
-
-    The loss is over the model's real vocabulary: Megatron's padding columns (up to a multiple
-    of 128 * tp) are masked out of the softmax, so it is the loss :func:`mnb.logits` implies.
-    """
-    batch = next(data_iterator)
-    if batch is None:  # middle pipeline stage
-        return model(None, None, None), None
-    output = model(batch.get("tokens"), batch.get("position_ids"), None)  # last stage: [b, s, V_pad/tp]
-    labels = batch["labels"]
-    mask = batch["loss_mask"].reshape(-1).float()
-
-    def loss_func(output_tensor):
-        losses = vocab_loss(output_tensor, labels, vocab)
-        loss_sum = torch.sum(losses.reshape(-1) * mask)
-        count = mask.sum()
-        return loss_sum, count.to(torch.int), {"lm loss": torch.stack([loss_sum, count])}
-
-    return output, loss_func
-
-
-def vocab_loss(local_logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Per-token cross entropy ``[b, s]`` from this tp rank's logits ``[b, s, V_pad/tp]``, padding excluded."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    local = local_logits.float()
-    width = local.shape[-1]
-    columns = torch.arange(width, device=local.device) + ps.get_tensor_model_parallel_rank() * width
-    # A large finite value, not -inf: a tp shard made only of padding must not turn its max into -inf.
-    local = local.masked_fill(columns >= vocab, -1e30)
-    losses = vocab_parallel_cross_entropy(local.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous())
-    return losses.transpose(0, 1)

@@ -350,6 +350,7 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
             rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp_stage,
         )
+        chunk.real_vocab_size = cfg.vocab_size if cfg.vocab_size < vocab else None
         chunks.append(chunk)
     if device.type == "cuda":
         # Megatron's parallel layers allocate on the GPU themselves, but plain torch modules
@@ -388,22 +389,39 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
 
 @functools.lru_cache(maxsize=2)
 def _gpt_class(*, fused_loss: bool):
-    """Megatron's ``GPTModel``, or a subclass whose loss is mnb's fused cross entropy."""
+    """Megatron's ``GPTModel`` with mnb's one loss rule: the cross entropy over the real vocabulary.
+
+    Megatron pads the vocabulary to a multiple of 128 * tp; its loss would count those padding
+    columns in the softmax (an HF fine-tune's loss then differed from transformers').  Here they
+    are hidden from the loss (:func:`hide_vocab_padding`) in training and evaluation alike.
+    ``fused_loss``: the loss is :func:`mnb.megatron.fusions.language_model_loss`, same
+    arithmetic as Megatron's unfused loss.  Parameters, state dicts and checkpoints are GPTModel's.
+    """
     from megatron.core.models.gpt import GPTModel
 
-    if not fused_loss:
-        return GPTModel
-
-    from mnb.megatron.fusions import language_model_loss
-
-    class FusedLossGPTModel(GPTModel):
-        """GPTModel with :func:`mnb.megatron.fusions.language_model_loss` as its loss.
-
-        Same arithmetic as Megatron's unfused loss; parameters, state dicts and
-        checkpoints are GPTModel's.
-        """
+    class MnbGPTModel(GPTModel):
+        real_vocab_size: int | None = None  # set by build_model; None: no padding to hide
 
         def compute_language_model_loss(self, labels, logits):
-            return language_model_loss(labels, logits, self.pg_collection.tp)
+            hide_vocab_padding(logits, self.real_vocab_size)
+            if fused_loss:
+                from mnb.megatron.fusions import language_model_loss
 
-    return FusedLossGPTModel
+                return language_model_loss(labels, logits, self.pg_collection.tp)
+            return super().compute_language_model_loss(labels, logits)
+
+    return MnbGPTModel
+
+
+def hide_vocab_padding(local_logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """Set this tp rank's logits ``[..., V_pad/tp]`` of padding columns (ids >= ``vocab``) to the
+    dtype's lowest value, in place, so a softmax gives them nothing (and they get no gradient)."""
+    from megatron.core import parallel_state as ps
+
+    if vocab is None:
+        return local_logits
+    width = local_logits.shape[-1]
+    first = ps.get_tensor_model_parallel_rank() * width
+    if first + width > vocab:
+        local_logits[..., max(vocab - first, 0):] = torch.finfo(local_logits.dtype).min
+    return local_logits

@@ -120,8 +120,11 @@ class SDPAttention(torch.nn.Module):
         mask = None
         if attention_bias is not None:
             mask = attention_bias
-        elif not causal and attention_mask is not None:
-            mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attend
+        elif attention_mask is not None:
+            # Megatron: True = masked out; SDPA: True = attend.  With a causal mask type a mask is
+            # given only for packed examples (mnb.megatron.instructions.attention_mask: causal
+            # within each example), so it replaces the plain causal mask.
+            mask = ~attention_mask
         out = F.scaled_dot_product_attention(
             q,
             k,

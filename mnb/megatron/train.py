@@ -228,24 +228,10 @@ def _sub_optimizers(optimizer) -> list:
 
 
 def _forward_step(data_iterator, model):
-    """Megatron forward_step_func: one microbatch through one chunk; per-token loss sum."""
-    batch = next(data_iterator)
-    if batch is None:  # middle pipeline stage: input comes from the previous stage
-        output = model(None, None, None)
-        return output, None
-    labels = batch.get("labels")
-    output = model(batch.get("tokens"), batch.get("position_ids"), None, labels=labels)
-    loss_mask = batch.get("loss_mask")
+    """Megatron forward_step_func: :func:`mnb.megatron.batches.forward_step` (mnb.evaluate's too)."""
+    from mnb.megatron.batches import forward_step
 
-    def loss_func(output_tensor):
-        losses = output_tensor.float().reshape(-1)
-        mask = loss_mask.reshape(-1).float()
-        loss_sum = torch.sum(losses * mask)
-        num_tokens = mask.sum().to(torch.int)
-        report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
-        return loss_sum, num_tokens, {"lm loss": report}
-
-    return output, loss_func
+    return forward_step(data_iterator, model)
 
 
 def _holds_loss() -> bool:
@@ -340,6 +326,11 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
         raise ValueError(f"eval_every={tc.eval_every} needs eval_data= (held-out data: 'stdlib', a text "
                          "folder, a .bin/.idx prefix or 'mock')")
     model.check_layout()
+    if own is None:  # instruction rows read and checked alike on every rank, before any collective
+        from mnb.megatron import instructions
+
+        for data in (tc.data, tc.eval_data):
+            instructions.check(model, data, truncate=tc.truncate)
     parallel = model.parallel
     num_microbatches = tc.num_microbatches(parallel.dp)
     device = device_of()
@@ -391,6 +382,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
         steps=step_rows, timeline=timeline, meter=meter, components=components,
         flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size, model.lora),
     )
+    record["packing"] = getattr(dataset, "packing", None)  # instruction data: how full the sequences are
     events.publish_record(record)
     if stopped or flag.requested:
         # Every rank stopped after the same step (see mnb.megatron.interrupts): the cell ends here.
@@ -495,6 +487,7 @@ def _evaluate_now(model, tc, flag, row: dict) -> bool:
     """``mnb.evaluate`` on ``tc.eval_data`` at a step boundary: ``row["eval_loss"]``; whether to stop."""
     from mnb.megatron.evaluate import run_evaluation
 
-    result, stop = run_evaluation(model, tc.eval_data, tc.eval_batches, tc.micro_batch_size, flag)
+    result, stop = run_evaluation(model, tc.eval_data, tc.eval_batches, tc.micro_batch_size, flag,
+                                  pack=tc.pack, truncate=tc.truncate)
     row["eval_loss"] = result["loss"]
     return stop
