@@ -75,31 +75,44 @@ def refusal(device: torch.device) -> str:
 
 # -- casting -------------------------------------------------------------------------------------
 
-def _cast_eager(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool):
-    """``(fp8 data, scale)`` of ``x`` with ``data = saturate(x * scale)``: one scale for the whole
-    tensor (``axis=None``) or one per slice along ``axis`` (the amax over ``axis``, kept as a dim)."""
+@functools.lru_cache(maxsize=1)
+def _make_cast():
+    """The cast over torchao's primitives (imported here, once, so that the compiled copy traces no import)."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
-    granularity = ScalingGranularity.TENSORWISE if axis is None else ScalingGranularity.AXISWISE
-    scale = tensor_to_scale(x, dtype, scaling_granularity=granularity, axiswise_dim=axis,
-                            round_scales_to_power_of_2=pow2)
-    return to_fp8_saturated(x.to(torch.float32) * scale, dtype), scale
+    def cast_fn(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool):
+        granularity = ScalingGranularity.TENSORWISE if axis is None else ScalingGranularity.AXISWISE
+        scale = tensor_to_scale(x, dtype, scaling_granularity=granularity, axiswise_dim=axis,
+                                round_scales_to_power_of_2=pow2)
+        return to_fp8_saturated(x.to(torch.float32) * scale, dtype), scale
+
+    return cast_fn
+
+
+def _cast_eager(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool):
+    """``(fp8 data, scale)`` of ``x`` with ``data = saturate(x * scale)``: one scale for the whole
+    tensor (``axis=None``) or one per slice along ``axis`` (the amax over ``axis``, kept as a dim)."""
+    return _make_cast()(x, dtype, axis, pow2)
 
 
 @functools.lru_cache(maxsize=1)
 def _cast_compiled():
-    # one compiled graph per (shape, dtype, axis): 4 linears x 3 operands x 2 orientations per model
+    # one compiled graph per (width, dtype, axis): a handful per model
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), 64))
-    return torch.compile(_cast_eager, dynamic=False)
+    return torch.compile(_make_cast(), dynamic=False)
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool):
-    """:func:`_cast_eager`, compiled on CUDA (one fused kernel pair per operand)."""
+    """:func:`_cast_eager` of an activation or gradient ``[tokens, width]``, compiled on CUDA (a fused
+    amax and cast): one graph per width, dtype and axis; the token count is symbolic, so every micro
+    batch size and sequence length shares it (widths stay static: symbolic widths ran far below
+    bandwidth)."""
     if x.is_cuda:
+        torch._dynamo.mark_dynamic(x, 0)
         return _cast_compiled()(x, dtype, axis, pow2)
     return _cast_eager(x, dtype, axis, pow2)
 
@@ -168,12 +181,12 @@ def _weight(weight: torch.Tensor, rc: Recipe, for_dgrad: bool, owner: torch.Tens
     key = (id(owner), for_dgrad)
     if _step_cache is not None and key in _step_cache:
         return _step_cache[key][1]
-    w = weight.detach()
+    w = weight.detach()  # eager: once per step in training, and no compile per weight shape
     if for_dgrad:
-        data, scale = cast(w, E4M3, rc.axis(0), rc.pow2)
+        data, scale = _cast_eager(w, E4M3, rc.axis(0), rc.pow2)
         out = column_major(data), scale
     else:
-        out = cast(w, E4M3, rc.axis(-1), rc.pow2)
+        out = _cast_eager(w, E4M3, rc.axis(-1), rc.pow2)
     if _step_cache is not None:
         _step_cache[key] = (owner, out)  # holding the owner keeps its id from being reused in the step
     return out
