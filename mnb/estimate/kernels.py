@@ -134,6 +134,15 @@ def _layer_bytes(model: ModelConfig, parallel: ParallelConfig, attention: str, e
     return fwd * e, bwd * e
 
 
+def fp8_peak(dev: Device, peak: float) -> float:
+    """The FP8 GEMM peak beside ``peak`` (the device's bf16 peak, or the caller's replacement of it): scaled
+    by the device's FP8 : bf16 ratio.  ValueError for devices without FP8 tensor cores in the table."""
+    if not dev.fp8_flops:
+        raise ValueError(f"{dev.label} has no FP8 peak in the hardware table (FP8 tensor cores: compute capability "
+                         ">= 8.9); estimate this model without fp8=, or register the device with fp8_flops=")
+    return peak * dev.fp8_flops / dev.bf16_flops
+
+
 def stage_work(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -155,9 +164,14 @@ def stage_work(
     bandwidth = dev.hbm_bytes_per_s * dev.memory_efficiency
 
     gemm_f = gemm_b = 0.0
+    linear_peak = fp8_peak(dev, peak) if model.fp8 else peak
+    cast_f = cast_b = 0.0  # FP8 linears: bytes per token of the casts (amax read, read, 1-byte write; transposes)
     for m, n, k, count in _layer_gemms(model, parallel, tokens):
-        gemm_f += count * gemm_time(dev, peak, m, n, k)
-        gemm_b += count * gemm_time(dev, peak, m, n, k, backward=True)
+        gemm_f += count * gemm_time(dev, linear_peak, m, n, k)
+        gemm_b += count * gemm_time(dev, linear_peak, m, n, k, backward=True)
+        if model.fp8:
+            cast_f += count * 5 * k * m / tokens
+            cast_b += count * ((12 * n + 7 * k) if model.fp8 == "rowwise" else (7 * n + 2 * k)) * m / tokens
     q = model.num_attention_heads * model.head_dim
     core = 4 * tokens * model.seq_length * q / parallel.tp  # forward FLOPs, full s x s
     if attention == "flash":
@@ -166,7 +180,7 @@ def stage_work(
         attn_f = core / (peak * dev.unfused_attention_fraction)
     attn_b = 2 * attn_f
     bytes_f, bytes_b = _layer_bytes(model, parallel, attention, e)
-    mem_f, mem_b = tokens * bytes_f / bandwidth, tokens * bytes_b / bandwidth
+    mem_f, mem_b = tokens * (bytes_f + cast_f) / bandwidth, tokens * (bytes_b + cast_b) / bandwidth
 
     recompute = 0.0
     if train.recompute == "full":
