@@ -54,3 +54,15 @@ def test_plan_magic_takes_fp8(capsys):
     train = TrainConfig(bf16=True, micro_batch_size=4, global_batch_size=16)
     want = est.step_time(model_config("llama-3b", fp8="tensorwise"), ParallelConfig(), train, gpus=1).tokens_per_s
     assert tokens_per_s(fp8) == round(want) and tokens_per_s(fp8) > 1.1 * tokens_per_s(bf16)
+
+
+def test_memory_counts_the_fp8_weight_copies_of_a_step():
+    """Two 1-byte copies (forward and transposed) of every layer linear's weight during a step."""
+    train = TrainConfig(bf16=True, micro_batch_size=1)
+    base = est.memory(model_config("llama-1b"), ParallelConfig(tp=2), train, gpus=2)
+    fp8 = est.memory(model_config("llama-1b", fp8="rowwise"), ParallelConfig(tp=2), train, gpus=2)
+    m = model_config("llama-1b")
+    per_layer = m.hidden_size * (m.num_attention_heads * m.head_dim * 2 + 2 * m.query_groups * m.head_dim) \
+        + 3 * m.ffn * m.hidden_size
+    extra = fp8.stages[0].weights_bytes - base.stages[0].weights_bytes
+    assert extra == pytest.approx(2 * m.num_layers * per_layer / 2)
