@@ -53,7 +53,7 @@ def gemm_rows(bench: Rows) -> None:
         return flops * n / (time.perf_counter() - t0) / 1e12
 
     shapes = [("square 8192", 8192, 8192, 8192), ("1b fc1 (16k tokens)", 16384, 16384, 2048),
-              ("8b fc1 (16k tokens)", 16384, 28672, 4096), ("8b fc2 (16k tokens)", 16384, 4096, 14336)]
+              ("8b fc1 (16k tokens)", 16384, 28672, 4096)]
     for label, m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -101,64 +101,56 @@ for h in _handles:
 '''
 
 
-def loss_rows(bench: Rows, pool) -> None:
+def loss_row(bench: Rows, pool, recipe: str | None, curves: dict) -> None:
     import mnb
 
-    curves = {}
-    for recipe in RECIPES:
-        label = recipe or "bf16"
-        try:
-            pool.run(train_cell("llama-1b", "num_layers=4", recipe, 1024)
-                     + f"mnb.train(model, steps={LOSS_STEPS}, micro_batch_size=4, global_batch_size=4, bf16=True, "
-                       "data='stdlib', lr=3e-4, warmup_steps=20, log_every=50)", timeout=600)
-            losses = [x for x in mnb.last_run.losses]
-            curves[label] = losses
-            end = sum(losses[-10:]) / 10
-            row = {"recipe": label, "first_loss": round(losses[0], 4), "loss_at_50": round(losses[49], 4),
-                   "loss_at_100": round(losses[99], 4), "end_loss_mean_last10": round(end, 4)}
-            if recipe is None:
-                base = end
-            else:
-                row["end_vs_bf16"] = round(end / base - 1, 4)
-            bench.add("loss", row)
-            if recipe is not None:
-                pool.run(LINEAR_CHECK)
-                errors = pool.pull("_errors")[0]
-                worst = max(errors.values())
-                bench.add("linears", {"recipe": label, "linears": len(errors), "max_rel_err": round(worst, 4),
-                                      "mean_rel_err": round(sum(errors.values()) / len(errors), 4),
-                                      "per_linear": {k: round(v, 4) for k, v in errors.items()}})
-        except Exception:
-            bench.add("loss", {"recipe": label, "error": traceback.format_exc()[-1500:]})
-    (bench.out / "fp8_loss_curves.json").write_text(json.dumps(curves))
+    label = recipe or "bf16"
+    try:
+        pool.run(train_cell("llama-1b", "num_layers=4", recipe, 1024)
+                 + f"mnb.train(model, steps={LOSS_STEPS}, micro_batch_size=4, global_batch_size=4, bf16=True, "
+                   "data='stdlib', lr=3e-4, warmup_steps=20, log_every=50)", timeout=600)
+        losses = list(mnb.last_run.losses)
+        curves[label] = losses
+        (bench.out / "fp8_loss_curves.json").write_text(json.dumps(curves))
+        end = sum(losses[-10:]) / 10
+        row = {"recipe": label, "first_loss": round(losses[0], 4), "loss_at_50": round(losses[49], 4),
+               "loss_at_100": round(losses[99], 4), "end_loss_mean_last10": round(end, 4)}
+        if "bf16" in curves and recipe is not None:
+            row["end_vs_bf16"] = round(end / (sum(curves["bf16"][-10:]) / 10) - 1, 4)
+        bench.add("loss", row)
+        if recipe is not None:
+            pool.run(LINEAR_CHECK)
+            errors = pool.pull("_errors")[0]
+            bench.add("linears", {"recipe": label, "linears": len(errors), "max_rel_err": round(max(errors.values()), 4),
+                                  "mean_rel_err": round(sum(errors.values()) / len(errors), 4),
+                                  "per_linear": {k: round(v, 4) for k, v in errors.items()}})
+    except Exception:
+        bench.add("loss", {"recipe": label, "error": traceback.format_exc()[-1500:]})
 
 
-def speed_rows(bench: Rows, pool) -> None:
-    """bf16 and tensorwise for each model first, then rowwise (what a call cut short leaves out)."""
+def speed_row(bench: Rows, pool, shape: tuple, recipe: str | None, base: dict) -> None:
     import mnb
 
-    base = {}
-    order = [(shape, r) for shape in SPEED for r in (None, "tensorwise")] + [(shape, "rowwise") for shape in SPEED]
-    for (preset, model_kw, mbs, gbs), recipe in order:
-        label = f"{preset}{' ' + model_kw if model_kw else ''} mbs {mbs} gbs {gbs} {recipe or 'bf16'}"
-        try:
-            pool.run(train_cell(preset, model_kw, recipe, 2048)
-                     + f"mnb.train(model, steps=1, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)\n"
-                       f"mnb.train(model, steps=3, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)",
-                     timeout=600)
-            run = mnb.last_run
-            tokens = [x for x in run.tokens_per_s[1:] if x]
-            tps = sum(tokens) / len(tokens)
-            peak = max(rec["memory"]["peak_allocated_bytes"] for rec in run.ranks.values()) / 2**30
-            row = {"model": label, "tokens_per_s": round(tps), "peak_GiB": round(peak, 1),
-                   "unfused_steps": len(run.unfused_steps)}
-            if recipe is None:
-                base[preset] = tps
-            elif preset in base:
-                row["vs_bf16"] = round(tps / base[preset], 3)
-            bench.add("speed", row)
-        except Exception:
-            bench.add("speed", {"model": label, "error": traceback.format_exc()[-1500:]})
+    preset, model_kw, mbs, gbs = shape
+    label = f"{preset}{' ' + model_kw if model_kw else ''} mbs {mbs} gbs {gbs} {recipe or 'bf16'}"
+    try:
+        pool.run(train_cell(preset, model_kw, recipe, 2048)
+                 + f"mnb.train(model, steps=1, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)\n"
+                   f"mnb.train(model, steps=3, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)",
+                 timeout=600)
+        run = mnb.last_run
+        tokens = [x for x in run.tokens_per_s[1:] if x]
+        tps = sum(tokens) / len(tokens)
+        peak = max(rec["memory"]["peak_allocated_bytes"] for rec in run.ranks.values()) / 2**30
+        row = {"model": label, "tokens_per_s": round(tps), "peak_GiB": round(peak, 1),
+               "unfused_steps": len(run.unfused_steps)}
+        if recipe is None:
+            base[preset] = tps
+        elif preset in base:
+            row["vs_bf16"] = round(tps / base[preset], 3)
+        bench.add("speed", row)
+    except Exception:
+        bench.add("speed", {"model": label, "error": traceback.format_exc()[-1500:]})
 
 
 def main() -> None:
@@ -186,10 +178,20 @@ def main() -> None:
 
     pool = Pool.start(1, gpus=[0], timeout=600)
     try:
-        if "loss" in sections:
-            loss_rows(bench, pool)
-        if "speed" in sections:
-            speed_rows(bench, pool)
+        # by priority, so that a call cut short keeps the rows that matter most
+        curves, base = {}, {}
+        one, three, eight = SPEED
+        plan = [("loss", None), ("loss", "tensorwise"), ("speed", (three, None)), ("speed", (three, "tensorwise")),
+                ("speed", (eight, None)), ("speed", (eight, "tensorwise")), ("speed", (one, None)),
+                ("speed", (one, "tensorwise")), ("loss", "rowwise"), ("speed", (three, "rowwise")),
+                ("speed", (eight, "rowwise")), ("speed", (one, "rowwise"))]
+        for section, what in plan:
+            if section not in sections:
+                continue
+            if section == "loss":
+                loss_row(bench, pool, what, curves)
+            else:
+                speed_row(bench, pool, what[0], what[1], base)
     finally:
         pool.stop()
     lines = []
