@@ -164,3 +164,13 @@ def test_linears_whose_widths_scaled_mm_cannot_take_are_refused_with_the_width(c
     with pytest.raises(CompositeRankError) as err:
         cpu_pool.run(code, layout=ParallelConfig(tp=2), quiet=True)  # tiny's ffn 176 / tp 2 = 88 per rank
     assert "needs multiples of 16" in str(err.value) and "linear_fc2 is 64 x 88" in str(err.value)
+
+
+def test_an_fp8_model_is_refused_fp32_training_and_tes_fp8_on_top(cpu_pool):
+    cpu_pool.run("import mnb.megatron.fp8 as _fp8\n_fp8.RUN_ON_CPU = True\n"
+                 "try:\n    _m = mnb.gpt('tiny', fp8='tensorwise', ffn_hidden_size=256, fusions=False)\n"
+                 "finally:\n    _fp8.RUN_ON_CPU = False", quiet=True)
+    with pytest.raises(CompositeRankError, match="train it with bf16=True"):
+        cpu_pool.run("mnb.train(_m, steps=1)", quiet=True)
+    with pytest.raises(CompositeRankError, match="drop fp8=True from mnb.train|Transformer Engine's FP8"):
+        cpu_pool.run("mnb.train(_m, steps=1, bf16=True, fp8=True)", quiet=True)
