@@ -203,6 +203,13 @@ FSDP_OPTIM_ON_CPU = (
 )
 """Why ``fsdp="optim"`` is refused on CPU ranks (the magic before any rank is touched, and ``mnb.train``)."""
 
+FP8_TE_SPELLING = (
+    "fp8={value!r} is Transformer Engine's FP8 (mnb.train(..., fp8=True) with TE installed); on mnb's local "
+    "spec, without TE, build the model with fp8='tensorwise' (E4M3 forward, E5M2 gradients) or fp8='rowwise' "
+    "(E4M3 with per-row scales): mnb.gpt(..., fp8='tensorwise')"
+)
+"""Why ``ModelConfig.fp8`` refuses TE's spellings (``True``, ``'hybrid'``, ``'e4m3'``)."""
+
 TRANSFORMER_DEFAULTS: dict[str, Any] = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 """TransformerConfig values mnb changes from Megatron's defaults (overridable through ``extra``).
 
@@ -270,11 +277,25 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of the weights."""
     layernorm_epsilon: float = 1e-5
     """The epsilon of LayerNorm / RMSNorm."""
+    fp8: Literal["tensorwise", "rowwise"] | None = None
+    """FP8 GEMMs in the transformer layers' parallel linears on the local spec, without Transformer
+    Engine (:mod:`mnb.megatron.fp8`): ``"tensorwise"`` (E4M3 forward, E5M2 gradients, one scale per
+    tensor) or ``"rowwise"`` (E4M3, one scale per row); None = bf16.  Needs a GPU with FP8 tensor cores
+    (compute capability >= 8.9) and bf16 training.  Not Megatron's ``TransformerConfig.fp8`` (TE's
+    format: ``TrainConfig.fp8``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Further TransformerConfig fields passed through unchanged."""
 
     def __post_init__(self) -> None:
+        if self.fp8 is False:
+            object.__setattr__(self, "fp8", None)
+        if self.fp8 is True or self.fp8 in ("e4m3", "hybrid"):
+            raise ValueError(FP8_TE_SPELLING.format(value=self.fp8))
         check_fields(self)
+        if self.fp8 is not None and self.num_moe_experts:
+            raise ValueError(
+                f"fp8={self.fp8!r} covers dense models: the experts of an MoE layer get token counts that "
+                "torch._scaled_mm cannot take unpadded; drop fp8= for this model")
         _positive(self, ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                          "max_position_embeddings", "num_query_groups", "ffn_hidden_size", "kv_channels",
                          "rotary_base", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size"))
@@ -521,8 +542,9 @@ class TrainConfig:
     bf16: bool = False
     """bf16 weights and activations with fp32 master weights and gradients (Megatron's mixed precision)."""
     fp8: bool = False
-    """FP8 GEMMs through Transformer Engine ('hybrid': E4M3 forward, E5M2 gradients); needs TE and a
-    Hopper-or-newer GPU."""
+    """FP8 GEMMs through Transformer Engine ('hybrid': E4M3 forward, E5M2 gradients, delayed scaling);
+    needs TE and a Hopper-or-newer GPU.  Without TE, build the model with FP8 linears instead:
+    ``mnb.gpt(..., fp8="tensorwise" | "rowwise")`` (:attr:`ModelConfig.fp8`)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: 'none' (keep every activation), 'selective' (recompute core
     attention in backward, Megatron's default granularity), 'full' (keep only each layer's input and
@@ -550,6 +572,11 @@ class TrainConfig:
     """Batches (micro_batch_size sequences per dp rank each) per evaluation."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.fp8, str):
+            raise ValueError(
+                f"fp8={self.fp8!r} is how the model's linears are built on the local spec: pass it to "
+                f"mnb.gpt(..., fp8={self.fp8!r}) (ModelConfig.fp8); mnb.train's fp8=True is Transformer Engine's "
+                "recipe")
         check_fields(self)
         _positive(self, ("steps", "schedule_steps", "micro_batch_size", "global_batch_size", "log_every"))
         if self.lr <= 0:

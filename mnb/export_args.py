@@ -131,6 +131,8 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     if train.fp8:
         add("--fp8-format", "hybrid")
         notes.append("--fp8-format hybrid needs Transformer Engine and Hopper-or-newer GPUs")
+    elif model.fp8 is not None:
+        notes += _fp8_args(model.fp8, add)
     if train.recompute == "selective":
         add("--recompute-granularity", "selective")
     elif train.recompute == "full":
@@ -185,6 +187,28 @@ def _fsdp_args(layout: ParallelConfig, train: TrainConfig, add) -> list[str]:
         notes.append(f"dp({layout.dp}) * cp({layout.cp}) = 1 on this target: Megatron-FSDP shards over those "
                      "ranks, so nothing is sharded; give it more GPUs or less tp")
     return notes
+
+
+def _fp8_args(recipe: str, add) -> list[str]:
+    """Megatron-LM's FP8 arguments for ``ModelConfig.fp8`` (mnb's FP8 linears) and how they differ.
+
+    Megatron-LM runs FP8 only through Transformer Engine (``--fp8-format``, ``--fp8-recipe``:
+    ``megatron/core/transformer/transformer_config.py``).  TE's ``tensorwise`` recipe is the same
+    scaling as mnb's (per-tensor scales from the current tensor, E4M3 forward, E5M2 gradients under
+    ``hybrid``); TE has no row-wise recipe, and ``blockwise`` (1x128 activation and 128x128 weight
+    blocks, E4M3) is the nearest.
+    """
+    if recipe == "tensorwise":
+        add("--fp8-format", "hybrid")
+        add("--fp8-recipe", "tensorwise")
+        return ["--fp8-format hybrid --fp8-recipe tensorwise: Transformer Engine's current (per-tensor) scaling, "
+                "the notebook's fp8='tensorwise'; it needs TE and Hopper-or-newer GPUs, and TE also runs the "
+                "output layer's and attention's neighbours as it chooses (mnb keeps the logits in bf16)"]
+    add("--fp8-format", "e4m3")
+    add("--fp8-recipe", "blockwise")
+    return ["--fp8-format e4m3 --fp8-recipe blockwise: Transformer Engine has no row-wise recipe; its block scaling "
+            "(1x128 activations, 128x128 weights, E4M3) is the nearest to the notebook's fp8='rowwise' (one "
+            "scale per row); it needs TE and Hopper GPUs"]
 
 
 def _weights_note(model: ModelConfig, tokenizer: str) -> str:

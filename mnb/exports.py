@@ -194,13 +194,20 @@ def _model_and_train(model: Any, train: Any, settings: dict[str, Any],
     else:
         tokenizer = tokenizer_folder(model)
     model_cfg = resolve_model(model)
+    # fp8 names two settings: a recipe string is the model's FP8 linears (ModelConfig.fp8), True/False TE's
+    # (TrainConfig.fp8)
+    settings = dict(settings)
+    if isinstance(settings.get("fp8"), bool):
+        train_fp8 = {"fp8": settings.pop("fp8")}
+    else:
+        train_fp8 = {}
     model_overrides = {k: v for k, v in settings.items() if k in _MODEL_FIELDS}
     if model_overrides:
         model_cfg = model_cfg.with_overrides(**model_overrides)
     if train is None:
         train = remembered.get("train") or {}
     train_fields = train.to_dict() if isinstance(train, TrainConfig) else dict(train)
-    train_fields.update({k: v for k, v in settings.items() if k in _TRAIN_FIELDS})
+    train_fields.update({k: v for k, v in settings.items() if k in _TRAIN_FIELDS - _MODEL_FIELDS}, **train_fp8)
     if "steps" in settings and "schedule_steps" not in settings:
         train_fields["schedule_steps"] = None  # steps named here: the exported run is that long
     return model_cfg, TrainConfig(**{k: v for k, v in train_fields.items() if k in _TRAIN_FIELDS}), tokenizer

@@ -322,6 +322,13 @@ def profile_parser() -> MagicArgumentParser:
     return p
 
 
+def _fp8_choices() -> tuple:
+    from mnb.config import ModelConfig
+    from mnb.fields import choices
+
+    return choices(ModelConfig, "fp8")
+
+
 def plan_parser() -> MagicArgumentParser:
     p = _parser("%mnb plan", "Enumerate the valid layouts, predict memory and step time / MFU, "
                 "mark what does not fit (pure Python: no pool needed).", [
@@ -339,6 +346,9 @@ def plan_parser() -> MagicArgumentParser:
     p.add_argument("--mbs", type=_positive_int, default=1, metavar="M", help="micro batch size")
     p.add_argument("--gbs", type=_positive_int, default=None, metavar="G",
                    help="global batch size (default: 4 * gpus * mbs)")
+    p.add_argument("--fp8", default=None, choices=_fp8_choices(),
+                   help="the model's linears in FP8 (mnb.gpt(..., fp8=...)): their GEMMs at the GPU's FP8 peak "
+                        "(default: bf16)")
     p.add_argument("--top", type=_positive_int, default=10, metavar="K", help="rows to show")
     p.add_argument("--calibrate", action="store_true",
                    help="first measure the live pool's GEMM rates by shape, memory and all-reduce bandwidth "
@@ -403,7 +413,8 @@ def export_parser() -> MagicArgumentParser:
                                     ("--mbs", "micro_batch_size", _positive_int, "micro batch size"),
                                     ("--gbs", "global_batch_size", _positive_int, "global batch size"),
                                     ("--lr", "lr", _positive_float, "peak learning rate"),
-                                    ("--data", "data", str, "data: mock, or a Megatron .bin/.idx prefix")):
+                                    ("--data", "data", str, "data: mock, or a Megatron .bin/.idx prefix"),
+                                    ("--fp8", "fp8", str, "FP8 linears, tensorwise or rowwise (TE's --fp8-recipe)")):
         settings.add_argument(flag, dest=field, type=kind, default=None, metavar=field.split("_")[0].upper(),
                               help=f"{what} (default: the last)")
     layout_arguments(

@@ -21,7 +21,7 @@ def export_command(args: argparse.Namespace) -> None:
     from mnb.exports import check_output, export
 
     settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
-                                              "lr", "data") if getattr(args, k) is not None}
+                                              "lr", "data", "fp8") if getattr(args, k) is not None}
     try:
         if args.output:
             check_output(Path(args.output).expanduser(), overwrite=args.overwrite, writer="%mnb export -o",
@@ -45,7 +45,12 @@ def plan_command(args: argparse.Namespace, pool: Pool | None) -> None:
 
     gpu = calibrated_gpu(pool) if args.calibrate else args.gpu
     try:
-        rows = plan(args.model, args.gpus, gpu=gpu, seq=args.seq, mbs=args.mbs, gbs=args.gbs)
+        model = args.model
+        if args.fp8:
+            from mnb.model_source import resolve_model
+
+            model = resolve_model(model).with_overrides(fp8=args.fp8)
+        rows = plan(model, args.gpus, gpu=gpu, seq=args.seq, mbs=args.mbs, gbs=args.gbs)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     from mnb.estimate import format_plan

@@ -239,3 +239,20 @@ def test_a_field_without_a_docstring_is_found():
         bare: str = "x"
 
     assert config_reference.field_docs(Example) == {"documented": "Says what it is."}
+
+
+def test_fp8_takes_the_local_recipes_and_refuses_transformer_engines_spelling():
+    from mnb.config import ModelConfig, TrainConfig, model_config
+
+    assert model_config("llama-1b", fp8="tensorwise").fp8 == "tensorwise"
+    assert ModelConfig(fp8="rowwise").fp8 == "rowwise" and ModelConfig(fp8=False).fp8 is None
+    for te in (True, "hybrid", "e4m3"):
+        with pytest.raises(ValueError, match=r"Transformer Engine's FP8 .*fp8='tensorwise'.*fp8='rowwise'"):
+            model_config("llama-1b", fp8=te)
+    with pytest.raises(ValueError, match=r"ModelConfig.fp8 must be one of 'tensorwise', 'rowwise' or None, got 'row'"):
+        ModelConfig(fp8="row")
+    with pytest.raises(ValueError, match=r"mnb.gpt\(\.\.\., fp8='rowwise'\)"):
+        TrainConfig(fp8="rowwise")
+    with pytest.raises(ValueError, match="covers dense models"):
+        model_config("moe-tiny", fp8="tensorwise")
+    assert TrainConfig(fp8=True).fp8 is True  # Transformer Engine's, where TE is installed

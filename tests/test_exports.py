@@ -342,3 +342,42 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
         assert args.pipeline_model_parallel_layout == m.extra.get("pipeline_model_parallel_layout")
         assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (
             m.extra.get("num_layers_in_first_pipeline_stage"), m.extra.get("num_layers_in_last_pipeline_stage"))
+
+
+
+def test_an_fp8_model_exports_transformer_engines_nearest_recipe(capsys, monkeypatch):
+    """mnb.gpt(..., fp8='tensorwise') is TE's per-tensor current scaling (--fp8-recipe tensorwise, hybrid: E5M2
+    gradients); rowwise has no TE recipe and exports the nearest (blockwise, E4M3) with a note saying so;
+    the notebook's last model carries it (the ranks' reply), and %mnb export --fp8 names it."""
+    tw = export("megatron-lm", model="llama-1b", fp8="tensorwise", nodes=1, gpus_per_node=8, bf16=True)
+    flags = pairs(tw.args)
+    assert flags["--fp8-format"] == "hybrid" and flags["--fp8-recipe"] == "tensorwise" and "--bf16" in flags
+    assert any("current (per-tensor) scaling" in n for n in tw.notes)
+    rw = export("megatron-lm", model="llama-1b", fp8="rowwise", nodes=1, gpus_per_node=8, bf16=True)
+    assert pairs(rw.args)["--fp8-recipe"] == "blockwise" and pairs(rw.args)["--fp8-format"] == "e4m3"
+    assert any("no row-wise recipe" in n for n in rw.notes)
+    assert "--fp8-format" not in pairs(export("megatron-lm", model="llama-1b", nodes=1, gpus_per_node=8).args)
+    # the last mnb.gpt of the notebook, as the ranks reported it
+    monkeypatch.setattr(registry, "_SETTINGS", {"model": {**load_preset("llama-1b").to_dict(), "fp8": "rowwise"},
+                                                "train": {"bf16": True}})
+    assert pairs(export("megatron-lm", nodes=1, gpus_per_node=8).args)["--fp8-recipe"] == "blockwise"
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mnb")
+    shell.run_line_magic("mnb", "export --model llama-1b --gpus-per-node 8 --fp8 tensorwise")
+    assert "--fp8-recipe tensorwise" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="'tensorwise', 'rowwise'"):
+        shell.run_line_magic("mnb", "export --model llama-1b --gpus-per-node 8 --fp8 hybird")
+
+
+def test_megatron_lm_reads_the_fp8_arguments(monkeypatch):
+    arguments = pytest.importorskip("megatron.training.arguments",
+                                    reason="megatron.training ships with megatron-core >= 0.17 (Python 3.12)")
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    for recipe, fmt in (("tensorwise", "hybrid"), ("rowwise", "e4m3")):
+        e = export("megatron-lm", model="llama-1b", fp8=recipe, nodes=1, gpus_per_node=8, bf16=True)
+        monkeypatch.setenv("WORLD_SIZE", "8")
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *e.args])
+        args = arguments.parse_args()
+        arguments.validate_args(args)
+        assert args.fp8 == fmt and args.fp8_recipe == pairs(e.args)["--fp8-recipe"]

@@ -119,14 +119,15 @@ DEVICES: dict[str, Device] = {
         ),
         Device(
             name="h200-measured",
-            label="NVIDIA H200 (measured bf16 GEMM peak)",
+            label="NVIDIA H200 (measured bf16 and FP8 GEMM peaks)",
             bf16_flops=790e12,
-            fp8_flops=None,
+            fp8_flops=1480e12,
             fp32_flops=395e12,
             capacity_bytes=int(139.7 * GIB),
             intra_node_bytes_per_s=_NVLINK4,
             inter_node_bytes_per_s=_IB400,
-            source="largest bf16 torch.matmul throughput measured on this project's H200 (~790 TFLOP/s)",
+            source="largest bf16 torch.matmul throughput measured on this project's H200 (~790 TFLOP/s); FP8: "
+                   "torch._scaled_mm, E4M3 tensorwise, 8192^3, 1480 TFLOP/s (2026-12-03, bench/gpu_fp8.py)",
         ),
         Device(
             name="a100",

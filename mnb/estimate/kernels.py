@@ -134,6 +134,27 @@ def _layer_bytes(model: ModelConfig, parallel: ParallelConfig, attention: str, e
     return fwd * e, bwd * e
 
 
+FP8_GEMM_EFFICIENCY = 0.93
+"""FP8 GEMMs reach a smaller share of their datasheet peak than bf16 ones: on one H200 (2026-12-03,
+bench/gpu_fp8.py) 1480 of 1979 TFLOP/s against bf16's 793 of 989 for an 8192^3 product: 0.75 / 0.80."""
+FP8_CAST_SLOWDOWN = 2.5
+"""The FP8 casts (amax, scale, cast; the backward's transposed copies of 1-byte tensors; their launches) cost
+2.5x their bytes at the elementwise kernels' bandwidth: fitted to llama-1b, llama-3b and a 20-layer llama-8b
+on one H200 (2026-12-03, bench/gpu_fp8.py; BENCHMARKS.md), where tensorwise FP8 linears measured 0.93, 0.97
+and 0.99x bf16's tokens/s and this model predicts 0.91, 1.00 and 1.08 (rowwise 0.80, 0.85, 0.84 against
+0.74, 0.83, 0.94)."""
+
+
+def fp8_peak(dev: Device, peak: float) -> float:
+    """The FP8 GEMM peak beside ``peak`` (the device's bf16 peak, or the caller's replacement of it): scaled
+    by the device's FP8 : bf16 ratio and :data:`FP8_GEMM_EFFICIENCY`.  ValueError for devices without FP8
+    tensor cores in the table."""
+    if not dev.fp8_flops:
+        raise ValueError(f"{dev.label} has no FP8 peak in the hardware table (FP8 tensor cores: compute capability "
+                         ">= 8.9); estimate this model without fp8=, or register the device with fp8_flops=")
+    return peak * dev.fp8_flops / dev.bf16_flops * FP8_GEMM_EFFICIENCY
+
+
 def stage_work(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -155,9 +176,15 @@ def stage_work(
     bandwidth = dev.hbm_bytes_per_s * dev.memory_efficiency
 
     gemm_f = gemm_b = 0.0
+    linear_peak = fp8_peak(dev, peak) if model.fp8 else peak
+    cast_f = cast_b = 0.0  # FP8 linears: bytes per token of the casts (amax read, read, 1-byte write; transposes)
     for m, n, k, count in _layer_gemms(model, parallel, tokens):
-        gemm_f += count * gemm_time(dev, peak, m, n, k)
-        gemm_b += count * gemm_time(dev, peak, m, n, k, backward=True)
+        gemm_f += count * gemm_time(dev, linear_peak, m, n, k)
+        gemm_b += count * gemm_time(dev, linear_peak, m, n, k, backward=True)
+        if model.fp8:
+            cast_f += FP8_CAST_SLOWDOWN * count * 5 * k * m / tokens
+            cast_b += FP8_CAST_SLOWDOWN * count * ((12 * n + 7 * k) if model.fp8 == "rowwise" else (7 * n + 2 * k)) \
+                * m / tokens
     q = model.num_attention_heads * model.head_dim
     core = 4 * tokens * model.seq_length * q / parallel.tp  # forward FLOPs, full s x s
     if attention == "flash":
@@ -166,7 +193,7 @@ def stage_work(
         attn_f = core / (peak * dev.unfused_attention_fraction)
     attn_b = 2 * attn_f
     bytes_f, bytes_b = _layer_bytes(model, parallel, attention, e)
-    mem_f, mem_b = tokens * bytes_f / bandwidth, tokens * bytes_b / bandwidth
+    mem_f, mem_b = tokens * (bytes_f + cast_f) / bandwidth, tokens * (bytes_b + cast_b) / bandwidth
 
     recompute = 0.0
     if train.recompute == "full":

@@ -184,6 +184,16 @@ def bytes_per_param(
     return out
 
 
+def _linear_params_per_layer(model: ModelConfig, tp: int) -> float:
+    """Weights of one layer's parallel linears on a tp rank: what FP8 linears (``model.fp8``) hold a 1-byte copy of
+    in each of two layouts (forward, transposed for the input gradient) during a step (:mod:`mnb.megatron.fp8`)."""
+    h = model.hidden_size
+    q = model.num_attention_heads * model.head_dim
+    kv = model.query_groups * model.head_dim
+    mlp = model.ffn * h * (3 if model.gated_linear_unit else 2)
+    return (h * (q + 2 * kv) + q * h + mlp) / tp
+
+
 def memory(
     model: str | ModelConfig | dict,
     parallel: ParallelConfig | dict | None = None,
@@ -272,6 +282,7 @@ def memory(
                 acts += mbs_in_flight * s_local * b * h / sp_div  # embedding dropout mask
         # ZeRO-3: the layers being computed and prefetched, and the parameters outside the units, gathered
         gathered = gathered_params(model, parallel, stage) * full_weight if dp * cp > 1 else 0.0
+        fp8_copies = 2 * params.num_layers * _linear_params_per_layer(model, tp) if model.fp8 else 0.0
         logits = 0.0
         if stage == pp - 1:
             acts += 2 * s_local * b * h * e / sp_div + norm_extra_bytes(shape, h)  # final norm, output layer input
@@ -294,7 +305,7 @@ def memory(
                 num_layers=params.num_layers,
                 params=params.total + (params.num_layers * adapter_per_layer),
                 in_flight_microbatches=chunks,
-                weights_bytes=weights + gathered,
+                weights_bytes=weights + gathered + fp8_copies,
                 gathered_weights_bytes=gathered,
                 gradients_bytes=gradients,
                 optimizer_bytes=optimizer,

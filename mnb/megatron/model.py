@@ -320,6 +320,12 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
         torch.cuda.empty_cache()
 
     device = device_of()
+    if cfg.fp8 is not None:  # before any collective: every rank refuses alike on a CPU or pre-Ada pool
+        from mnb.megatron import fp8 as _fp8
+
+        reason = _fp8.refusal(device)
+        if reason:
+            raise ValueError(reason)
     fused = _fusions.resolve(fusions, device)
     tconfig = transformer_config(cfg, parallel, fusions=fused)
     if init == "none":
@@ -360,6 +366,10 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
             chunk.cuda(device)
     if init == "layout_invariant":
         init_layout_invariant(chunks, tconfig, seed)
+    if cfg.fp8 is not None:
+        from mnb.megatron import fp8 as _fp8
+
+        _fp8.install(chunks, cfg.fp8)
     if fused:
         # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own), compiled in
         # the background: the first steps run the same arithmetic unfused meanwhile (background_compile)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from mnb.config import TrainConfig
-from mnb.megatron import background_compile, events, interrupts, schedule
+from mnb.megatron import background_compile, events, fp8, interrupts, schedule
 from mnb.megatron import layout as _layout
 from mnb.megatron.batches import BatchPlan, microbatch_iterators
 from mnb.megatron.memory import ComponentMeter, MemoryMeter
@@ -94,7 +94,16 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
 
     precision = "bf16" if tc.bf16 else "fp32"
     if tc.fp8 and not fp8_supported():
-        raise ValueError("fp8 needs Transformer Engine and a Hopper-or-newer GPU on every rank")
+        raise ValueError("fp8=True is Transformer Engine's FP8 and needs TE and a Hopper-or-newer GPU on every "
+                         "rank; without TE build the model with FP8 linears: mnb.gpt(..., fp8='tensorwise' or "
+                         "'rowwise'), and train it with bf16=True")
+    local_fp8 = getattr(model.config, "fp8", None)
+    if local_fp8 is not None and tc.fp8:
+        raise ValueError(f"this model's linears already run FP8 (mnb.gpt(..., fp8={local_fp8!r})); fp8=True asks "
+                         "for Transformer Engine's recipe on top: drop fp8=True from mnb.train")
+    if local_fp8 is not None and not tc.bf16:
+        raise ValueError(f"this model's linears run FP8 (fp8={local_fp8!r}), which takes bf16 activations and "
+                         "weights: train it with bf16=True")
     config = model.transformer_config
     strategy = _fsdp_strategy(model)
     distributed = tc.use_distributed_optimizer or strategy is not None  # implied by Megatron-FSDP
@@ -430,17 +439,18 @@ def _run_steps(model, tc, plan, dataset, scheduler, recorder, meter, device, fla
             for wrapped in model.wrapped:
                 wrapped.zero_grad_buffer()
             model.optimizer.zero_grad()
-            losses = forward_backward(
-                forward_step_func=_forward_step if own is None else own.forward_step_func,
-                data_iterator=(microbatch_iterators(dataset, plan, i, model.chunks, device) if own is None
-                               else own.data_iterator),
-                model=model.wrapped,
-                num_microbatches=plan.num_microbatches,
-                seq_length=seq,
-                micro_batch_size=tc.micro_batch_size,
-                decoder_seq_length=seq,
-                forward_only=False,
-            )
+            with fp8.weight_cache():  # FP8 linears: each weight cast once per step, not per microbatch
+                losses = forward_backward(
+                    forward_step_func=_forward_step if own is None else own.forward_step_func,
+                    data_iterator=(microbatch_iterators(dataset, plan, i, model.chunks, device) if own is None
+                                   else own.data_iterator),
+                    model=model.wrapped,
+                    num_microbatches=plan.num_microbatches,
+                    seq_length=seq,
+                    micro_batch_size=tc.micro_batch_size,
+                    decoder_seq_length=seq,
+                    forward_only=False,
+                )
             step_lr = float(_sub_optimizers(model.optimizer)[0].param_groups[0]["lr"])
             with recorder.span("optimizer"):
                 _, grad_norm, _ = model.optimizer.step()

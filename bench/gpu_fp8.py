@@ -1,0 +1,210 @@
+"""FP8 linears on the local spec against bf16 on one GPU (issue 39 part 4): every check in one run.
+
+    python bench/gpu_fp8.py --out OUTDIR [--sections gemm,linears,loss,speed]   # OUTDIR/gpu_fp8.json, .md
+
+1. ``gemm``: the GEMM peak, bf16 ``torch.matmul`` against ``torch._scaled_mm`` (E4M3, tensorwise and
+   rowwise scales), for square sizes and llama linears at 16,384 tokens: the FP8 peak the estimator uses.
+2. ``loss``: 200 steps of a 4-layer llama-1b shape (seq 1024, mbs 4, one microbatch, stdlib text) in
+   bf16, tensorwise and rowwise, same initial weights and data: the loss curves and the end loss (mean
+   of the last 10 steps), which must agree within 1 %.
+3. ``linears``: after the FP8 run, each FP8 linear's output on the model's own activations against a
+   bf16 matmul of the same input and weight (relative RMS error; E4M3's unit roundoff is 2^-4).
+4. ``speed``: tokens/s of llama-1b, llama-3b and a 20-layer llama-8b shape (seq 2048), bf16 against
+   each recipe: 1 warm-up step (the casts compile), then 3 measured steps (mean of the last 2), with
+   mnb's fused kernels compiled first.
+
+Uses the pool API (the device machine has no IPython; ``%mnb`` calls the same methods).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from gpu_measure import Rows  # noqa: E402
+
+RECIPES = (None, "tensorwise", "rowwise")
+LOSS_STEPS = 200
+SPEED = (("llama-1b", "", 8, 32), ("llama-3b", "", 4, 16), ("llama-8b", "num_layers=20", 2, 8))
+"""(preset, overrides, micro batch, global batch): 4 microbatches a step, seq 2048."""
+
+
+def gemm_rows(bench: Rows) -> None:
+    import torch
+
+    from mnb.megatron import fp8
+
+    def timed(fn, flops: float) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        n, t0 = 20, time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return flops * n / (time.perf_counter() - t0) / 1e12
+
+    shapes = [("square 8192", 8192, 8192, 8192), ("1b fc1 (16k tokens)", 16384, 16384, 2048),
+              ("8b fc1 (16k tokens)", 16384, 28672, 4096)]
+    for label, m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * m * n * k
+        row = {"gemm": label, "m": m, "n": n, "k": k, "bf16_tflops": round(timed(lambda: a @ b.t(), flops))}
+        for name in ("tensorwise", "rowwise"):
+            rc = fp8.recipe(name)
+            ad, asc = fp8._cast_eager(a, fp8.E4M3, rc.axis(-1), rc.pow2)
+            bd, bsc = fp8._cast_eager(b, fp8.E4M3, rc.axis(-1), rc.pow2)
+            row[f"{name}_tflops"] = round(timed(lambda: fp8.scaled_mm(ad, asc, bd.t(), bsc.t(), torch.bfloat16,
+                                                                      fast_accum=True), flops))
+            if label.startswith("1b"):  # the casts of both operands at every call, compiled
+                row[f"{name}_with_casts_tflops"] = round(timed(lambda: fp8.scaled_mm(
+                    *fp8.cast(a, fp8.E4M3, rc.axis(-1), rc.pow2), *(lambda d, s: (d.t(), s.t()))(
+                        *fp8.cast(b, fp8.E4M3, rc.axis(-1), rc.pow2)), torch.bfloat16, fast_accum=True), flops))
+        bench.add("gemm", row)
+        del a, b
+    torch.cuda.empty_cache()
+
+
+def train_cell(preset: str, model_kw: str, recipe: str | None, seq: int, *, seed: int = 1234) -> str:
+    kw = ", ".join(x for x in (model_kw, f"fp8={recipe!r}" if recipe else "") if x)
+    return ("model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+            f"model = mnb.gpt({preset!r}, seq_length={seq}, seed={seed}{', ' + kw if kw else ''})\n"
+            "from mnb.megatron import background_compile as _bc\n"
+            "_c = _bc.pending()\n_c is not None and _c.wait(300)\n")
+
+
+LINEAR_CHECK = '''
+import torch
+from mnb.megatron import fp8 as _fp8
+_errors = {}
+def _hook(name):
+    def hook(module, args, output):
+        x = args[0]
+        ref = (x.reshape(-1, x.shape[-1]) @ module.weight.t()).float()
+        got = output[0].reshape(-1, ref.shape[-1]).float()
+        _errors[name] = ((got - ref).norm() / ref.norm()).item()
+    return hook
+_handles = [m.register_forward_hook(_hook(n)) for n, m in model.chunks[0].named_modules() if getattr(m, "fp8_recipe", None)]
+with torch.no_grad():
+    mnb.evaluate(model, data="stdlib", batches=1, micro_batch_size=4)
+for h in _handles:
+    h.remove()
+'''
+
+
+def loss_row(bench: Rows, pool, recipe: str | None, curves: dict) -> None:
+    import mnb
+
+    label = recipe or "bf16"
+    try:
+        pool.run(train_cell("llama-1b", "num_layers=4", recipe, 1024)
+                 + f"mnb.train(model, steps={LOSS_STEPS}, micro_batch_size=4, global_batch_size=4, bf16=True, "
+                   "data='stdlib', lr=3e-4, warmup_steps=20, log_every=50)", timeout=600)
+        losses = list(mnb.last_run.losses)
+        curves[label] = losses
+        (bench.out / "fp8_loss_curves.json").write_text(json.dumps(curves))
+        end = sum(losses[-10:]) / 10
+        row = {"recipe": label, "first_loss": round(losses[0], 4), "loss_at_50": round(losses[49], 4),
+               "loss_at_100": round(losses[99], 4), "end_loss_mean_last10": round(end, 4)}
+        if "bf16" in curves and recipe is not None:
+            row["end_vs_bf16"] = round(end / (sum(curves["bf16"][-10:]) / 10) - 1, 4)
+        bench.add("loss", row)
+        if recipe is not None:
+            pool.run(LINEAR_CHECK)
+            errors = pool.pull("_errors")[0]
+            bench.add("linears", {"recipe": label, "linears": len(errors), "max_rel_err": round(max(errors.values()), 4),
+                                  "mean_rel_err": round(sum(errors.values()) / len(errors), 4),
+                                  "per_linear": {k: round(v, 4) for k, v in errors.items()}})
+    except Exception:
+        bench.add("loss", {"recipe": label, "error": traceback.format_exc()[-1500:]})
+
+
+def speed_row(bench: Rows, pool, shape: tuple, recipe: str | None, base: dict) -> None:
+    import mnb
+
+    preset, model_kw, mbs, gbs = shape
+    label = f"{preset}{' ' + model_kw if model_kw else ''} mbs {mbs} gbs {gbs} {recipe or 'bf16'}"
+    try:
+        pool.run(train_cell(preset, model_kw, recipe, 2048)
+                 + f"mnb.train(model, steps=1, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)\n"
+                   f"mnb.train(model, steps=3, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)",
+                 timeout=600)
+        run = mnb.last_run
+        tokens = [x for x in run.tokens_per_s[1:] if x]
+        tps = sum(tokens) / len(tokens)
+        peak = max(rec["memory"]["peak_allocated_bytes"] for rec in run.ranks.values()) / 2**30
+        row = {"model": label, "tokens_per_s": round(tps), "peak_GiB": round(peak, 1),
+               "unfused_steps": len(run.unfused_steps)}
+        if recipe is None:
+            base[preset] = tps
+        elif preset in base:
+            row["vs_bf16"] = round(tps / base[preset], 3)
+        bench.add("speed", row)
+    except Exception:
+        bench.add("speed", {"model": label, "error": traceback.format_exc()[-1500:]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="fp8-out")
+    parser.add_argument("--sections", default="gemm,loss,speed")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = args.sections.split(",")
+    bench = Rows(out, "gpu_fp8.json")
+    import torch
+
+    import mnb
+
+    bench.add("versions", {"torch": torch.__version__, "device": torch.cuda.get_device_name(0),
+                           "megatron_core": __import__("megatron.core").core.__version__,
+                           "torchao": __import__("torchao").__version__, "mnb": mnb.__version__})
+    if "gemm" in sections:
+        try:
+            gemm_rows(bench)
+        except Exception:
+            bench.add("gemm", {"error": traceback.format_exc()[-1500:]})
+    from mnb.controller import Pool
+
+    pool = Pool.start(1, gpus=[0], timeout=600)
+    try:
+        # by priority, so that a call cut short keeps the rows that matter most
+        curves, base = {}, {}
+        one, three, eight = SPEED
+        plan = [("loss", None), ("loss", "tensorwise"), ("speed", (three, None)), ("speed", (three, "tensorwise")),
+                ("speed", (eight, None)), ("speed", (eight, "tensorwise")), ("speed", (one, None)),
+                ("speed", (one, "tensorwise")), ("loss", "rowwise"), ("speed", (three, "rowwise")),
+                ("speed", (eight, "rowwise")), ("speed", (one, "rowwise"))]
+        for section, what in plan:
+            if section not in sections:
+                continue
+            if section == "loss":
+                loss_row(bench, pool, what, curves)
+            else:
+                speed_row(bench, pool, what[0], what[1], base)
+    finally:
+        pool.stop()
+    lines = []
+    for section, rows in bench.rows.items():
+        lines.append(f"\n### {section}\n")
+        keys = list(dict.fromkeys(k for r in rows for k in r if k != "per_linear"))
+        lines.append("| " + " | ".join(keys) + " |")
+        lines.append("|" + "---|" * len(keys))
+        for r in rows:
+            lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+    (out / "gpu_fp8.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

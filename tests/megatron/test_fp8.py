@@ -1,0 +1,176 @@
+"""FP8 linears on the local spec (mnb.megatron.fp8): the quantise/scale logic against torchao's definitions,
+the autograd Function against an fp32 emulation of torch._scaled_mm, training under tp2 + sp on CPU ranks
+(torch's CPU _scaled_mm, the same Function and communication as on a GPU), and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mnb.config import ParallelConfig
+from mnb.errors import CompositeRankError
+from mnb.megatron import fp8
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return data.to(torch.float32) / scale
+
+
+def emulate(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, name: str):
+    """The three GEMMs as _scaled_mm defines them, in fp32: each operand quantised (value * scale, saturated,
+    rounded to the format), dequantised, multiplied; the recipe's scaling for each operand."""
+    grad_dtype = torch.float8_e4m3fn if name == "rowwise" else torch.float8_e5m2
+    rowwise = name == "rowwise"
+
+    def q(t, dtype, axis):
+        fmax = torch.finfo(dtype).max
+        amax = t.abs().amax() if not rowwise else t.abs().amax(dim=axis, keepdim=True)
+        scale = (fmax / amax.double().clamp(min=1e-12)).float()
+        if rowwise:
+            scale = torch.exp2(torch.floor(torch.log2(scale)))
+        return (t.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+    out = q(x, torch.float8_e4m3fn, -1) @ q(w, torch.float8_e4m3fn, -1).t()
+    dgrad = q(g, grad_dtype, -1) @ q(w, torch.float8_e4m3fn, 0)
+    wgrad = q(g, grad_dtype, 0).t() @ q(x, torch.float8_e4m3fn, 0)
+    return out, dgrad, wgrad
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("name", fp8.RECIPES)
+def test_scales_follow_torchaos_recipe(name):
+    """tensorwise: one scale max/amax per tensor (E4M3; gradients E5M2); rowwise: one per row, a power of two."""
+    rc = fp8.recipe(name)
+    x = torch.randn(32, 64, dtype=torch.bfloat16) * 3
+    x[5, 7] = 100.0  # the amax
+    data, scale = fp8.cast(x, fp8.E4M3, rc.axis(-1), rc.pow2)
+    assert data.dtype == torch.float8_e4m3fn
+    if name == "tensorwise":
+        assert scale.shape == () and scale.item() == pytest.approx(E4M3_MAX / 100.0, rel=1e-6)
+        assert rc.grad_dtype == torch.float8_e5m2
+        assert data.float().abs().max().item() == E4M3_MAX  # the amax lands on the format's largest value
+    else:
+        assert scale.shape == (32, 1) and rc.grad_dtype == torch.float8_e4m3fn
+        assert torch.equal(scale, torch.exp2(torch.floor(torch.log2(scale))))  # powers of two
+        assert scale[5].item() == 4.0  # 448 / 100 = 4.48, rounded down to a power of two
+        assert (data.float().abs().amax(dim=1) <= E4M3_MAX).all()
+    # saturation, not inf: a value past the range after scaling stays at the format's max
+    big = torch.tensor([[1.0, 2.0] + [0.0] * 14], dtype=torch.bfloat16)
+    clipped = fp8.cast(big, fp8.E5M2, None, False)[0]
+    assert torch.isfinite(clipped.float()).all()
+
+
+@pytest.mark.parametrize("name", fp8.RECIPES)
+def test_the_function_is_scaled_mm_of_the_quantised_operands(name):
+    """FP8Linear's forward, input gradient and weight gradient equal the fp32 emulation of the recipe's
+    quantisation (to bf16 rounding), and the bf16 linear within FP8's error (E4M3: 3 mantissa bits)."""
+    torch.manual_seed(0)
+    rc = fp8.recipe(name)
+    x = torch.randn(64, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(96, 128) * 0.02).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(96, dtype=torch.bfloat16, requires_grad=True)
+    y = fp8.FP8Linear.apply(x, w, bias, rc, False, False, None)
+    g = torch.randn_like(y)
+    y.backward(g)
+    out, dgrad, wgrad = emulate(x.detach().reshape(-1, 128), w.detach(), g.reshape(-1, 96), name)
+    assert y.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16 and x.grad.shape == x.shape
+    assert rel(y.reshape(-1, 96) - bias.detach(), out) < 1e-2
+    assert rel(x.grad.reshape(-1, 128), dgrad) < 1e-2
+    assert rel(w.grad, wgrad) < 1e-2
+    assert torch.allclose(bias.grad.float(), g.reshape(-1, 96).float().sum(0), rtol=1e-2, atol=1e-1)
+    exact = x.detach().float().reshape(-1, 128) @ w.detach().float().t()
+    assert 1e-3 < rel(y.reshape(-1, 96) - bias.detach(), exact) < 2 ** -4  # E4M3 x E4M3: a few percent
+    assert rel(x.grad.reshape(-1, 128), g.float().reshape(-1, 96) @ w.detach().float()) < 2 ** -3
+
+
+def test_a_step_casts_each_weight_once():
+    """Inside weight_cache() (one training step) the forward and the input gradient each cast a weight once,
+    whatever the microbatches; outside it every call casts afresh."""
+    rc = fp8.recipe("tensorwise")
+    w = (torch.randn(32, 64) * 0.02).to(torch.bfloat16).requires_grad_()
+    calls = []
+    real = fp8._cast_eager
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    fp8._cast_eager = counted
+    try:
+        with fp8.weight_cache():
+            for _ in range(3):
+                x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+                fp8.FP8Linear.apply(x, w, None, rc, False, False, None).sum().backward()
+        in_step = calls.count(w.shape)
+        calls.clear()
+        x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+        fp8.FP8Linear.apply(x, w, None, rc, False, False, None).sum().backward()
+    finally:
+        fp8._cast_eager = real
+    assert in_step == 2  # forward layout + input-gradient layout, once for three microbatches
+    assert calls.count(w.shape) == 2
+
+
+TRAIN = '''
+import mnb.megatron.fp8 as _fp8
+_fp8.RUN_ON_CPU = True
+try:
+    out = {}
+    for _name in ("bf16", "tensorwise", "rowwise"):
+        _m = mnb.gpt("tiny", fp8=None if _name == "bf16" else _name, ffn_hidden_size=256, fusions=False)
+        _r = mnb.train(_m, steps=3, micro_batch_size=2, global_batch_size=2, bf16=True, lr=1e-3)
+        out[_name] = [row["loss"] for row in _r["steps"]]
+        out[_name + "_recipe"] = _fp8.installed(_m.chunks)
+finally:
+    _fp8.RUN_ON_CPU = False
+out
+'''
+
+
+def test_fp8_training_under_tp2_and_sp_follows_bf16(cpu_pool):
+    """The FP8 Function inside Megatron's ColumnParallel/RowParallelLinear under tp2 + sequence parallel (all-gather
+    of the input, reduce-scatter of its gradient): three steps follow the bf16 losses within FP8's error."""
+    got = cpu_pool.run(TRAIN, layout=ParallelConfig(tp=2, sequence_parallel=True), quiet=True)
+    for rank in (0, 1):
+        out = got[rank]
+        assert out["bf16_recipe"] is None
+        for name in ("tensorwise", "rowwise"):
+            assert out[name + "_recipe"] == name
+            assert out[name] == pytest.approx(out["bf16"], rel=2e-3), (name, out)
+            assert out[name] != out["bf16"]  # it did run FP8 GEMMs
+
+
+def test_fp8_is_refused_on_cpu_ranks_before_any_collective(cpu_pool):
+    with pytest.raises(CompositeRankError) as err:
+        cpu_pool.run("mnb.gpt('tiny', fp8='tensorwise')", quiet=True)
+    text = str(err.value)
+    assert "FP8 tensor cores" in text and "this rank runs on CPU" in text
+    assert cpu_pool.run("1 + 1", quiet=True) == {0: 2, 1: 2}  # the pool is usable afterwards
+
+
+def test_the_refusal_names_the_gpu_and_the_needed_capability():
+    reason = fp8.refusal(torch.device("cpu"))
+    assert "compute capability >= 8.9" in reason and "drop fp8=" in reason
+
+
+def test_linears_whose_widths_scaled_mm_cannot_take_are_refused_with_the_width(cpu_pool):
+    code = ("import mnb.megatron.fp8 as _fp8\n_fp8.RUN_ON_CPU = True\n"
+            "try:\n    mnb.gpt('tiny', fp8='rowwise', fusions=False)\nfinally:\n    _fp8.RUN_ON_CPU = False")
+    with pytest.raises(CompositeRankError) as err:
+        cpu_pool.run(code, layout=ParallelConfig(tp=2), quiet=True)  # tiny's ffn 176 / tp 2 = 88 per rank
+    assert "needs multiples of 16" in str(err.value) and "linear_fc2 is 64 x 88" in str(err.value)
+
+
+def test_an_fp8_model_is_refused_fp32_training_and_tes_fp8_on_top(cpu_pool):
+    cpu_pool.run("import mnb.megatron.fp8 as _fp8\n_fp8.RUN_ON_CPU = True\n"
+                 "try:\n    _m = mnb.gpt('tiny', fp8='tensorwise', ffn_hidden_size=256, fusions=False)\n"
+                 "finally:\n    _fp8.RUN_ON_CPU = False", quiet=True)
+    with pytest.raises(CompositeRankError, match="train it with bf16=True"):
+        cpu_pool.run("mnb.train(_m, steps=1)", quiet=True)
+    with pytest.raises(CompositeRankError, match="drop fp8=True from mnb.train|Transformer Engine's FP8"):
+        cpu_pool.run("mnb.train(_m, steps=1, bf16=True, fp8=True)", quiet=True)
