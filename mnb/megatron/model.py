@@ -366,6 +366,8 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
             chunk.cuda(device)
     if init == "layout_invariant":
         init_layout_invariant(chunks, tconfig, seed)
+    if init == "none":
+        mark_tensor_parallel(chunks)
     if cfg.fp8 is not None:
         from mnb.megatron import fp8 as _fp8
 
@@ -395,6 +397,26 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
     _last_model = weakref.ref(model)
     _built.add(model)
     return model
+
+
+def mark_tensor_parallel(chunks: list) -> None:
+    """Tag each parallel layer's weight as split over tp, as Megatron does when it initialises them.
+
+    Megatron sets ``tensor_model_parallel``/``partition_dim`` only inside its initialisers, so
+    with ``perform_initialization=False`` (how ``mnb.from_hf`` builds, before it reads the
+    checkpoint) those weights looked like tp duplicates: the gradient norm and its clipping
+    counted their shard on tp rank 0 only, and a tp2 fine-tune clipped differently from tp1.
+    """
+    from megatron.core import tensor_parallel
+
+    split = ((tensor_parallel.ColumnParallelLinear, 0), (tensor_parallel.RowParallelLinear, 1),
+             (tensor_parallel.VocabParallelEmbedding, 0))
+    for chunk in chunks:
+        for module in chunk.modules():
+            weight = getattr(module, "weight", None)
+            dim = next((d for kind, d in split if isinstance(module, kind)), None)
+            if dim is not None and weight is not None and not getattr(weight, "tensor_model_parallel", False):
+                tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 @functools.lru_cache(maxsize=2)

@@ -140,7 +140,8 @@ def test_train_save_hf_and_back_under_another_layout(cpu_pool, checkpoints):
         "_res = {}\n"
         f"for _name, _path in {paths!r}.items():\n"
         "    _m = mnb.from_hf(_path)\n"
-        "    mnb.train(_m, steps=3, micro_batch_size=2, global_batch_size=2, lr=1e-2, data='mock')\n"
+        "    _run = mnb.train(_m, steps=3, micro_batch_size=2, global_batch_size=2, lr=1e-2, data='mock')\n"
+        "    _res[_name + '-norm'] = _run['steps'][0]['grad_norm']\n"
         f"    mnb.save_hf({out!r}[_name], _m, max_shard_bytes=100_000)\n"
         f"    mnb.save({str(root / 'dist-llama')!r} if _name == 'llama' else {str(root / 'dist-qwen2')!r}, _m)\n"
         f"    _res[_name] = mnb.logits(_m, {tokens!r}).numpy()\n"
@@ -165,11 +166,16 @@ def test_train_save_hf_and_back_under_another_layout(cpu_pool, checkpoints):
         f"mnb.load({str(root / 'dist-llama')!r}, _m)\n"
         f"_res['dist'] = mnb.logits(_m, {tokens!r}).numpy()\n"
         f"_res['tokens'] = mnb.from_hf({out['llama']!r}).tokenizer.tokenize({TEXT!r})\n"
+        f"_g = mnb.from_hf({paths['llama']!r})\n"  # the first step's gradient norm counts every tp shard
+        "_res['norm'] = mnb.train(_g, steps=1, micro_batch_size=2, global_batch_size=2, lr=1e-2, data='mock')"
+        "['steps'][0]['grad_norm']\n"
         "_res", layout=ParallelConfig(tp=2), quiet=True)
     for rank in back:
         for name in names:
             assert float(np.abs(back[rank][name] - trained[0][name]).max()) < ATOL, (rank, name)
         assert float(np.abs(back[rank]["dist"] - trained[0]["llama"]).max()) < ATOL, rank
+        # pp2 (no tp) and tp2 see the same model, data and batch: one gradient norm (tp2 counted rank 0's shards only)
+        assert back[rank]["norm"] == pytest.approx(trained[0]["llama-norm"], rel=1e-4), rank
     from tokenizers import Tokenizer
 
     assert (root / "trained-llama" / "tokenizer_config.json").is_file()
