@@ -36,7 +36,7 @@ from typing import Any, Iterable
 from mnb import estimate
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 from mnb.estimate import hardware
-from mnb.units import GIB, Text, format_bytes
+from mnb.units import Text
 
 MEASURED_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "peak")
 
@@ -84,16 +84,17 @@ class Run:
         return self.records_by_rank
 
     @property
-    def _first(self) -> dict[str, Any]:
+    def first_record(self) -> dict[str, Any]:
+        """Rank 0's record (fields every rank shares: model, train settings, device)."""
         return self._records[0]
 
     @property
     def world_size(self) -> int:
-        return int(self._first.get("world_size") or len(self._records))
+        return int(self.first_record.get("world_size") or len(self._records))
 
     @cached_property
     def layout(self) -> ParallelConfig:
-        data = dict(self._first.get("layout") or {})
+        data = dict(self.first_record.get("layout") or {})
         parallel = _filtered(ParallelConfig, data)
         if parallel.dp is None:
             parallel = parallel.resolve(self.world_size)
@@ -101,24 +102,24 @@ class Run:
 
     @cached_property
     def model(self) -> ModelConfig:
-        return ModelConfig.from_dict(dict(self._first.get("model") or {}))
+        return ModelConfig.from_dict(dict(self.first_record.get("model") or {}))
 
     @cached_property
     def train(self) -> TrainConfig:
-        return _filtered(TrainConfig, dict(self._first.get("train") or {}))
+        return _filtered(TrainConfig, dict(self.first_record.get("train") or {}))
 
     @property
     def num_microbatches(self) -> int:
-        given = self._first.get("num_microbatches")
+        given = self.first_record.get("num_microbatches")
         return int(given) if given else self.train.num_microbatches(self.layout.dp or 1)
 
     @property
     def device_name(self) -> str | None:
-        return self._first.get("device_name")
+        return self.first_record.get("device_name")
 
     @property
     def on_cpu(self) -> bool:
-        return str(self._first.get("device", "cpu")).startswith("cpu")
+        return str(self.first_record.get("device", "cpu")).startswith("cpu")
 
     # ----- per-step measurements -----------------------------------------------------
     def _per_step(self, key: str) -> dict[int, list[float]]:
@@ -164,7 +165,7 @@ class Run:
         sequences' positions that hold example tokens (packing efficiency; the rest is padding),
         ``packed`` whether several examples shared a sequence (False: one each, padded).
         """
-        return self._first.get("packing")
+        return self.first_record.get("packing")
 
     @property
     def step_times_s(self) -> list[float | None]:
@@ -188,7 +189,7 @@ class Run:
 
     @property
     def model_flops_per_step(self) -> float:
-        given = self._first.get("model_flops_per_step")
+        given = self.first_record.get("model_flops_per_step")
         if given:
             return float(given)
         gbs = self.num_microbatches * self.train.micro_batch_size * (self.layout.dp or 1)
@@ -221,7 +222,7 @@ class Run:
             return f"given peak {peak / 1e9:,.0f} GFLOP/s"
         if self.gpu:
             return f"{hardware.device(self.gpu).label} datasheet peak {peak / 1e12:,.0f} TFLOP/s"
-        source = self._first.get("peak_source")
+        source = self.first_record.get("peak_source")
         if source:
             return f"{source} {peak / 1e9:,.0f} GFLOP/s"
         return f"datasheet peak {peak / 1e12:,.0f} TFLOP/s"
@@ -295,13 +296,13 @@ class Run:
 
     @property
     def capacity_bytes(self) -> int | None:
-        cap = (self._first.get("memory") or {}).get("capacity_bytes")
+        cap = (self.first_record.get("memory") or {}).get("capacity_bytes")
         return int(cap) if cap else None
 
     @property
     def fusions(self) -> bool:
         """Whether the ranks ran mnb's compiled fusions (``mnb.gpt(fusions=...)``)."""
-        return bool(self._first.get("fusions", False))
+        return bool(self.first_record.get("fusions", False))
 
     @property
     def unfused_steps(self) -> list[int]:
@@ -329,8 +330,8 @@ class Run:
     @property
     def memory_source(self) -> str:
         """Where the measured peak comes from: 'cuda' (allocator), 'counted' (tensors), or 'rss' (old records)."""
-        source = self._first.get("memory_source") or ("rss" if self.on_cpu else "cuda")
-        if source == "rss" and self._first.get("memory_components"):
+        source = self.first_record.get("memory_source") or ("rss" if self.on_cpu else "cuda")
+        if source == "rss" and self.first_record.get("memory_components"):
             return "counted"
         return source
 
@@ -339,7 +340,7 @@ class Run:
         """mnb.estimate.memory for this run's model, layout and train settings."""
         mem = estimate.memory(self.model, self.layout, self.train, num_microbatches=self.num_microbatches,
                               fused_loss=self.fusions, fused_kernels=self.fusions, cpu_kernels=self.on_cpu,
-                              lora=self._first.get("lora"))
+                              lora=self.first_record.get("lora"))
         if self.capacity_bytes:
             from dataclasses import replace
 
@@ -399,7 +400,7 @@ class Run:
     def measured_bubble_by_stage(self) -> dict[int, float]:
         """Each stage's bubble: the median over steps after the first."""
         per: dict[int, list[float]] = {}
-        for step in self._steady_steps(self.timeline_steps()):
+        for step in self.steady_steps(self.timeline_steps()):
             result = estimate.timeline_bubble(self.timeline(step))
             for stage, value in (result or {}).get("by_stage", {}).items():
                 per.setdefault(stage, []).append(value)
@@ -409,7 +410,7 @@ class Run:
     def measured_bubble(self) -> float | None:
         """The pipeline's bubble: median over steps after the first (robust on a loaded machine), in [0, 1]."""
         per = self.measured_bubble_per_step
-        values = [per[s] for s in self._steady_steps(list(per))]
+        values = [per[s] for s in self.steady_steps(list(per))]
         return median(values) if values else None
 
     def step_ordinal(self, step: int) -> int:
@@ -425,7 +426,7 @@ class Run:
         """What :attr:`measured_bubble` is, in words the summary and the timeline's title share:
         ``"median of steps 2-10"`` (the run's step numbers, :attr:`steps`)."""
         per = self.measured_bubble_per_step
-        return self._steps_note(self._steady_steps(list(per)), "median")
+        return self.steps_note(self.steady_steps(list(per)), "median")
 
     @property
     def profiled_steps(self) -> list[int]:
@@ -433,14 +434,14 @@ class Run:
         than the others, so the summary's means and the measured bubble leave them out when others remain."""
         return [step for step, flags in self._per_step("profiled").items() if any(flags)]
 
-    def _steady_steps(self, steps: list[int]) -> list[int]:
+    def steady_steps(self, steps: list[int]) -> list[int]:
         """The steps a mean or median covers: after the first (warm-up) one, less the profiled ones,
         each only while steps remain."""
         steady = steps[1:] if len(steps) > 1 else steps
         profiled = set(self.profiled_steps)
         return [s for s in steady if s not in profiled] or steady
 
-    def _steps_note(self, used: list[int], statistic: str) -> str:
+    def steps_note(self, used: list[int], statistic: str) -> str:
         """Which steps a figure covers, in words: ``"mean of steps 2-3, 5; profiled step 4 left out"``."""
         if not used:
             return "no step timed"
@@ -467,7 +468,7 @@ class Run:
         steps = self.timeline_steps()
         if self.layout.pp < 2 or not steps:
             return None
-        use = self._steady_steps(steps)
+        use = self.steady_steps(steps)
         durations: dict[tuple[int, str], list[float]] = {}
         for step in use:
             for ev in self.timeline(step):
@@ -491,68 +492,9 @@ class Run:
     # ----- text ----------------------------------------------------------------------
     def summary(self) -> Text:
         """A few lines: loss, tokens/s, MFU, bubble, peak memory vs predicted (a str that shows as text)."""
-        where = "CPU" if self.on_cpu else (self.device_name or self._first.get("device", "?"))
-        lines = [f"{self.model.name} | {self.layout.describe()} | {self.world_size} ranks on {where} | "
-                 f"m={self.num_microbatches}"]
-        losses = [x for x in self.losses if x is not None]
-        if losses:
-            lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(self.steps)} steps")
-        evals = [(s, x) for s, x in zip(self.steps, self.eval_losses) if x is not None]
-        if evals:
-            lines.append(f"eval loss {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} "
-                         f"(step {evals[-1][0]}), {len(evals)} evaluations")
-        used = set(self._steady_steps(self.steps))  # after the first, less the profiled steps
-        tps = [x for s, x in zip(self.steps, self.tokens_per_s) if s in used and x]
-        mfus = [x for s, x in zip(self.steps, self.mfu) if s in used and x is not None]
-        which = self._steps_note(sorted(used), "mean")
-        perf = []
-        if tps:
-            perf.append(f"{sum(tps) / len(tps):,.0f} tokens/s ({which})")
-        perf.append(f"MFU {sum(mfus) / len(mfus):.1%} vs {self.peak_source}" if mfus
-                    else "MFU n/a (no peak for this device)")
-        lines.append(", ".join(perf))
-        unfused = self.unfused_steps
-        if unfused:
-            first, last = unfused[0], unfused[-1]
-            text = ((f"step {first}" if first == last else f"steps {first}\u2013{last}")
-                    + " unfused while compiling" + ("" if last < self.steps[-1] else " (the fused kernels were not ready yet)"))
-            unfused_peak = self.step_peak_bytes(unfused)
-            if unfused_peak is not None:
-                fused_peak = self.step_peak_bytes([s for s in self.steps if s not in unfused])
-                text += f", peak {format_bytes(unfused_peak)}" + (
-                    f" (fused steps {format_bytes(fused_peak)})" if fused_peak is not None else "")
-            lines.append(text)
-        for step, waited in self.kernel_waits.items():
-            lines.append(f"step {step} waited {waited:.1f} s for the fused kernels (unfused it would not have fit)")
-        if self.measured_bubble is not None and self.layout.pp > 1:  # no pipeline, no bubble to speak of
-            text = (f"bubble measured {self.measured_bubble:.1%} ({self.measured_bubble_statistic}) "
-                    f"vs theoretical {self.theoretical_bubble:.1%}")
-            expected = self.expected_bubble
-            if expected is not None:
-                text += f" ({expected:.1%} for the measured stage times)"
-            lines.append(text)
-        peaks = self.peak_memory_bytes
-        if peaks and self.memory_source == "rss":
-            # An old CPU record: only the process's resident set, which holds Python, torch
-            # and Megatron too: nothing to compare the model's prediction with.
-            rank = max(peaks, key=peaks.get)
-            lines.append(f"peak resident memory {peaks[rank] / GIB:.2f} GiB (rank {rank}; "
-                         "CPU ranks: process memory, not compared with the prediction)")
-        elif peaks:
-            rank = max(peaks, key=peaks.get)
-            what = "allocator peak" if self.memory_source == "cuda" else "counted tensors"
-            text = f"peak memory {format_bytes(peaks[rank])} (rank {rank}, {what})"
-            try:
-                predicted = self.predicted_components(rank)
-                text += f" vs predicted {format_bytes(predicted['peak'])}"
-                counted = self.measured_memory.get(rank)
-                if counted:
-                    text += (f"; activations {format_bytes(counted['activations'])} vs "
-                             f"{format_bytes(predicted['activations'])}")
-            except ValueError as err:
-                text += f"; no prediction: {err}"
-            lines.append(text)
-        return Text("\n".join(lines))
+        from mnb.run_summary import summary
+
+        return summary(self)
 
     def __repr__(self) -> str:
         return f"<Run {self.model.name} {self.layout.describe()} steps={len(self.steps)}>\n{self.summary()}"

@@ -158,7 +158,7 @@ HEAVY = ("torch", "megatron", "transformer_engine", "apex")
 """Third-party packages the notebook kernel never imports (tests/test_no_torch.py checks a real import)."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "shared types": ("mnb.config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
+    "shared types": ("mnb.config", "mnb.pipeline_layout", "mnb.lora_config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
                      "mnb.timeouts", "mnb.version", "mnb.progress", "mnb.results", "mnb.writes", "mnb.hf_config",
                      "mnb.model_source"),
     "front end": ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_commands", "mnb.run_commands",
