@@ -316,12 +316,7 @@ def decode(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, 
                 tokens[i, position] = int(chosen[i]) if not done[i] else 0
                 if done[i]:
                     continue
-                token = int(chosen[i])
-                outputs[i].append(token)
-                ended = token in ends or len(outputs[i]) >= max_new_tokens
-                if stops and not ended:
-                    ended = cut_at_stop(tokenizer.detokenize(outputs[i]), stops)[1]
-                done[i] = ended
+                done[i] = _append(outputs[i], int(chosen[i]), ends, max_new_tokens, stops, tokenizer)
             if view is not None:
                 view.show(outputs, stops, final=all(done) or stop_now)
             if stop_now:
@@ -330,6 +325,16 @@ def decode(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, 
             if all(done):
                 break
     return outputs, stopped
+
+
+def _append(output: list[int], token: int, ends, max_new_tokens: int, stops: list[str], tokenizer) -> bool:
+    """Add one new token to a continuation; True when it ended it (an end token, the length, a stop string).
+    The one rule both decode paths end continuations by."""
+    output.append(token)
+    ended = token in ends or len(output) >= max_new_tokens
+    if stops and not ended:
+        ended = cut_at_stop(tokenizer.detokenize(output), stops)[1]
+    return ended
 
 
 def decode_static(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, sampling: dict,
@@ -348,11 +353,7 @@ def decode_static(model: MegatronModel, prompts: list[list[int]], max_new_tokens
             for token in row[len(outputs[i]):]:
                 if done[i]:
                     break
-                outputs[i].append(token)
-                ended = token in ends or len(outputs[i]) >= max_new_tokens
-                if stops and not ended:
-                    ended = cut_at_stop(tokenizer.detokenize(outputs[i]), stops)[1]
-                done[i] = ended
+                done[i] = _append(outputs[i], token, ends, max_new_tokens, stops, tokenizer)
         if view is not None:
             view.show(outputs, stops, final=all(done) or last)
         return all(done)

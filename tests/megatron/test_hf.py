@@ -19,6 +19,7 @@ import pytest
 import mnb
 from mnb.config import ParallelConfig
 from mnb.errors import CompositeRankError
+from tests.megatron.hf_reference import reference_logits
 
 pytestmark = pytest.mark.slow
 
@@ -55,15 +56,6 @@ def _build(folder, kind: str, *, dtype=None, shard: str | None = None):
         model = model.to(dtype)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model
-
-
-def reference_logits(folder, tokens):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.as_tensor(tokens)).logits.numpy()
 
 
 @pytest.fixture(scope="module")

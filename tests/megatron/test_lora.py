@@ -18,6 +18,7 @@ import pytest
 
 from mnb.config import ParallelConfig
 from mnb.errors import CompositeRankError
+from tests.megatron.hf_reference import reference_logits as hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +64,6 @@ def peft_logits(base_folder, adapter_folder, tokens, greedy: bool = False):
         for _ in range(NEW):
             ids.append(int(model(torch.as_tensor([ids])).logits[0, -1].argmax()))
         return logits, ids[PROMPT:]
-
-
-def hf_logits(folder, tokens):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.as_tensor(tokens)).logits.numpy()
 
 
 @pytest.fixture(scope="module")
