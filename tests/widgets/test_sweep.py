@@ -57,11 +57,11 @@ def test_a_layout_failing_on_the_ranks_is_an_error_row_and_the_next_layouts_stil
                    pool=cpu_pool, show=False)
     before, failed, after = result.rows
     assert failed.label == "tp1 pp2 dp1 fp8" and failed.status == "error"
-    assert failed.reason.startswith("rank 0,1: ValueError: fp8 needs Transformer Engine"), failed.reason
+    assert failed.reason.startswith("rank 0,1: ValueError: fp8=True is Transformer Engine's FP8 and needs TE"), failed.reason
     assert failed.peak_memory_bytes is None and failed.tokens_per_s is None
     assert before.ok and after.ok and after.label == "tp1 pp2 dp1" and after.tokens_per_s > 0
     assert cpu_pool.restarts == restarts  # a rank exception needs no restart: the same ranks ran the next layout
-    assert "2 of 3 layouts ran" in result.table() and "fp8 needs Transformer Engine" in result.table()
+    assert "2 of 3 layouts ran" in result.table() and "fp8=True is Transformer Engine's FP8" in result.table()
 
 
 def test_keyboard_interrupt_stops_the_sweep_and_returns_the_partial_result(cpu_pool):
