@@ -6,17 +6,17 @@ worded is one concern, what they are another.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from mnb.units import GIB, Text, format_bytes
 
-if TYPE_CHECKING:
-    from mnb.runs import Run
 
-
-def summary(run: "Run") -> Text:
+def summary(run: Any) -> Text:
     """Loss, eval loss, tokens/s and MFU over the steady steps, unfused steps and kernel waits, the bubble
-    (pipelines only) and peak memory against the prediction (a str that shows as text)."""
+    (pipelines only) and peak memory against the prediction (a str that shows as text).
+
+    ``run`` is a :class:`mnb.runs.Run`, not imported here: runs imports this module.
+    """
     where = "CPU" if run.on_cpu else (run.device_name or run.first_record.get("device", "?"))
     lines = [f"{run.model.name} | {run.layout.describe()} | {run.world_size} ranks on {where} | "
              f"m={run.num_microbatches}"]
