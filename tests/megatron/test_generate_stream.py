@@ -6,7 +6,7 @@ What JupyterLab receives: for each prompt one ``display_data`` with a ``display_
 ``update_display_data`` messages for the same ids as tokens arrive, the last of which holds the
 prompt and the continuation the cell returned; a second ``mnb.generate`` in the same cell gets areas of
 its own (it used to overwrite the first call's), and lines every rank prints after the streamed text
-still fold.  Notebook-facing, so leg 1 only (like tests/test_kernel.py).
+stay out of the areas, each once.  Notebook-facing, so leg 1 only (like tests/test_kernel.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,13 @@ def test_each_prompt_grows_in_its_own_output_area():
         assert len(shown) == 3 and all(len(updates[d]) >= 5 for d in list(shown)[:2]), (shown, updates)
         finals = [(updates.get(display_id) or [first])[-1] for display_id, first in shown.items()]
         assert finals == ["ab" + answer[0], "xyz" + answer[1], "q" + again[0]]
-        assert "[r0-1] generated" in text, text  # not flushed out unfolded by the streamed text
+        # each rank's line once, outside the areas: folded ("[r0-1] generated") when both arrive within the fold
+        # window, else one line per rank (the second call's new area flushes rank 0's lines first, and on a
+        # loaded machine rank 1's may arrive later: a CI run saw that); folding itself is test_output's
+        folded = text.count("[r0-1] generated") == 1
+        apart = text.count("[r0 tp0 pp0 dp0] generated") == 1 and text.count("[r1 tp0 pp0 dp1] generated") == 1
+        assert folded != apart, text
+        assert all("generated" not in area for area in list(shown.values()) + sum(updates.values(), [])), shown
         growing = updates[next(iter(shown))]
         assert all(later.startswith(earlier.rstrip("\ufffd")) for earlier, later in zip(growing, growing[1:]))
         kernel.ok("%mnb stop")
