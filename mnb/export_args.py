@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig
+from mnb.estimate._inputs import padded_vocab_size
 from mnb.model_source import tokenizer_vocab_size
 
 _LM_FLAG_NAMES = {"num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
@@ -92,6 +93,11 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     else:
         add("--tokenizer-type", "NullTokenizer")
         add("--vocab-size", model.vocab_size)
+        padded = padded_vocab_size(model, layout.tp)
+        if padded > model.vocab_size:
+            notes.append(f"loss: Megatron-LM pads the vocabulary to {padded} (a multiple of 128 * tp) and its softmax "
+                         f"counts the {padded - model.vocab_size} padding columns, which the notebook's loss hides: "
+                         f"the losses differ by their share unless vocab_size is a multiple of {128 * layout.tp}")
     add("--make-vocab-size-divisible-by", 128)
     notes += _data_args(train.data, add, tokenizer, data_prefix)
     # parallelism

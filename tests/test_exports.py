@@ -193,6 +193,16 @@ def test_text_data_exports_the_bin_idx_the_ranks_read():
     assert "--data-path" not in pairs(export("megatron-lm", gpus_per_node=1).args)
 
 
+def test_a_padded_vocabulary_is_named_as_a_difference_of_the_loss():
+    """Megatron-LM's softmax counts the padding columns, the notebook's loss hides them: the export says so."""
+    padded = export("megatron-lm", model=model_config("tiny", vocab_size=257), gpus_per_node=2,
+                    layout=ParallelConfig(tp=2))
+    assert any("pads the vocabulary to 512" in n and "255 padding" in n and "multiple of 256" in n
+               for n in padded.notes), padded.notes
+    exact = export("megatron-lm", model=model_config("tiny", vocab_size=512), gpus_per_node=1)
+    assert not any("padding columns" in n for n in exact.notes)
+
+
 def test_the_torchrun_script_passes_its_own_arguments_on(tmp_path):
     """``bash train.sh --transformer-impl local``: the script's arguments follow the exported ones."""
     script = export("torchrun", model="tiny", gpus_per_node=1, output=tmp_path / "train.sh")
