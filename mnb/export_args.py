@@ -166,10 +166,14 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
                  "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm"
                  + (" --no-rope-fusion" if model.position_embedding_type == "rope" else "")
                  + " (the torchrun script passes its own arguments on)")
+    fresh = " (a fresh pool's first model is: the pool seeds it with 1234)" if train.seed == 1234 else ""
+    if layout.pp > 1:  # Megatron-LM's _set_random_seed: seed + 100 * pipeline rank; mnb seeds every stage alike
+        fresh += ("; under pp > 1 Megatron-LM seeds each pipeline stage with --seed + 100 x its rank, which the "
+                  "notebook's ranks do not: their initial weights differ there")
     notes.append(f"initial weights: Megatron-LM draws them from --seed {train.seed} (its own per-rank "
                  "initialisation); mnb.gpt's default init='layout_invariant' draws other numbers from the same "
-                 "distributions: for the notebook's losses step by step, build the model with "
-                 f"mnb.gpt(..., init='megatron') in a fresh pool (seed {train.seed})")
+                 "distributions: for the notebook's losses step by step, build the model with mnb.gpt(..., "
+                 f"init='megatron') right after mnb.megatron.layout.seed_ranks({train.seed}){fresh}")
     return [str(x) for flag, value in a for x in ((flag,) if value is None else (flag, value))], notes
 
 
