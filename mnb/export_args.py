@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig
+from mnb.estimate._inputs import padded_vocab_size
 from mnb.model_source import tokenizer_vocab_size
 
 _LM_FLAG_NAMES = {"num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
@@ -19,13 +20,15 @@ _LM_FLAG_NAMES = {"num_layers_in_first_pipeline_stage": "decoder_first_pipeline_
 
 
 def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelConfig, *,
-                     tokenizer: str | None = None) -> tuple[list[str], list[str]]:
+                     tokenizer: str | None = None, data_prefix: str | None = None) -> tuple[list[str], list[str]]:
     """``pretrain_gpt.py`` arguments for a resolved layout, and notes on what they cannot say.
 
     Values mnb sets differently from Megatron-LM's defaults are written out (dropout 0,
     per-token loss, Adam betas, weight decay), so the cluster trains what the notebook did.
     ``tokenizer``: a Hugging Face checkpoint folder, named as ``--tokenizer-type
     HuggingFaceTokenizer --tokenizer-model FOLDER`` (else NullTokenizer with ``--vocab-size``).
+    ``data_prefix``: the ``.bin/.idx`` prefix the notebook's ranks tokenized ``train.data`` into
+    (text data), written as ``--data-path``; without it text data has no Megatron-LM form here.
     """
     a: list[tuple[str, Any]] = []
     notes: list[str] = []
@@ -90,8 +93,13 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     else:
         add("--tokenizer-type", "NullTokenizer")
         add("--vocab-size", model.vocab_size)
+        padded = padded_vocab_size(model, layout.tp)
+        if padded > model.vocab_size:
+            notes.append(f"loss: Megatron-LM pads the vocabulary to {padded} (a multiple of 128 * tp) and its softmax "
+                         f"counts the {padded - model.vocab_size} padding columns, which the notebook's loss hides: "
+                         f"the losses differ by their share unless vocab_size is a multiple of {128 * layout.tp}")
     add("--make-vocab-size-divisible-by", 128)
-    notes += _data_args(train.data, add, tokenizer)
+    notes += _data_args(train.data, add, tokenizer, data_prefix)
     # parallelism
     add("--tensor-model-parallel-size", layout.tp)
     add("--pipeline-model-parallel-size", layout.pp)
@@ -144,6 +152,9 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
     add("--seed", train.seed)
     add("--log-interval", train.log_every)
     add("--eval-iters", 0)
+    # pretrain() divides train_iters by it to count evaluation samples even with --eval-iters 0 (its default,
+    # None, raises a TypeError before the first step; megatron-core 0.19.2)
+    add("--eval-interval", train.schedule_length)
     if (layout.tp > 1 or layout.cp > 1) and layout.fsdp is None:
         notes.append("Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tp or cp > 1 (before Blackwell): "
                      "export it in the job (the torchrun and slurm exports do)")
@@ -151,7 +162,18 @@ def megatron_lm_args(model: ModelConfig, train: TrainConfig, layout: ParallelCon
         notes.append("tp or cp > 1 with --use-megatron-fsdp: Megatron-LM only warns (before Blackwell) that "
                      "their communication overlap wants CUDA_DEVICE_MAX_CONNECTIONS=1, which FSDP forbids")
     notes.append("the notebook's ranks used mnb's local spec (SDPA attention, torch norms); Megatron-LM "
-                 "defaults to Transformer Engine: add --transformer-impl local where TE is missing")
+                 "defaults to Transformer Engine: where TE and apex are missing add --transformer-impl local "
+                 "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm"
+                 + (" --no-rope-fusion" if model.position_embedding_type == "rope" else "")
+                 + " (the torchrun script passes its own arguments on)")
+    fresh = " (a fresh pool's first model is: the pool seeds it with 1234)" if train.seed == 1234 else ""
+    if layout.pp > 1:  # Megatron-LM's _set_random_seed: seed + 100 * pipeline rank; mnb seeds every stage alike
+        fresh += ("; under pp > 1 Megatron-LM seeds each pipeline stage with --seed + 100 x its rank, which the "
+                  "notebook's ranks do not: their initial weights differ there")
+    notes.append(f"initial weights: Megatron-LM draws them from --seed {train.seed} (its own per-rank "
+                 "initialisation); mnb.gpt's default init='layout_invariant' draws other numbers from the same "
+                 "distributions: for the notebook's losses step by step, build the model with mnb.gpt(..., "
+                 f"init='megatron') right after mnb.megatron.layout.seed_ranks({train.seed}){fresh}")
     return [str(x) for flag, value in a for x in ((flag,) if value is None else (flag, value))], notes
 
 
@@ -222,9 +244,20 @@ def _weights_note(model: ModelConfig, tokenizer: str) -> str:
             f"starts from random weights (its weights are not converted here){vocab}")
 
 
-def _data_args(data: str, add, tokenizer: str | None = None) -> list[str]:
-    """Megatron-LM's data arguments for mnb's ``data=`` and what they leave out."""
+def _data_args(data: str, add, tokenizer: str | None = None, data_prefix: str | None = None) -> list[str]:
+    """Megatron-LM's data arguments for mnb's ``data=`` and what they leave out.
+
+    Megatron-LM's ``GPTDataset`` with ``--seed`` and ``--split 100,0,0`` draws the same sample order
+    as the notebook's ranks (same class, same seed) as long as the run stays within one epoch of the
+    data: mnb numbers later epochs itself (:class:`mnb.megatron.batches.EpochSamples`)."""
     reader = "the checkpoint's tokenizer" if tokenizer else "NullTokenizer (token ids as stored)"
+    if data_prefix is not None and data != "mock":
+        add("--data-path", data_prefix)
+        add("--split", "100,0,0")
+        made = "the checkpoint's tokenizer" if tokenizer else "mnb's byte tokenizer (UTF-8 bytes, eod 256)"
+        return [f"data: the notebook's {data!r} as its ranks tokenized it with {made}: {data_prefix}.bin/.idx "
+                "(copy both files where the cluster reads them and change --data-path); the sample order is "
+                "the notebook's while the run stays within one epoch of it"]
     if data.endswith((".bin", ".idx")) or Path(data + ".bin").is_file():
         prefix = data[:-4] if data.endswith((".bin", ".idx")) else data
         add("--data-path", prefix)

@@ -121,7 +121,8 @@ def export(kind: str = "megatron-lm", *, nodes: int = 1, gpus_per_node: int | No
         raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
     base = layout or (ParallelConfig(**remembered["layout"]) if remembered.get("layout") else ParallelConfig())
     resolved = check_target(model_cfg, train_cfg, base, nodes, gpus_per_node)
-    args, notes = megatron_lm_args(model_cfg, train_cfg, resolved, tokenizer=tokenizer)
+    args, notes = megatron_lm_args(model_cfg, train_cfg, resolved, tokenizer=tokenizer,
+                                   data_prefix=_data_prefix(train_cfg, remembered))
     header = _header(model_cfg, resolved, nodes, gpus_per_node)
     if kind == "megatron-lm":
         text = "\n".join([header, *(f"# {n}" for n in notes), format_args(args, continuation=True)]) + "\n"
@@ -213,6 +214,15 @@ def _model_and_train(model: Any, train: Any, settings: dict[str, Any],
     return model_cfg, TrainConfig(**{k: v for k, v in train_fields.items() if k in _TRAIN_FIELDS}), tokenizer
 
 
+def _data_prefix(train: TrainConfig, remembered: dict[str, Any]) -> str | None:
+    """The ``.bin/.idx`` prefix the notebook's ranks read ``train.data`` from, when the last training
+    read that same ``data`` (the ranks report it: ``data_prefix`` in the run record), else None."""
+    prefix = remembered.get("data_prefix")
+    if prefix and (remembered.get("train") or {}).get("data") == train.data:
+        return prefix
+    return None
+
+
 def check_target(model: ModelConfig, train: TrainConfig, layout: ParallelConfig, nodes: int,
                  gpus_per_node: int) -> ParallelConfig:
     """The layout resolved for ``nodes * gpus_per_node`` ranks, or ValueError with the numbers."""
@@ -285,6 +295,7 @@ def _torchrun_text(header: str, notes: list[str], args: list[str], nodes: int, g
     return "\n".join([
         header, *(f"# {n}" for n in notes),
         "MEGATRON_LM=${MEGATRON_LM:-$HOME/Megatron-LM}   # a Megatron-LM checkout (pretrain_gpt.py)",
+        "# bash THIS_FILE [MORE PRETRAIN_GPT.PY ARGUMENTS]: they follow ARGS, so they add to it or override it",
         connections, "ARGS=(", format_args(args, indent="  "), ")", where,
-        f'{launch[0]} "$MEGATRON_LM/pretrain_gpt.py" "${{ARGS[@]}}"',
+        f'{launch[0]} "$MEGATRON_LM/pretrain_gpt.py" "${{ARGS[@]}}" "$@"   # the script\'s own arguments come last',
     ]) + "\n"

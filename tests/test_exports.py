@@ -175,6 +175,65 @@ def test_settings_come_from_the_notebook_when_not_named(monkeypatch):
     assert export("megatron-lm", gpus_per_node=2, steps=3).train == TrainConfig(**{**found["train"], "steps": 3})
 
 
+def test_text_data_exports_the_bin_idx_the_ranks_read():
+    """The ranks tokenized the notebook's text into a .bin/.idx (their record names it): Megatron-LM reads
+    that prefix, not mock tokens; another data= named at export time has no such file."""
+    model = model_config("tiny", vocab_size=512).to_dict()
+    train = dict(data="stdlib", steps=5, micro_batch_size=2, global_batch_size=4, seed=7)
+    registry.record_training([{"model": model, "train": train, "tokenizer": None, "steps": [],
+                               "data_prefix": "/cache/corpora/stdlib-0123456789abcdef"}])
+    e = export("torchrun", gpus_per_node=1)
+    got = pairs(e.args)
+    assert (got["--data-path"], got["--split"], got["--seed"]) == ("/cache/corpora/stdlib-0123456789abcdef",
+                                                                   "100,0,0", "7")
+    assert "--mock-data" not in got
+    assert any("'stdlib' as its ranks tokenized it" in n and "byte tokenizer" in n for n in e.notes)
+    assert "--mock-data" in pairs(export("megatron-lm", gpus_per_node=1, data="other-texts").args)
+    registry.record_training([{"model": model, "train": {**train, "data": "mock"}, "steps": []}])
+    assert "--data-path" not in pairs(export("megatron-lm", gpus_per_node=1).args)
+
+
+def test_a_padded_vocabulary_is_named_as_a_difference_of_the_loss():
+    """Megatron-LM's softmax counts the padding columns, the notebook's loss hides them: the export says so."""
+    padded = export("megatron-lm", model=model_config("tiny", vocab_size=257), gpus_per_node=2,
+                    layout=ParallelConfig(tp=2))
+    assert any("pads the vocabulary to 512" in n and "255 padding" in n and "multiple of 256" in n
+               for n in padded.notes), padded.notes
+    exact = export("megatron-lm", model=model_config("tiny", vocab_size=512), gpus_per_node=1)
+    assert not any("padding columns" in n for n in exact.notes)
+
+
+def test_the_torchrun_script_passes_its_own_arguments_on(tmp_path):
+    """``bash train.sh --transformer-impl local``: the script's arguments follow the exported ones."""
+    script = export("torchrun", model="tiny", gpus_per_node=1, output=tmp_path / "train.sh")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (fake / "torchrun").chmod(0o755)
+    done = subprocess.run(["bash", str(tmp_path / "train.sh"), "--transformer-impl", "local"], capture_output=True,
+                          text=True, env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "MEGATRON_LM": "/m"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == ["--standalone", "--nproc-per-node=1", "/m/pretrain_gpt.py",
+                                            *script.args, "--transformer-impl", "local"]
+
+
+def test_megatron_lm_counts_its_samples_from_the_exported_arguments(monkeypatch):
+    """pretrain() sizes its datasets before the first step (``train_iters // eval_interval`` even with
+    --eval-iters 0): the exported arguments must get it there."""
+    arguments = pytest.importorskip("megatron.training.arguments",
+                                    reason="megatron.training ships with megatron-core >= 0.17 (Python 3.12)")
+    from megatron.training import global_vars, training
+
+    e = export("megatron-lm", model="tiny", gpus_per_node=1, steps=20, micro_batch_size=2, global_batch_size=8)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *e.args])
+    args = arguments.parse_args()
+    arguments.validate_args(args)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    assert training.get_train_valid_test_num_samples()[0] == 20 * 8
+
+
 def test_export_magic_prints_writes_and_refuses(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(registry, "_SETTINGS", {})
     shell = InteractiveShell.instance()

@@ -44,7 +44,7 @@ def record_training(records: list[dict[str, Any]]) -> None:
     _LAST_RUN.append(Run(records))
     if records:
         remember_settings(model=records[0].get("model"), train=records[0].get("train"),
-                          tokenizer=records[0].get("tokenizer"))
+                          tokenizer=records[0].get("tokenizer"), data_prefix=records[0].get("data_prefix"))
     peaks = [r["peak_flops"] for r in records if r.get("peak_flops") and str(r.get("device", "")).startswith("cpu")]
     if peaks:
         _CPU_PEAK["flops"] = min(peaks)
@@ -72,11 +72,13 @@ def last_profile() -> Any:
 
 
 def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, Any] | None = None,
-                      tokenizer: str | None = None) -> None:
+                      tokenizer: str | None = None, data_prefix: str | None = None) -> None:
     """Keep the last model (ModelConfig fields) and training (TrainConfig fields) the notebook used.
 
     ``tokenizer`` belongs to ``model``: the Hugging Face folder of its tokenizer, or None (a model
-    without one); kept, or cleared, whenever a model is.
+    without one); kept, or cleared, whenever a model is.  ``data_prefix`` belongs to ``train``: the
+    Megatron ``.bin/.idx`` prefix the ranks read its text ``data`` from (None: mock tokens, instruction
+    rows, or a cell that trained nothing); kept, or cleared, whenever a training setting is.
 
     Set by each training's run records (the ranks' merged settings: the only source of what a cell
     trained) and by ``%%megatron`` cells that trained nothing, from their ``mnb.gpt(...)`` /
@@ -88,6 +90,7 @@ def remember_settings(*, model: dict[str, Any] | None = None, train: dict[str, A
         _SETTINGS["tokenizer"] = tokenizer
     if train:
         _SETTINGS["train"] = dict(train)
+        _SETTINGS["data_prefix"] = data_prefix
 
 
 def last_settings() -> dict[str, Any]:

@@ -100,6 +100,13 @@ class EpochSamples:
         return bool(getattr(self.first_epoch, "packed", False))
 
     @property
+    def data_prefix(self) -> str | None:
+        """The Megatron ``.bin/.idx`` prefix these samples are read from (text data: the one mnb built or
+        was given), or None (mock tokens, instruction rows); ``%mnb export`` passes it as ``--data-path``."""
+        prefix = getattr(getattr(self.first_epoch, "dataset", None), "path_prefix", None)
+        return None if prefix is None else str(prefix)
+
+    @property
     def packing(self) -> dict | None:
         """How full the sequences are (instruction data), for the run record; None for text."""
         summary = getattr(self.first_epoch, "summary", None)

@@ -9,6 +9,7 @@ Schema (JSON-able; the controller, ``mnb.runs`` and ``mnb.plot`` read it)::
       "model": ModelConfig.to_dict(), "train": TrainConfig.to_dict(),
       "lora": LoraConfig fields | None,                 # mnb.lora's adapters (base weights frozen)
       "tokenizer": str | None,                          # folder of a Hugging Face model's tokenizer
+      "data_prefix": str | None,                        # the .bin/.idx prefix text data was read from
       "device": "cpu" | "cuda:N", "device_name": str,
       "num_microbatches": int,                          # per step, per dp rank
       "global_batch_size": int, "seq_length": int,

@@ -392,6 +392,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
         flops=model_flops_per_step(model.config, plan.global_batch_size, model.padded_vocab_size, model.lora),
     )
     record["packing"] = getattr(dataset, "packing", None)  # instruction data: how full the sequences are
+    record["data_prefix"] = getattr(dataset, "data_prefix", None)  # text data: the .bin/.idx it read
     events.publish_record(record)
     if stopped or flag.requested:
         # Every rank stopped after the same step (see mnb.megatron.interrupts): the cell ends here.

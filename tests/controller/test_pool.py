@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -11,6 +12,7 @@ import psutil
 import pytest
 import zmq
 
+import mnb
 from mnb.config import ParallelConfig
 from mnb.controller import Pool
 from mnb.errors import CellTimeoutError, CompositeRankError, PoolError, RankDiedError
@@ -272,14 +274,16 @@ def test_a_cell_that_trains_twice_leaves_the_second_training_as_last_run(cpu_poo
 def test_export_after_a_training_that_continued_carries_what_the_ranks_ran(cpu_pool, shell, capsys, monkeypatch):
     """The ranks' record is the only source of what a cell trained: a second mnb.train that continues the
     first trains with its lr, schedule and warm-up, and %mnb export says so (not the defaults that the
-    second cell's text alone would give).  The text counts only for a cell that trained nothing."""
+    second cell's text alone would give), and the .bin/.idx its ranks tokenized the text into.  The text
+    counts only for a cell that trained nothing."""
     from mnb.controller import registry
 
     monkeypatch.setattr(registry, "_SETTINGS", {})
     shell.run_cell_magic("megatron", "", "model = mnb.gpt('tiny', num_layers=1, hidden_size=64, ffn_hidden_size=128, "
                                          "seq_length=32)\n"
                                          "mnb.train(model, steps=5, lr=1e-3, schedule_steps=10, warmup_steps=2, "
-                                         "lr_decay_style='cosine', micro_batch_size=1, global_batch_size=2)")
+                                         "lr_decay_style='cosine', micro_batch_size=1, global_batch_size=2, "
+                                         "data='stdlib-small')")
     shell.run_cell_magic("megatron", "", "mnb.train(model, steps=5)")
 
     def exported() -> dict[str, str]:
@@ -291,6 +295,9 @@ def test_export_after_a_training_that_continued_carries_what_the_ranks_ran(cpu_p
     got = exported()
     assert (got["--lr"], got["--lr-decay-style"], got["--lr-warmup-iters"]) == ("0.001", "cosine", "2"), got
     assert (got["--train-iters"], got["--lr-decay-iters"], got["--num-layers"]) == ("10", "10", "1"), got
+    prefix = mnb.last_run.records[0]["data_prefix"]
+    assert got["--data-path"] == prefix and os.path.basename(prefix).startswith("stdlib-small-"), (got, prefix)
+    assert os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx") and "--mock-data" not in got
     # a cell that trains nothing: its literal mnb.gpt(...) is the model to export, the training stays the ranks'
     shell.run_cell_magic("megatron", "", "other = mnb.gpt('tiny', num_layers=2, hidden_size=64, ffn_hidden_size=128, "
                                          "seq_length=32)")

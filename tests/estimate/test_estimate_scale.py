@@ -30,9 +30,14 @@ length, batch size per DP, tokens per batch, TFLOPs/GPU, BF16 MFU):
     16,384  8   1  16  128    8,192  16  16M  400  41 %
     16,384  8  16  16    8  131,072  16  16M  380  38 %
 
-The table is quoted from the paper as recalled (the search corpora hold the paper's text
-around it, not the table); its own arithmetic holds: TFLOPs/GPU / 989 is the MFU column
-(43.5, 40.4, 38.4 %) and GPUs / (TP CP PP) the DP column.  The model: 126 layers, hidden
+The table is quoted from the paper as recalled; checked 2026-12-03 against what the search
+corpora hold (the paper's text around the table, not the table): the GPUs, TP, CP, PP,
+tokens per batch (16M) and TFLOPs/GPU (430, 400, 380) of all three rows match the same
+configurations as Meta presented them at SC'24 (P. Balaji, "Herding Llamas: A Sneak Peek Into
+Meta's Infrastructure for Generative AI", slide quoted at glennklockwood.com/garden/llama-3.1).
+DP, sequence length, batch per DP and MFU were not found in a source; they follow from the
+rest by the table's own arithmetic: GPUs / (TP CP PP) = DP (64, 128, 8); DP x batch per DP x
+sequence = 16.8M tokens per batch in every row; TFLOPs/GPU / 989 = MFU (43.5, 40.4, 38.4 %).  The model: 126 layers, hidden
 16,384, FFN 53,248, 128 heads, 8 KV heads, vocabulary 128,256 (the paper's Table 3).  What
 sec. 3.3.2 says the run did and the test sets: one layer fewer on the first and on the last
 pipeline stage (7, 8 x 14, 7), the interleaved schedule (Narayanan et al. 2021), FSDP that

@@ -164,6 +164,10 @@ def test_a_runs_samples_do_not_depend_on_its_length(tmp_path):
     samples = BatchPlan(0, 2, 2, 1, 0).dataset(types.SimpleNamespace(data=str(tmp_path / "t.txt"), seed=5),
                                               types.SimpleNamespace(config=cfg))
     assert samples.epoch_size == epoch and first(samples, epoch) == first(sized[0], epoch)
+    # the .bin/.idx the samples come from: what %mnb export passes Megatron-LM as --data-path
+    assert samples.data_prefix == data.prepare(str(tmp_path / "t.txt"))
+    assert BatchPlan(0, 2, 2, 1, 0).dataset(types.SimpleNamespace(data="mock", seed=5),
+                                            types.SimpleNamespace(config=cfg)).data_prefix is None
     later = [samples[k]["tokens"].tolist() for k in range(epoch, 2 * epoch)]  # the second epoch:
     assert sorted(later) == sorted(first(sized[0], epoch)) and later != first(sized[0], epoch)  # reshuffled
 
@@ -198,3 +202,45 @@ def test_clear_errors(corpus, tmp_path):
         data.dataset_for(str(corpus), model_config("tiny", vocab_size=256), 8, 4, 0)
     with pytest.raises(ValueError, match="num_samples must be a positive integer"):
         data.dataset_for("mock", cfg, 8, 0, 0)
+
+
+def test_megatron_lm_reads_the_exported_data_in_the_notebooks_order(tmp_path, monkeypatch):
+    """Megatron-LM's datasets for the exported ``--data-path``/``--split``/``--seed`` (bench/pretrain_gpt.py's
+    provider, sized by Megatron-LM's own sample count for the run) hold the notebook's samples, in its order."""
+    import sys
+    import types
+
+    arguments = pytest.importorskip("megatron.training.arguments",
+                                    reason="megatron.training ships with megatron-core >= 0.17 (Python 3.12)")
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import global_vars, training
+
+    from mnb.config import ParallelConfig, TrainConfig
+    from mnb.export_args import megatron_lm_args
+    from mnb.megatron.batches import BatchPlan
+
+    (tmp_path / "t.txt").write_text(" ".join(f"word{i % 89}" for i in range(6000)))
+    cfg = model_config("tiny", vocab_size=512, seq_length=64)
+    train = TrainConfig(steps=6, micro_batch_size=2, global_batch_size=4, data=str(tmp_path / "t.txt"), seed=7)
+    plan = BatchPlan(0, 2, 2, 1, 0)
+    samples = plan.dataset(train, types.SimpleNamespace(config=cfg))
+    args_list, _ = megatron_lm_args(cfg, train, ParallelConfig().resolve(1), data_prefix=samples.data_prefix)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *args_list])
+    args = arguments.parse_args()
+    arguments.validate_args(args)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    monkeypatch.setattr(global_vars, "_GLOBAL_TOKENIZER", build_tokenizer(args))
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+    monkeypatch.syspath_prepend(bench)
+    import pretrain_gpt
+
+    counts = training.get_train_valid_test_num_samples()
+    lm_train = pretrain_gpt.datasets_provider(counts)[0]
+    assert counts[0] == 6 * 4 < samples.epoch_size  # the run stays within one epoch
+    for step in range(6):  # Megatron-LM's sampler reads consecutive samples; mnb's plan, dp 1, the same
+        for j in range(2):
+            for k in plan.indices(step, j):
+                for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                    assert torch.equal(torch.as_tensor(lm_train[k][key]), torch.as_tensor(samples[k][key])), (k, key)
