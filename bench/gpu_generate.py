@@ -126,7 +126,7 @@ def timed(batch, new={NEW}):
     return dict(side="mnb", batch=batch, first_call_s=round(first, 3), ttft_s=round(ttft, 4), total_s=round(total, 3),
                 new_tokens=runs[0][1], tokens_per_s=round(runs[0][1] / total, 1), first_ids=runs[0][2][0][:8])
 
-def kernels(batch, steps=32):
+def kernels(batch, steps=16):
     # GPU work items (kernels, memsets, copies) per decoded token: the same step run uncaptured (a fresh
     # decoder with capture off) under the profiler: (a call of 1 + steps tokens) - (a call of 1 token),
     # over steps; the host sync every SYNC_EVERY tokens included.
@@ -134,8 +134,8 @@ def kernels(batch, steps=32):
     ids = torch.randint(0, 128000, (batch, {PROMPT}), generator=torch.Generator().manual_seed(batch)).tolist()
     model.decoder = None
     decode_graphs.decoder_of(model).capture = False
+    mnb.generate(model, ids, max_new_tokens=1, stream=False)  # the bucket's buffers made
     def count(n):
-        mnb.generate(model, ids, max_new_tokens=n, stream=False)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             mnb.generate(model, ids, max_new_tokens=n, stream=False)
@@ -208,40 +208,44 @@ def side_mnb(models: list[str], check: bool, baseline: str | None = None) -> lis
     pool = Pool.start(1, gpus=[0], timeout=600)
     try:
         cell(MNB_TIMED + MNB_CHECK + BASELINE, step="define")
-        for model in models:
+        extras = check or bool(baseline)  # on the first model, after every model's timed rows
+        for index, model in enumerate(models):
             start = time.perf_counter()
-            if cell(f"model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+            keep = "first = model\n" if extras and index == 1 else ""  # kept for the extras (memory only)
+            if cell(f"{keep}model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
                     f"model = mnb.gpt({model!r})\nfor chunk in model.chunks:\n    chunk.bfloat16()\n"
                     "pending = background_compile.pending()\n"
                     "pending.wait(600) if pending is not None else True", model=model, step="build") is None:
                 continue
             build = time.perf_counter() - start
-            if check and model == models[0]:
-                row = cell("check()", model=model, step="check")
-                if row is not None:
-                    emit(rows, {**row, "model": model})
             for batch in BATCHES:
                 row = cell(f"timed({batch})", model=model, batch=batch)
                 if row is not None:
                     emit(rows, {**row, "model": model, "build_and_compile_s": round(build, 1)})
-            if check and model == models[0]:  # kernels per token; the decode attention as one SDPA kernel
-                for batch in BATCHES:
-                    row = cell(f"kernels({batch})", model=model, batch=batch, step="kernels")
-                    if row is not None:
-                        emit(rows, {**row, "model": model})
-                for batch in BATCHES:
-                    row = cell(f"decode_graphs.sdpa_decode, model.decoder = True, None\n"
-                               f"try:\n    row = dict(timed({batch}), kernels=kernels({batch})['per_token'])\n"
-                               "finally:\n    decode_graphs.sdpa_decode, model.decoder = False, None\nrow",
-                               model=model, batch=batch, step="sdpa")
-                    if row is not None:
-                        emit(rows, {**row, "side": "mnb-sdpa", "model": model})
-            if baseline and model == models[0]:
-                for batch in BATCHES:
-                    code = f"dict(timed({batch}), kernels=kernels({batch})['per_token'])"
-                    row = cell(f"with_decoder({baseline!r}, {code!r})", model=model, batch=batch, step="baseline")
-                    if row is not None:
-                        emit(rows, {**row, "side": "mnb-baseline", "model": model})
+        model = models[0]
+        if extras and len(models) > 1:
+            cell("model, first = first, None", model=model, step="back to the first model")
+        if check:  # greedy tokens as the per-token path's; kernels per token; the attention as one SDPA kernel
+            row = cell("check()", model=model, step="check")
+            if row is not None:
+                emit(rows, {**row, "model": model})
+            for batch in BATCHES:
+                row = cell(f"kernels({batch})", model=model, batch=batch, step="kernels")
+                if row is not None:
+                    emit(rows, {**row, "model": model})
+            for batch in BATCHES:
+                row = cell(f"decode_graphs.sdpa_decode, model.decoder = True, None\n"
+                           f"try:\n    row = dict(timed({batch}), kernels=kernels({batch})['per_token'])\n"
+                           "finally:\n    decode_graphs.sdpa_decode, model.decoder = False, None\nrow",
+                           model=model, batch=batch, step="sdpa")
+                if row is not None:
+                    emit(rows, {**row, "side": "mnb-sdpa", "model": model})
+        if baseline:
+            for batch in BATCHES:
+                code = f"dict(timed({batch}), kernels=kernels({batch})['per_token'])"
+                row = cell(f"with_decoder({baseline!r}, {code!r})", model=model, batch=batch, step="baseline")
+                if row is not None:
+                    emit(rows, {**row, "side": "mnb-baseline", "model": model})
     finally:
         pool.stop()
     return rows
