@@ -156,6 +156,7 @@ def check():
     ragged = [[5, 17, 33, 2, 90, 41, 7], [300, 12], [64, 65, 66, 67]]
     fast = mnb.generate(small, ragged, max_new_tokens=40, stream=False)
     top1 = mnb.generate(small, ragged, max_new_tokens=40, temperature=1.5, top_k=1, seed=3, stream=False)
+    buckets = sorted(small.decoder.entries)
     decode_graphs.sdpa_decode, small.decoder = True, None
     try:
         fast_sdpa = mnb.generate(small, ragged, max_new_tokens=40, stream=False)
@@ -173,7 +174,7 @@ def check():
     return dict(side="check", fp32_greedy_equal=fast == slow, fp32_top1_equal=top1 == slow,
                 fp32_sdpa_greedy_equal=fast_sdpa == slow,
                 bf16_first_equal_tokens=same_big, bf16_graph=fast_big[0], bf16_per_token=slow_big[0],
-                graphs=sorted(small.decoder.entries))
+                graphs=buckets)
 """
 
 
