@@ -16,8 +16,9 @@ call, for :class:`CachedAttention`:
   is two batched matmuls over the whole cache with a ``key <= position`` mask, so no kernel
   plan depends on the key length. Query and key are rotated together (RoPE: three kernels a
   layer, bit for bit Megatron's unfused ten), the sampled tokens are written where the next step
-  reads them, and one add advances every position: fewer kernels per token, the same results.  The step (embedding .. sampling, and with pp = 1 the advance
-  of tokens, positions and the output buffer) is captured once per bucket and virtual stage with
+  reads them, and one add advances every position: fewer kernels per token, the same results.
+  The step (embedding .. sampling, and with pp = 1 the advance of tokens, positions and the
+  output buffer) is captured once per bucket and virtual stage with
   ``torch.cuda.graph`` and replayed per token: no host work per token but ``replay()``.
   With tp > 1 the tp all-reduces/all-gathers are NCCL calls inside the graph; with pp > 1 each
   stage has its graph, hidden states go point to point between replays and the last stage's
