@@ -1,7 +1,8 @@
 """Decode speed of ``mnb.generate`` against transformers' ``generate`` and the copy-bandwidth floor (issue 40).
 
     python3 bench/gpu_generate.py --out $OUT/generate.json [--models llama-1b,llama-3b]
-        [--sides floor,mnb,hf-dynamic,hf-static] [--check]
+        [--sides floor,mnb,hf-dynamic,hf-static] [--batches 1,32] [--check]
+        [--baseline-decoder OLD_decode_graphs.py]
 
 Random-weight Llama shapes (mnb's ``llama-1b`` / ``llama-3b`` presets: untied, RoPE base 500000) in bf16;
 prompts of 128 random token ids (the same ids on every side), 256 new tokens, greedy, batch 1 and 32.
@@ -16,7 +17,10 @@ Each number is the median of 3 calls after a warm-up call of the same size (the 
 hf-static includes the capture / compile, reported as ``first_call_s``).  tokens/s = new tokens / wall time
 of the whole call (prefill included); time to first token: mnb a call with ``max_new_tokens=1``,
 transformers the time its streamer receives the first new token (its static cache keeps one compile).
-``--check`` adds a GPU check that the graph path chooses the tokens of the per-token path.
+``--check`` adds a GPU check that the graph path chooses the tokens of the per-token path, and on the
+first model the kernels per decoded token (the step run uncaptured under the profiler) and the rows of
+``decode_graphs.sdpa_decode``.  ``--baseline-decoder FILE`` (e.g. ``git show REV:mnb/megatron/decode_graphs.py``)
+measures that version of the decode path too, on the first model, in the same pool (``mnb-baseline`` rows).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PROMPT, NEW, BATCHES, REPEATS = 128, 256, (1, 32), 3
+PROMPT, NEW, REPEATS = 128, 256, 3
+BATCHES = (1, 32)  # --batches
 
 
 def prompts(batch: int) -> list[list[int]]:
@@ -120,6 +125,26 @@ def timed(batch, new={NEW}):
     total = statistics.median(t for t, _, _ in runs)
     return dict(side="mnb", batch=batch, first_call_s=round(first, 3), ttft_s=round(ttft, 4), total_s=round(total, 3),
                 new_tokens=runs[0][1], tokens_per_s=round(runs[0][1] / total, 1), first_ids=runs[0][2][0][:8])
+
+def kernels(batch, steps=16):
+    # GPU work items (kernels, memsets, copies) per decoded token: the same step run uncaptured (a fresh
+    # decoder with capture off) under the profiler: (a call of 1 + steps tokens) - (a call of 1 token),
+    # over steps; the host sync every SYNC_EVERY tokens included.
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.randint(0, 128000, (batch, {PROMPT}), generator=torch.Generator().manual_seed(batch)).tolist()
+    model.decoder = None
+    decode_graphs.decoder_of(model).capture = False
+    mnb.generate(model, ids, max_new_tokens=1, stream=False)  # the bucket's buffers made
+    def count(n):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mnb.generate(model, ids, max_new_tokens=n, stream=False)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    try:
+        return dict(side="kernels", batch=batch, per_token=round((count(1 + steps) - count(1)) / steps, 1))
+    finally:
+        model.decoder = None
 """
 
 MNB_CHECK = """
@@ -131,6 +156,12 @@ def check():
     ragged = [[5, 17, 33, 2, 90, 41, 7], [300, 12], [64, 65, 66, 67]]
     fast = mnb.generate(small, ragged, max_new_tokens=40, stream=False)
     top1 = mnb.generate(small, ragged, max_new_tokens=40, temperature=1.5, top_k=1, seed=3, stream=False)
+    buckets = sorted(small.decoder.entries)
+    decode_graphs.sdpa_decode, small.decoder = True, None
+    try:
+        fast_sdpa = mnb.generate(small, ragged, max_new_tokens=40, stream=False)
+    finally:
+        decode_graphs.sdpa_decode, small.decoder = False, None
     decode_graphs.enabled = False
     try:
         slow = mnb.generate(small, ragged, max_new_tokens=40, stream=False)
@@ -141,12 +172,27 @@ def check():
     fast_big = mnb.generate(model, ids, max_new_tokens=16, stream=False)
     same_big = next((i for i, (a, b) in enumerate(zip(fast_big[0], slow_big[0])) if a != b), 16)
     return dict(side="check", fp32_greedy_equal=fast == slow, fp32_top1_equal=top1 == slow,
+                fp32_sdpa_greedy_equal=fast_sdpa == slow,
                 bf16_first_equal_tokens=same_big, bf16_graph=fast_big[0], bf16_per_token=slow_big[0],
-                graphs=sorted(small.decoder.entries))
+                graphs=buckets)
 """
 
 
-def side_mnb(models: list[str], check: bool) -> list[dict]:
+BASELINE = """
+def with_decoder(source, code):
+    # ``code`` evaluated with ``source`` (another version of decode_graphs.py) in decode_graphs' place
+    saved = dict(decode_graphs.__dict__)
+    exec(compile(source, "baseline_decode_graphs.py", "exec"), decode_graphs.__dict__)
+    model.decoder = None
+    try:
+        return eval(code)
+    finally:
+        model.decoder = None
+        decode_graphs.__dict__.update(saved)
+"""
+
+
+def side_mnb(models: list[str], check: bool, baseline: str | None = None) -> list[dict]:
     import traceback
 
     from mnb.controller import Pool
@@ -162,30 +208,45 @@ def side_mnb(models: list[str], check: bool) -> list[dict]:
 
     pool = Pool.start(1, gpus=[0], timeout=600)
     try:
-        cell(MNB_TIMED + MNB_CHECK, step="define")
-        for model in models:
+        cell(MNB_TIMED + MNB_CHECK + BASELINE, step="define")
+        extras = check or bool(baseline)  # on the first model, after every model's timed rows
+        for index, model in enumerate(models):
             start = time.perf_counter()
-            if cell(f"model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
+            keep = "first = model\n" if extras and index == 1 else ""  # kept for the extras (memory only)
+            if cell(f"{keep}model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
                     f"model = mnb.gpt({model!r})\nfor chunk in model.chunks:\n    chunk.bfloat16()\n"
                     "pending = background_compile.pending()\n"
                     "pending.wait(600) if pending is not None else True", model=model, step="build") is None:
                 continue
             build = time.perf_counter() - start
-            if check and model == models[0]:
-                row = cell("check()", model=model, step="check")
-                if row is not None:
-                    emit(rows, {**row, "model": model})
             for batch in BATCHES:
                 row = cell(f"timed({batch})", model=model, batch=batch)
                 if row is not None:
                     emit(rows, {**row, "model": model, "build_and_compile_s": round(build, 1)})
-            if check and model == models[0]:  # the decode attention compiled (off by default)
-                row = cell(f"decode_graphs.compile_attention = True\nmodel.decoder = None\n"
-                           f"try:\n    row = timed(1)\nfinally:\n"
-                           "    decode_graphs.compile_attention = False\n    model.decoder = None\nrow",
-                           model=model, batch=1, step="compiled")
+        model = models[0]
+        if extras and len(models) > 1:
+            cell("model, first = first, None", model=model, step="back to the first model")
+        if check:  # greedy tokens as the per-token path's; kernels per token; the attention as one SDPA kernel
+            row = cell("check()", model=model, step="check")
+            if row is not None:
+                emit(rows, {**row, "model": model})
+            for batch in BATCHES:
+                row = cell(f"kernels({batch})", model=model, batch=batch, step="kernels")
                 if row is not None:
-                    emit(rows, {**row, "side": "mnb-compiled-attention", "model": model})
+                    emit(rows, {**row, "model": model})
+            for batch in BATCHES:
+                row = cell(f"decode_graphs.sdpa_decode, model.decoder = True, None\n"
+                           f"try:\n    row = dict(timed({batch}), kernels=kernels({batch})['per_token'])\n"
+                           "finally:\n    decode_graphs.sdpa_decode, model.decoder = False, None\nrow",
+                           model=model, batch=batch, step="sdpa")
+                if row is not None:
+                    emit(rows, {**row, "side": "mnb-sdpa", "model": model})
+        if baseline:
+            for batch in BATCHES:
+                code = f"dict(timed({batch}), kernels=kernels({batch})['per_token'])"
+                row = cell(f"with_decoder({baseline!r}, {code!r})", model=model, batch=batch, step="baseline")
+                if row is not None:
+                    emit(rows, {**row, "side": "mnb-baseline", "model": model})
     finally:
         pool.stop()
     return rows
@@ -281,12 +342,17 @@ def main() -> int:
     parser.add_argument("--models", default="llama-1b,llama-3b")
     parser.add_argument("--sides", default="floor,mnb,hf-dynamic,hf-static")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--batches", default="1,32", help="batch sizes, e.g. 32")
+    parser.add_argument("--baseline-decoder", help="another version of mnb/megatron/decode_graphs.py to measure "
+                        "beside this one (mnb side, first model)")
     parser.add_argument("--side-timeouts", default="", help="seconds each side may run, e.g. mnb=190,hf-static=220")
     parser.add_argument("--hf-folders", help="JSON {label: Hugging Face folder}: transformers loads these "
                         "(bench/hf_gpu.py); the labels are the --models")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side in this process
     args = parser.parse_args()
     models = args.models.split(",")
+    global BATCHES
+    BATCHES = tuple(int(b) for b in args.batches.split(","))
     if args.side:
         import signal
 
@@ -296,7 +362,8 @@ def main() -> int:
         if args.side == "floor":
             side_floor(models)
         elif args.side == "mnb":
-            side_mnb(models, args.check)
+            side_mnb(models, args.check,
+                     Path(args.baseline_decoder).read_text() if args.baseline_decoder else None)
         else:
             side_hf(models, static=args.side == "hf-static",
                     folders=json.loads(args.hf_folders) if args.hf_folders else None)
@@ -320,8 +387,11 @@ def main() -> int:
         part = out.with_suffix(f".{side}.jsonl")
         part.unlink(missing_ok=True)
         start = time.perf_counter()
-        command = [sys.executable, __file__, "--side", side, "--models", args.models, "--out", str(part)]
-        proc = subprocess.Popen(command + (["--check"] if args.check else []), env=dict(os.environ))
+        command = [sys.executable, __file__, "--side", side, "--models", args.models, "--out", str(part),
+                   "--batches", args.batches]
+        command += ["--check"] if args.check else []
+        command += ["--baseline-decoder", args.baseline_decoder] if args.baseline_decoder else []
+        proc = subprocess.Popen(command, env=dict(os.environ))
         try:
             code = proc.wait(timeout=limits.get(side))
         except subprocess.TimeoutExpired:  # the rows it finished are kept; SIGTERM lets it stop its pool

@@ -14,8 +14,11 @@ call, for :class:`CachedAttention`:
   attended to and nothing is recomputed.
 - **decode step**: one new token per prompt at per-prompt positions (a device tensor); attention
   is two batched matmuls over the whole cache with a ``key <= position`` mask, so no kernel
-  plan depends on the key length.  The step (embedding .. sampling, and with pp = 1 the advance
-  of tokens, positions and the output buffer) is captured once per bucket and virtual stage with
+  plan depends on the key length. Query and key are rotated together (RoPE: three kernels a
+  layer, bit for bit Megatron's unfused ten), the sampled tokens are written where the next step
+  reads them, and one add advances every position: fewer kernels per token, the same results.
+  The step (embedding .. sampling, and with pp = 1 the advance of tokens, positions and the
+  output buffer) is captured once per bucket and virtual stage with
   ``torch.cuda.graph`` and replayed per token: no host work per token but ``replay()``.
   With tp > 1 the tp all-reduces/all-gathers are NCCL calls inside the graph; with pp > 1 each
   stage has its graph, hidden states go point to point between replays and the last stage's
@@ -62,6 +65,11 @@ compile_attention = False
 """True: on CUDA ranks the decode attention (cache write, scores, softmax, values) goes through
 ``torch.compile`` (fewer kernels per layer). Off by default: its one GPU run (2026-12-03) failed to
 capture (the retry then met the pool the failed capture left recording; retries now take a fresh pool)."""
+sdpa_decode = False
+"""True: the decode attention is one ``scaled_dot_product_attention`` (memory-efficient kernel) over the
+whole cache with an additive mask in the model's dtype, instead of five kernels (scores, mask, softmax,
+cast, values); its arithmetic differs from the per-token path's (another summation order and rounding),
+so it is off by default."""
 cpu_standin = False
 """Tests only: run this path on CPU ranks, the graph replaced by :class:`Eager` (no CUDA capture)."""
 enabled = True
@@ -123,22 +131,42 @@ class Pass:
     """What the swapped core attentions read during one forward: mode, positions, mask, caches."""
 
     prefill: bool = False
-    bias: torch.Tensor | None = None  # decode: [B, 1, 1, S] fp32, 0 where row b sees key j, else -inf
+    bias: torch.Tensor | None = None  # decode: [B, 1, 1, S], 0 where row b sees key j, else -inf (fp32;
+    # with sdpa the model's dtype, which the memory-efficient kernel takes as it is)
+    sdpa: bool = False  # decode attention through scaled_dot_product_attention (:data:`sdpa_decode`)
     positions: torch.Tensor | None = None  # decode: [B, 1] long
     attend: Callable | None = None  # decode_attention, compiled or not
     caches: dict = field(default_factory=dict)  # id(layer attention) -> (keys, values)
-    cos: torch.Tensor | None = None  # RoPE applied here (``[s, b, 1, rot]``), or None: by Megatron
-    sin: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None  # RoPE applied here (``[s, b, 1, 2, 2, rot/2]``), or None: by Megatron
 
 
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Megatron's non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``, mscale 1), its order of
-    operations, with cos/sin looked up once per step rather than computed in every layer."""
-    rot = cos.shape[-1]
-    x, rest = t[..., :rot], t[..., rot:]
-    x1, x2 = x.chunk(2, dim=-1)
-    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+def rotation_table(angles: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The factors of Megatron's non-interleaved RoPE per position: ``[positions, 2, 2, rot/2]`` in
+    ``dtype`` from its angles ``[positions, rot]``; ``[p, i, j]`` multiplies input half ``j`` for output
+    half ``i``. Megatron computes ``x * cos + cat(-x2, x1) * sin`` (``_apply_rotary_pos_emb_bshd``,
+    mscale 1): first half ``x1 * cos + (-x2) * sin``, second ``x2 * cos + x1 * sin``; ``(-x2) * sin``
+    equals ``x2 * (-sin)`` bit for bit, so the table holds ``-sin`` there."""
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    half = angles.shape[-1] // 2
+    first = torch.stack((cos[:, :half], -sin[:, :half]), dim=1)
+    second = torch.stack((sin[:, half:], cos[:, half:]), dim=1)
+    return torch.stack((first, second), dim=1)
+
+
+def rotate(t: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``t [s, b, n, dim]`` rotated as Megatron does (each product and sum rounded as its unfused
+    RoPE rounds them) in two kernels: the four products of each position at once, then their
+    pairwise sums; ``factors [s, b, 1, 2, 2, rot/2]``: rows of :func:`rotation_table`. The query
+    and key of a layer go through together (one tensor), so a layer's RoPE is three kernels with
+    their concatenation, where Megatron's unfused one is ten."""
+    half = factors.shape[-1]
+    rot = 2 * half
+    products = t[..., :rot].unflatten(-1, (1, 2, half)) * factors  # [s, b, n, 2, 2, half]
+    out = torch.empty_like(t)
+    torch.add(products[..., 0, :], products[..., 1, :], out=out[..., :rot].unflatten(-1, (2, half)))
+    if rot < t.shape[-1]:
+        out[..., rot:].copy_(t[..., rot:])
+    return out
 
 
 class CachedAttention(torch.nn.Module):
@@ -153,9 +181,10 @@ class CachedAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         keys, values = self.state.caches[self.key]
-        if self.state.cos is not None:
-            query, key = (rotate(t, self.state.cos, self.state.sin) for t in (query, key))
         s, b, heads, dim = query.shape
+        if self.state.rotation is not None:  # query and key rotated as one tensor
+            both = rotate(torch.cat((query, key), dim=2), self.state.rotation)
+            query, key = both[:, :, :heads], both[:, :, heads:]
         groups = key.shape[2]
         if self.state.prefill:  # positions 0..s-1 for every row (right-padded prompts)
             keys[:, :, :s].copy_(key.permute(1, 2, 0, 3))
@@ -166,23 +195,30 @@ class CachedAttention(torch.nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
         return self.state.attend(query, key, value, keys, values, self.state.positions, self.state.bias,
-                                 self.scale)
+                                 self.scale, self.state.sdpa)
 
 
-def decode_attention(query, key, value, keys, values, where, bias, scale: float):
+def decode_attention(query, key, value, keys, values, where, bias, scale: float, sdpa: bool = False):
     """One new position per row (``query [1, b, heads, dim]``, ``key/value [1, b, groups, dim]``,
     already rotated): written into the cache at ``where [b, 1]``, attended over the whole cache with
-    the additive ``bias`` (two batched matmuls, fp32 scores and softmax)."""
+    the additive ``bias`` (two batched matmuls, fp32 scores and softmax); ``sdpa``: one
+    ``scaled_dot_product_attention`` with ``bias`` as its additive mask."""
     _, b, heads, dim = query.shape
     groups = key.shape[2]
     index = where.view(b, 1, 1, 1).expand(b, groups, 1, dim)
     keys.scatter_(2, index, key.permute(1, 2, 0, 3))
     values.scatter_(2, index, value.permute(1, 2, 0, 3))
-    q = query.permute(1, 2, 0, 3).reshape(b, groups, heads // groups, dim)
-    scores = torch.add(bias, torch.matmul(q, keys.transpose(-1, -2)), alpha=scale)  # [b, g, rep, S] fp32
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values).view(b, heads, 1, dim)
-    return out.permute(2, 0, 1, 3).reshape(1, b, heads * dim)
+    q = query.permute(1, 2, 0, 3).reshape(b, groups, heads // groups, dim)  # a group's queries as rows
+    if sdpa:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):  # plans fixed per shape
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
+    else:
+        scores = torch.add(bias, torch.matmul(q, keys.transpose(-1, -2)), alpha=scale)  # [b, g, rep, S] fp32
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)
+    return out.reshape(b, heads, 1, dim).permute(2, 0, 1, 3).reshape(1, b, heads * dim)
 
 
 _compiled_attention = None
@@ -251,9 +287,9 @@ class Sampling:
                        device=self.draws.device, out=self.draws)
 
     def choose(self, logits: torch.Tensor, out: torch.Tensor) -> None:
-        logits = logits[:, : self.vocab].float()
-        if self.greedy:
-            out.copy_(logits.argmax(dim=-1))
+        logits = logits[:, : self.vocab]
+        if self.greedy:  # in the logits' dtype: widening is exact, so the same index (first of ties)
+            torch.argmax(logits, dim=-1, out=out)
             return
         scaled = logits.double() / self.temperature
         order = torch.argsort(scaled, dim=-1, descending=True, stable=True)
@@ -279,25 +315,26 @@ class Entry:
                 self.caches[id(attention)] = (torch.zeros(shape, dtype=dtype, device=device),
                                               torch.zeros(shape, dtype=dtype, device=device))
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.where = torch.zeros(rows, 1, dtype=torch.long, device=device)  # each row's position
-        self.chosen = torch.zeros(rows, dtype=torch.long, device=device)
+        self.chosen = self.tokens[:, 0]  # sampling writes the next inputs in place
+        # each row's position and the tokens recorded so far: one tensor, so one kernel advances both
+        self.counters = torch.zeros(rows + 1, dtype=torch.long, device=device)
+        self.where = self.counters[:rows].view(rows, 1)
+        self.count = self.counters[rows:]
         self.out = torch.zeros(rows, positions, dtype=torch.long, device=device)
-        self.count = torch.zeros(1, dtype=torch.long, device=device)
         self.hidden_in = {v: torch.zeros(1, rows, decoder.hidden, dtype=dtype, device=device)
                           for v in decoder.stages}
         self.key_index = torch.arange(positions, device=device)
         self.rope = decoder.rope_table(positions)
-        self.cos_sin = None if self.rope is None or not decoder.own_rope else (self.rope.cos(), self.rope.sin())
+        self.rotation = (None if self.rope is None or not decoder.own_rope
+                         else rotation_table(self.rope, dtype))
         self.sampling = Sampling(decoder.vocab, rows, device)
         self.graphs: dict = {}  # (stage, greedy) -> Graph | Eager
         self.prefills: dict[int, Prefill] = {}  # prompt bucket -> its buffers and graphs
 
     def advance(self) -> None:
-        """The chosen tokens become the next inputs, one position on, recorded in ``out``."""
-        self.tokens[:, 0].copy_(self.chosen)
-        self.where.add_(1)
-        self.out.index_copy_(1, self.count, self.chosen.unsqueeze(1))
-        self.count.add_(1)
+        """The chosen tokens (already the next inputs) recorded in ``out``; positions one on."""
+        self.out.index_copy_(1, self.count, self.tokens)
+        self.counters.add_(1)
 
 
 class Prefill:
@@ -381,9 +418,9 @@ class GraphDecoder:
         else:
             chunk.set_input_tensor(hidden_in)
             hidden = None
-        rope = state.cos = state.sin = None
-        if entry.cos_sin is not None:
-            state.cos, state.sin = (t[where].to(self.dtype).transpose(0, 1).unsqueeze(2) for t in entry.cos_sin)
+        rope = state.rotation = None
+        if entry.rotation is not None:  # one lookup per step: [s, b, 1, 2, 2, rot/2]
+            state.rotation = entry.rotation[where].transpose(0, 1).unsqueeze(2)
         elif entry.rope is not None:
             rope = entry.rope[where].transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]: Megatron rotates
         hidden = chunk.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
@@ -399,11 +436,14 @@ class GraphDecoder:
         """The decode step of ``stage`` (what is captured)."""
         state.prefill = False
         state.positions = entry.where
+        state.sdpa = sdpa_decode
         state.bias = torch.where(entry.key_index <= entry.where, 0.0, float("-inf")).view(entry.rows, 1, 1, -1)
+        if state.sdpa:
+            state.bias = state.bias.to(self.dtype)
         hidden = self.stage_forward(stage, entry, state, entry.tokens, entry.where, entry.hidden_in[stage])
         if stage < self.n_stages - 1:
             return hidden
-        sampling.choose(self.logits(stage, hidden).float(), entry.chosen)
+        sampling.choose(self.logits(stage, hidden), entry.chosen)
         if self.pp == 1:
             entry.advance()
         return None
@@ -415,7 +455,7 @@ class GraphDecoder:
         if stage < self.n_stages - 1:
             return hidden
         last = hidden[prefill.ends, prefill.row_index].unsqueeze(0)  # each row's last prompt position
-        sampling.choose(self.logits(stage, last).float(), entry.chosen)
+        sampling.choose(self.logits(stage, last), entry.chosen)
         if self.pp == 1:
             entry.where.copy_(prefill.ends.unsqueeze(1))
             entry.count.zero_()

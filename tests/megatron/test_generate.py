@@ -80,6 +80,11 @@ def test_the_static_cache_decode_equals_the_reference_and_keeps_its_buckets(cpu_
             got = cpu_pool.run(STANDIN.format(on=True) + "model = mnb.gpt('tiny')\n" + code,
                                layout=layout, quiet=True)
             assert same_on_every_rank(got) == reference, layout
+        # The decode attention as one scaled_dot_product_attention (off by default): the same tokens (pp2+vpp2).
+        sdpa = cpu_pool.run("decode_graphs.sdpa_decode, model.decoder = True, None\ntry:\n    got = " + code +
+                            "\nfinally:\n    decode_graphs.sdpa_decode = False\n(got, model.decoder.state.sdpa)",
+                            quiet=True)
+        assert same_on_every_rank(sdpa) == (reference, True)
         # An MoE model (Megatron's token dispatch: run uncaptured on GPUs) through the same step, under ep2.
         cpu_pool.run("moe = mnb.gpt('moe-tiny')\nref_moe = reference(moe, " + repr(PROMPTS) + ", 8)",
                      layout=ParallelConfig(ep=2), quiet=True)
@@ -115,7 +120,7 @@ def test_the_static_cache_decode_equals_the_reference_and_keeps_its_buckets(cpu_
                  "stream=False)\nw = weakref.ref(model.decoder)\ndel model\ngc.collect()\nw() is None")
         assert same_on_every_rank(cpu_pool.run(freed, quiet=True)) is True
     finally:
-        cpu_pool.run(STANDIN.format(on=False), quiet=True)
+        cpu_pool.run(STANDIN.format(on=False) + "decode_graphs.sdpa_decode = False\n", quiet=True)
 
 
 def test_a_trained_model_generates_the_same_text_after_a_live_relayout(cpu_pool, tmp_path):
