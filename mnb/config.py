@@ -19,38 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field, fields, replace
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from mnb.fields import check_fields
 from mnb.lora_config import LORA_ALL, LORA_HF_TARGETS, LORA_MEGATRON_TARGETS, LoraConfig, lora_config  # noqa: F401
+from mnb.paths import cache_dir, package_data  # noqa: F401  (their old import path; mnb.paths owns them)
 from mnb.pipeline_layout import parse_pipeline_layout, uneven_pipeline_layout  # noqa: F401
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
-
-
-def package_data(folder: str) -> Traversable:
-    """A data folder shipped with mnb: ``"templates"`` (presets) or ``"kernels"`` (the kernelspec).
-
-    Their source lives at the top of the repository; the wheel maps them into the
-    package (``mnb/templates``, ``mnb/kernels``; see pyproject.toml), where
-    :mod:`importlib.resources` finds them.  A source checkout (an editable
-    install, or the repository on ``sys.path``) has them beside ``mnb/`` instead.
-    """
-    packaged = resources.files("mnb") / folder
-    if packaged.is_dir():
-        return packaged
-    checkout = Path(__file__).resolve().parent.parent
-    if (checkout / "pyproject.toml").is_file() and (checkout / folder).is_dir():
-        return checkout / folder
-    raise FileNotFoundError(
-        f"mnb's {folder}/ folder is missing: neither {packaged} (an installed wheel) nor "
-        f"{checkout / folder} (a source checkout) exists; reinstall mnb"
-    )
 
 
 def _presets() -> Traversable:
@@ -645,17 +623,6 @@ def batch_problem(global_batch_size: int, micro_batch_size: int, dp: int) -> str
     return (f"global_batch_size({global_batch_size}) is not divisible by micro_batch_size({micro_batch_size}) * "
             f"dp({dp}) = {per_step}; use a multiple of {per_step} (e.g. {low} or {low + per_step}), another "
             "micro batch size, or another layout")
-
-
-def cache_dir() -> Path:
-    """mnb's cache folder: ``$MNB_CACHE``, else ``$XDG_CACHE_HOME/mnb``, else ``~/.cache/mnb``.
-
-    One rule for every cache (tokenised corpora and dataset indices on the ranks, the
-    compiled kernels a pool's CUDA ranks keep); with several nodes it must be shared storage.
-    """
-    if os.environ.get("MNB_CACHE"):
-        return Path(os.environ["MNB_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "mnb"
 
 
 def divisors(n: int) -> list[int]:

@@ -217,6 +217,18 @@ def test_rules_stated_once():
     assert ModelConfig.from_dict(load_preset("tiny").to_dict()) == load_preset("tiny")
 
 
+
+def test_config_keeps_the_old_import_paths_of_what_moved_out():
+    """Paths have their own module; ``from mnb.config import cache_dir`` still names the same function."""
+    import mnb.config
+    import mnb.paths
+
+    moved = {mnb.paths: ("cache_dir", "package_data")}
+    for module, names in moved.items():
+        for name in names:
+            assert getattr(mnb.config, name) is getattr(module, name), (module.__name__, name)
+
+
 def test_every_config_field_is_documented_and_docs_config_md_is_generated_from_it():
     """Each field of ParallelConfig/ModelConfig/TrainConfig says what it means (every Literal choice
     named), and docs/config.md is exactly what its docstrings generate."""

@@ -164,7 +164,7 @@ OLD_FRONT_END = ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_
 GROUPS: dict[str, tuple[str, ...]] = {
     "shared types": ("mnb.config", "mnb.pipeline_layout", "mnb.lora_config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
                      "mnb.timeouts", "mnb.version", "mnb.progress", "mnb.results", "mnb.writes", "mnb.hf_config",
-                     "mnb.model_source"),
+                     "mnb.model_source", "mnb.paths"),
     "front end": ("mnb.notebook",) + OLD_FRONT_END,
     "old front-end paths": OLD_FRONT_END,
     "rank side": RANK_SIDE,
@@ -196,7 +196,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
                               "mnb.exports", "mnb.profiles", "shared types"),
      "the magics parse, check and hand over: to the pool, the estimate, the export, the profiles, the live widget"),
     ("old front-end paths", "only", ("mnb.notebook",), "re-exports that keep the old import paths working"),
-    ("mnb.launch_templates", "only", ("mnb.config",), "below both the Slurm launcher and the export"),
+    ("mnb.launch_templates", "only", ("mnb.paths",), "below both the Slurm launcher and the export"),
     ("notebook side", "never", ("rank side",), "the kernel never imports torch (the rank side does)"),
     ("all but the front end", "never", ("front end",), "nothing below the magics imports them (the facade aside)"),
 ]
