@@ -18,21 +18,14 @@ Field names of :class:`ModelConfig` are Megatron-Core's own
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from mnb.fields import check_fields
 from mnb.lora_config import LORA_ALL, LORA_HF_TARGETS, LORA_MEGATRON_TARGETS, LoraConfig, lora_config  # noqa: F401
 from mnb.paths import cache_dir, package_data  # noqa: F401  (their old import path; mnb.paths owns them)
 from mnb.pipeline_layout import parse_pipeline_layout, uneven_pipeline_layout  # noqa: F401
-
-if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
-
-
-def _presets() -> Traversable:
-    return package_data("templates") / "presets"
+from mnb.presets import preset_fields, preset_names  # noqa: F401  (preset_names: its old import path)
 
 
 def as_vpp(vpp: int | None) -> int:
@@ -629,19 +622,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def preset_names() -> list[str]:
-    """Names of the model presets shipped in templates/presets/."""
-    return sorted(p.name[: -len(".json")] for p in _presets().iterdir() if p.name.endswith(".json"))
-
-
 def load_preset(name: str) -> ModelConfig:
-    """Read a model preset (templates/presets/NAME.json) into a ModelConfig."""
-    path = _presets() / f"{name}.json"
-    if not path.is_file():
-        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(preset_names())}")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    data.pop("description", None)
-    return ModelConfig(name=name, **data)
+    """Read a model preset (templates/presets/NAME.json, :mod:`mnb.presets`) into a ModelConfig."""
+    return ModelConfig(name=name, **preset_fields(name))
 
 
 def model_config(preset_or_config: str | ModelConfig | dict, **overrides: Any) -> ModelConfig:

@@ -219,11 +219,13 @@ def test_rules_stated_once():
 
 
 def test_config_keeps_the_old_import_paths_of_what_moved_out():
-    """Paths have their own module; ``from mnb.config import cache_dir`` still names the same function."""
+    """Paths and presets have their own modules; ``from mnb.config import cache_dir`` still names the same
+    function."""
     import mnb.config
     import mnb.paths
+    import mnb.presets
 
-    moved = {mnb.paths: ("cache_dir", "package_data")}
+    moved = {mnb.paths: ("cache_dir", "package_data"), mnb.presets: ("preset_names",)}
     for module, names in moved.items():
         for name in names:
             assert getattr(mnb.config, name) is getattr(module, name), (module.__name__, name)
