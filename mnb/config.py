@@ -26,6 +26,7 @@ from mnb.lora_config import LORA_ALL, LORA_HF_TARGETS, LORA_MEGATRON_TARGETS, Lo
 from mnb.paths import cache_dir, package_data  # noqa: F401  (their old import path; mnb.paths owns them)
 from mnb.pipeline_layout import parse_pipeline_layout, uneven_pipeline_layout  # noqa: F401
 from mnb.presets import preset_fields, preset_names  # noqa: F401  (preset_names: its old import path)
+from mnb.profile_steps import parse_steps  # noqa: F401  (its old import path; mnb.profile_steps owns it)
 
 
 def as_vpp(vpp: int | None) -> int:
@@ -640,22 +641,3 @@ def model_config(preset_or_config: str | ModelConfig | dict, **overrides: Any) -
             f"expected a preset name, a dict or a ModelConfig, got {type(preset_or_config).__name__}"
         )
     return base.with_overrides(**overrides) if overrides else base
-
-
-def parse_steps(steps: Any) -> tuple[int, int] | None:
-    """``3`` -> (3, 3); ``"3-4"`` -> (3, 4); None or "" -> None (the default).  Steps count from 1 within the call."""
-    if steps is None or steps == "":
-        return None
-    if isinstance(steps, bool):
-        raise ValueError("profile= takes steps like 3 or '3-4' (counted from 1 within the call)")
-    if isinstance(steps, int):
-        first = last = steps
-    else:
-        first_text, _, rest = str(steps).strip().partition("-")
-        try:
-            first, last = int(first_text), int(rest or first_text)
-        except ValueError:
-            raise ValueError(f"profile={steps!r}: give steps like 3 or '3-4' (counted from 1 within the call)") from None
-    if first < 1 or last < first:
-        raise ValueError(f"profile={steps!r}: steps count from 1 and the last comes after the first, e.g. '2-3'")
-    return first, last

@@ -219,13 +219,15 @@ def test_rules_stated_once():
 
 
 def test_config_keeps_the_old_import_paths_of_what_moved_out():
-    """Paths and presets have their own modules; ``from mnb.config import cache_dir`` still names the same
-    function."""
+    """Paths, presets and the profiler's step syntax have their own modules; ``from mnb.config import
+    cache_dir`` (and the others) still names the same function."""
     import mnb.config
     import mnb.paths
     import mnb.presets
+    import mnb.profile_steps
 
-    moved = {mnb.paths: ("cache_dir", "package_data"), mnb.presets: ("preset_names",)}
+    moved = {mnb.paths: ("cache_dir", "package_data"), mnb.presets: ("preset_names",),
+             mnb.profile_steps: ("parse_steps",)}
     for module, names in moved.items():
         for name in names:
             assert getattr(mnb.config, name) is getattr(module, name), (module.__name__, name)

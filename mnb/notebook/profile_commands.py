@@ -14,7 +14,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from mnb.config import parse_steps
+from mnb.profile_steps import parse_steps
 from mnb.notebook.parsers import parse_ranks
 from mnb.profiles import Profile, delete_profile, last_profile, list_profiles, set_last_profile
 
