@@ -28,12 +28,11 @@ clock); across hosts the bubble is only as good as the clocks' agreement.
 from __future__ import annotations
 
 import html
-from statistics import median
 from dataclasses import fields
 from functools import cached_property
 from typing import Any, Iterable
 
-from mnb import estimate
+from mnb import estimate, run_pipeline
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 from mnb.estimate import hardware
 from mnb.units import Text
@@ -353,66 +352,41 @@ class Run:
             return int(coords["pp"])
         return self.predicted_memory.stage_of_rank(rank)
 
-    # ----- pipeline ------------------------------------------------------------------
+    # ----- pipeline (mnb.run_pipeline) ----------------------------------------------
     def timeline(self, step: int | None = None) -> list[dict[str, Any]]:
-        """Timeline events of one step (default: the last), one rank per pipeline stage.
-
-        Times are seconds from the earliest stage's start of that step, on the
-        host clock the ranks share (``origin_s`` of each row), so one stage's
-        idle time is measured against the others' work.
-        """
-        chosen: dict[int, int] = {}
-        for rank, rec in self.records_by_rank.items():
-            if rec.get("timeline"):
-                stage = int((rec.get("coords") or {}).get("pp", rec["timeline"][0].get("stage", 0)))
-                chosen.setdefault(stage, rank)
-        steps = self.timeline_steps()
-        if not chosen or not steps:
-            return []
-        wanted = steps[-1] if step is None else step
-        events = []
-        for stage, rank in chosen.items():
-            for ev in self.records_by_rank[rank]["timeline"]:
-                if int(ev.get("step", 0)) == wanted:
-                    events.append(dict(ev, stage=ev.get("stage", stage)))
-        origin = min((float(ev["origin_s"]) for ev in events if "origin_s" in ev), default=None)
-        if origin is not None:
-            for ev in events:
-                shift = float(ev.get("origin_s", origin)) - origin
-                ev["start_s"], ev["end_s"] = float(ev["start_s"]) + shift, float(ev["end_s"]) + shift
-        return events
+        """Timeline events of one step (default: the last), one rank per pipeline stage, times from the
+        earliest stage's start (:func:`mnb.run_pipeline.timeline`)."""
+        return run_pipeline.timeline(self, step)
 
     def timeline_steps(self) -> list[int]:
-        steps = {int(ev.get("step", 0)) for rec in self._records for ev in rec.get("timeline") or []}
-        return sorted(steps)
+        return run_pipeline.timeline_steps(self)
 
     @property
     def measured_bubble_per_step(self) -> dict[int, float]:
         """Bubble per step (the idle share of the step's pipeline span, mean over stages)."""
-        out = {}
-        for step in self.timeline_steps():
-            result = estimate.timeline_bubble(self.timeline(step))
-            if result is not None:
-                out[step] = result["bubble"]
-        return out
+        return run_pipeline.measured_bubble_per_step(self)
 
     @property
     def measured_bubble_by_stage(self) -> dict[int, float]:
         """Each stage's bubble: the median over steps after the first."""
-        per: dict[int, list[float]] = {}
-        for step in self.steady_steps(self.timeline_steps()):
-            result = estimate.timeline_bubble(self.timeline(step))
-            for stage, value in (result or {}).get("by_stage", {}).items():
-                per.setdefault(stage, []).append(value)
-        return {stage: median(values) for stage, values in sorted(per.items())}
+        return run_pipeline.measured_bubble_by_stage(self)
 
     @property
     def measured_bubble(self) -> float | None:
         """The pipeline's bubble: median over steps after the first (robust on a loaded machine), in [0, 1]."""
-        per = self.measured_bubble_per_step
-        values = [per[s] for s in self.steady_steps(list(per))]
-        return median(values) if values else None
+        return run_pipeline.measured_bubble(self)
 
+    @property
+    def expected_bubble(self) -> float | None:
+        """The schedule's bubble for the measured per-stage times (:func:`mnb.run_pipeline.expected_bubble`)."""
+        return run_pipeline.expected_bubble(self)
+
+    @property
+    def theoretical_bubble(self) -> float:
+        """The schedule's bubble for equal stages (:func:`mnb.estimate.bubble`)."""
+        return run_pipeline.theoretical_bubble(self)
+
+    # ----- steps ---------------------------------------------------------------------
     def step_ordinal(self, step: int) -> int:
         """Where the run's step number ``step`` stands in this run, counted from 1 (6 -> 3 in steps 4-6).
 
@@ -454,40 +428,6 @@ class Run:
         elif left_out:
             text += f"; profiled step{'s' if len(left_out) > 1 else ''} {_step_ranges(left_out)} left out"
         return text
-
-    @property
-    def expected_bubble(self) -> float | None:
-        """The schedule's bubble for the *measured* per-stage forward/backward times.
-
-        (p-1)/(m+p-1) assumes equal stages; real stages differ (the first holds the
-        embedding, the last the output layer and loss), and the faster stage waits
-        for the slower one.  This replays Megatron's 1F1B order with each stage's
-        mean measured microbatch times (``estimate.simulate_schedule``), so
-        measured minus expected is what communication and host overhead cost.
-        """
-        steps = self.timeline_steps()
-        if self.layout.pp < 2 or not steps:
-            return None
-        use = self.steady_steps(steps)
-        durations: dict[tuple[int, str], list[float]] = {}
-        for step in use:
-            for ev in self.timeline(step):
-                if ev["kind"] in ("forward", "backward"):
-                    durations.setdefault((int(ev["stage"]), ev["kind"]), []).append(ev["end_s"] - ev["start_s"])
-        vpp = self.layout.vpp
-        try:
-            per_stage = {kind: [vpp * sum(durations[(s, kind)]) / len(durations[(s, kind)])
-                                for s in range(self.layout.pp)] for kind in ("forward", "backward")}
-        except KeyError:
-            return None
-        events = estimate.simulate_schedule(self.layout, self.num_microbatches,
-                                            forward_s=per_stage["forward"], backward_s=per_stage["backward"])
-        result = estimate.timeline_bubble(events)
-        return None if result is None else result["bubble"]
-
-    @property
-    def theoretical_bubble(self) -> float:
-        return estimate.bubble(self.layout, self.num_microbatches)
 
     # ----- text ----------------------------------------------------------------------
     def summary(self) -> Text:
