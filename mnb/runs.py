@@ -32,12 +32,12 @@ from dataclasses import fields
 from functools import cached_property
 from typing import Any, Iterable
 
-from mnb import estimate, run_pipeline
+from mnb import estimate, run_memory, run_pipeline
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 from mnb.estimate import hardware
+from mnb.run_memory import MEASURED_COMPONENTS  # noqa: F401  (its old import path)
 from mnb.units import Text
 
-MEASURED_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "peak")
 
 
 def _filtered(cls, data: dict[str, Any]):
@@ -239,60 +239,6 @@ class Run:
             for t in self.step_times_s
         ]
 
-    # ----- memory --------------------------------------------------------------------
-    @property
-    def peak_memory_bytes(self) -> dict[int, int]:
-        """Measured peak bytes per rank: the CUDA allocator's, or on CPU the counted tensors'
-        (weights + gradients + optimizer + activations in flight; see :attr:`measured_memory`)."""
-        out = {}
-        for rank, rec in self.records_by_rank.items():
-            peak = (rec.get("memory_components") or {}).get("peak")
-            if peak is None:
-                peak = (rec.get("memory") or {}).get("peak_allocated_bytes")
-            if peak is None:
-                peaks = [s.get("mem_peak_bytes") for s in rec.get("steps") or [] if s.get("mem_peak_bytes")]
-                peak = max(peaks) if peaks else None
-            if peak is not None:
-                out[rank] = int(peak)
-        return out
-
-    @property
-    def measured_memory(self) -> dict[int, dict[str, int]]:
-        """What each rank held, by component, in bytes: ``{rank: {"weights", "gradients",
-        "optimizer", "activations", "peak"}}``, counted from the tensors on the rank
-        (activations: the most bytes saved for backward held at once); ``peak`` is the
-        CUDA allocator's peak on GPUs, the counted total on CPU.  Ranks of older records
-        without these counts are left out."""
-        out = {}
-        for rank, rec in self.records_by_rank.items():
-            counted = rec.get("memory_components")
-            if counted:
-                out[rank] = {name: int(counted.get(name) or 0) for name in MEASURED_COMPONENTS}
-        return out
-
-    def predicted_components(self, rank: int) -> dict[str, float]:
-        """The prediction for ``rank`` in the components of :attr:`measured_memory`.
-
-        ``activations`` is what is held between a microbatch's forward and its
-        backward, as measured: the layers' saved tensors and what the loss saves
-        (the fp32 softmax of Megatron's cross entropy, or the logits of mnb's fused
-        one), not the layer that full recompute rematerialises during backward nor
-        the bf16 logits the unfused loss drops; both count in ``peak``, the
-        predicted total with workspace.
-        """
-        stage = self.predicted_memory.stages[self.stage_of_rank(rank)]
-        element = 2 if (self.train.bf16 or self.train.fp8) else 4
-        # saved: the fused loss's logits (half of logits_bytes: the other half is their gradient in
-        # backward), or the unfused loss's fp32 softmax (the rest is a bf16 copy made in backward)
-        saved_logits = stage.logits_bytes / 2 if self.fusions else stage.logits_bytes * 4 / (4 + (element % 4))
-        return {
-            "weights": stage.weights_bytes,
-            "gradients": stage.gradients_bytes,
-            "optimizer": stage.optimizer_bytes,
-            "activations": stage.activations_bytes - stage.recomputed_bytes + saved_logits,
-            "peak": stage.total_bytes,
-        }
-
     @property
     def capacity_bytes(self) -> int | None:
         cap = (self.first_record.get("memory") or {}).get("capacity_bytes")
@@ -317,6 +263,22 @@ class Run:
         waits = self._per_step("waited_for_kernels_s")
         return {step: max(values) for step, values in waits.items() if values}
 
+    # ----- memory (mnb.run_memory) -----------------------------------------------------
+    @property
+    def peak_memory_bytes(self) -> dict[int, int]:
+        """Measured peak bytes per rank (:func:`mnb.run_memory.peak_memory_bytes`)."""
+        return run_memory.peak_memory_bytes(self)
+
+    @property
+    def measured_memory(self) -> dict[int, dict[str, int]]:
+        """What each rank held, by component, in bytes (:func:`mnb.run_memory.measured_memory`)."""
+        return run_memory.measured_memory(self)
+
+    def predicted_components(self, rank: int) -> dict[str, float]:
+        """The prediction for ``rank`` in the components of :attr:`measured_memory`
+        (:func:`mnb.run_memory.predicted_components`)."""
+        return run_memory.predicted_components(self, rank)
+
     def step_peak_bytes(self, steps: list[int]) -> int | None:
         """The most the CUDA allocator held in any of ``steps`` on any rank (each step's own peak);
         None on CPU ranks (whose per-step readings are the process's resident set) or without readings."""
@@ -329,28 +291,15 @@ class Run:
     @property
     def memory_source(self) -> str:
         """Where the measured peak comes from: 'cuda' (allocator), 'counted' (tensors), or 'rss' (old records)."""
-        source = self.first_record.get("memory_source") or ("rss" if self.on_cpu else "cuda")
-        if source == "rss" and self.first_record.get("memory_components"):
-            return "counted"
-        return source
+        return run_memory.memory_source(self)
 
     @cached_property
     def predicted_memory(self) -> estimate.MemoryEstimate:
         """mnb.estimate.memory for this run's model, layout and train settings."""
-        mem = estimate.memory(self.model, self.layout, self.train, num_microbatches=self.num_microbatches,
-                              fused_loss=self.fusions, fused_kernels=self.fusions, cpu_kernels=self.on_cpu,
-                              lora=self.first_record.get("lora"))
-        if self.capacity_bytes:
-            from dataclasses import replace
-
-            mem = replace(mem, capacity_bytes=self.capacity_bytes)
-        return mem
+        return run_memory.predicted_memory(self)
 
     def stage_of_rank(self, rank: int) -> int:
-        coords = self.records_by_rank[rank].get("coords") or {}
-        if "pp" in coords:
-            return int(coords["pp"])
-        return self.predicted_memory.stage_of_rank(rank)
+        return run_memory.stage_of_rank(self, rank)
 
     # ----- pipeline (mnb.run_pipeline) ----------------------------------------------
     def timeline(self, step: int | None = None) -> list[dict[str, Any]]:
