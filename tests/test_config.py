@@ -219,14 +219,16 @@ def test_rules_stated_once():
 
 
 def test_config_keeps_the_old_import_paths_of_what_moved_out():
-    """Paths, presets and the profiler's step syntax have their own modules; ``from mnb.config import
-    cache_dir`` (and the others) still names the same function."""
+    """The layout, paths, presets and the profiler's step syntax have their own modules; ``from mnb.config
+    import ParallelConfig`` (and the others) still names the same object."""
     import mnb.config
+    import mnb.parallel_config
     import mnb.paths
     import mnb.presets
     import mnb.profile_steps
 
-    moved = {mnb.paths: ("cache_dir", "package_data"), mnb.presets: ("preset_names",),
+    moved = {mnb.parallel_config: ("ParallelConfig", "as_vpp", "divisors", "FSDP_STRATEGIES", "FSDP_OPTIM_ON_CPU"),
+             mnb.paths: ("cache_dir", "package_data"), mnb.presets: ("preset_names",),
              mnb.profile_steps: ("parse_steps",)}
     for module, names in moved.items():
         for name in names:

@@ -164,7 +164,8 @@ OLD_FRONT_END = ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_
 GROUPS: dict[str, tuple[str, ...]] = {
     "shared types": ("mnb.config", "mnb.pipeline_layout", "mnb.lora_config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
                      "mnb.timeouts", "mnb.version", "mnb.progress", "mnb.results", "mnb.writes", "mnb.hf_config",
-                     "mnb.model_source", "mnb.paths", "mnb.presets", "mnb.profile_steps"),
+                     "mnb.model_source", "mnb.paths", "mnb.presets", "mnb.profile_steps",
+                     "mnb.parallel_config"),
     "front end": ("mnb.notebook",) + OLD_FRONT_END,
     "old front-end paths": OLD_FRONT_END,
     "rank side": RANK_SIDE,
