@@ -125,7 +125,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
     from mnb.controller import current_pool
     from mnb.controller import load_standby
-    from mnb.magics import register
+    from mnb.notebook.magics import register
 
     register(ipython)
     if "mnb" not in ipython.user_ns:
@@ -138,7 +138,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def unload_ipython_extension(ipython: Any) -> None:
     from mnb.controller import standby
-    from mnb.magics import unregister
+    from mnb.notebook.magics import unregister
 
     unregister(ipython)
     parked = standby.unpark()  # the load-time or a stopped pool's standby: nothing would adopt it now

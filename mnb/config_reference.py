@@ -56,7 +56,8 @@ def _cell(text: str) -> str:
 def markdown() -> str:
     """docs/config.md: one table per config class (field, type, default, meaning)."""
     out = ["# Configuration fields", "",
-           "Generated from the fields' docstrings in `mnb/config.py` by `python -m mnb.config_reference --write`;",
+           "Generated from the fields' docstrings in `mnb/parallel_config.py` and `mnb/config.py` by",
+           "`python -m mnb.config_reference --write`;",
            "edit the docstrings, not this file. `mnb.train(...)`, `mnb.gpt(...)` and `%%megatron` flags take",
            "these names; a value of the wrong type or outside a field's choices is refused where it is made.", ""]
     for cls in CLASSES:

@@ -1,27 +1,8 @@
-"""``%mnb stacks`` and ``%mnb debug``: where the ranks stand, and pdb where one failed.
+"""The old import path of :mod:`mnb.notebook.debug_commands` (``%mnb stacks`` and ``%mnb debug``).
 
-Kept out of :mod:`mnb.magics` (parsing and dispatch only there).  The post-mortem itself runs
-on the rank (``mnb/worker/debugging.py``) with its prompts through the notebook's stdin
-(``mnb/controller/stdin.py``).  Torch-free.
+The front end lives in ``mnb/notebook/``; this module keeps ``from mnb.debug_commands import ...`` working.
 """
 
-from __future__ import annotations
+from mnb.notebook.debug_commands import (debug_command, stacks_command)
 
-import argparse
-
-from IPython.core.error import UsageError
-
-from mnb.controller import Pool
-from mnb.run_commands import pool_request, require_pool
-
-
-def stacks_command(args: argparse.Namespace, pool: Pool | None) -> None:
-    print(require_pool(pool).stacks_report())
-
-
-def debug_command(args: argparse.Namespace, pool: Pool | None) -> None:
-    pool = require_pool(pool)
-    if args.rank is not None and not 0 <= args.rank < pool.world_size:
-        raise UsageError(f"%mnb debug {args.rank}: no such rank in world size {pool.world_size}")
-    with pool_request("post-mortem"):
-        pool.debug(args.rank)
+__all__ = ["debug_command", "stacks_command"]

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mnb.config import package_data
+from mnb.paths import package_data
 
 KERNEL_NAME = "mnb"
 KERNEL_EXTENSION = "mnb.kernelspec"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mnb.config import package_data
+from mnb.paths import package_data
 
 PLACEHOLDER = re.compile(r"@([a-z_]+)@")
 """``@key@`` rather than ``$key`` or ``{key}``: the templates are bash, full of both."""

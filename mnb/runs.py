@@ -28,17 +28,16 @@ clock); across hosts the bubble is only as good as the clocks' agreement.
 from __future__ import annotations
 
 import html
-from statistics import median
 from dataclasses import fields
 from functools import cached_property
 from typing import Any, Iterable
 
-from mnb import estimate
+from mnb import estimate, run_memory, run_pipeline
 from mnb.config import ModelConfig, ParallelConfig, TrainConfig
 from mnb.estimate import hardware
+from mnb.run_memory import MEASURED_COMPONENTS  # noqa: F401  (its old import path)
 from mnb.units import Text
 
-MEASURED_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "peak")
 
 
 def _filtered(cls, data: dict[str, Any]):
@@ -240,60 +239,6 @@ class Run:
             for t in self.step_times_s
         ]
 
-    # ----- memory --------------------------------------------------------------------
-    @property
-    def peak_memory_bytes(self) -> dict[int, int]:
-        """Measured peak bytes per rank: the CUDA allocator's, or on CPU the counted tensors'
-        (weights + gradients + optimizer + activations in flight; see :attr:`measured_memory`)."""
-        out = {}
-        for rank, rec in self.records_by_rank.items():
-            peak = (rec.get("memory_components") or {}).get("peak")
-            if peak is None:
-                peak = (rec.get("memory") or {}).get("peak_allocated_bytes")
-            if peak is None:
-                peaks = [s.get("mem_peak_bytes") for s in rec.get("steps") or [] if s.get("mem_peak_bytes")]
-                peak = max(peaks) if peaks else None
-            if peak is not None:
-                out[rank] = int(peak)
-        return out
-
-    @property
-    def measured_memory(self) -> dict[int, dict[str, int]]:
-        """What each rank held, by component, in bytes: ``{rank: {"weights", "gradients",
-        "optimizer", "activations", "peak"}}``, counted from the tensors on the rank
-        (activations: the most bytes saved for backward held at once); ``peak`` is the
-        CUDA allocator's peak on GPUs, the counted total on CPU.  Ranks of older records
-        without these counts are left out."""
-        out = {}
-        for rank, rec in self.records_by_rank.items():
-            counted = rec.get("memory_components")
-            if counted:
-                out[rank] = {name: int(counted.get(name) or 0) for name in MEASURED_COMPONENTS}
-        return out
-
-    def predicted_components(self, rank: int) -> dict[str, float]:
-        """The prediction for ``rank`` in the components of :attr:`measured_memory`.
-
-        ``activations`` is what is held between a microbatch's forward and its
-        backward, as measured: the layers' saved tensors and what the loss saves
-        (the fp32 softmax of Megatron's cross entropy, or the logits of mnb's fused
-        one), not the layer that full recompute rematerialises during backward nor
-        the bf16 logits the unfused loss drops; both count in ``peak``, the
-        predicted total with workspace.
-        """
-        stage = self.predicted_memory.stages[self.stage_of_rank(rank)]
-        element = 2 if (self.train.bf16 or self.train.fp8) else 4
-        # saved: the fused loss's logits (half of logits_bytes: the other half is their gradient in
-        # backward), or the unfused loss's fp32 softmax (the rest is a bf16 copy made in backward)
-        saved_logits = stage.logits_bytes / 2 if self.fusions else stage.logits_bytes * 4 / (4 + (element % 4))
-        return {
-            "weights": stage.weights_bytes,
-            "gradients": stage.gradients_bytes,
-            "optimizer": stage.optimizer_bytes,
-            "activations": stage.activations_bytes - stage.recomputed_bytes + saved_logits,
-            "peak": stage.total_bytes,
-        }
-
     @property
     def capacity_bytes(self) -> int | None:
         cap = (self.first_record.get("memory") or {}).get("capacity_bytes")
@@ -318,6 +263,22 @@ class Run:
         waits = self._per_step("waited_for_kernels_s")
         return {step: max(values) for step, values in waits.items() if values}
 
+    # ----- memory (mnb.run_memory) -----------------------------------------------------
+    @property
+    def peak_memory_bytes(self) -> dict[int, int]:
+        """Measured peak bytes per rank (:func:`mnb.run_memory.peak_memory_bytes`)."""
+        return run_memory.peak_memory_bytes(self)
+
+    @property
+    def measured_memory(self) -> dict[int, dict[str, int]]:
+        """What each rank held, by component, in bytes (:func:`mnb.run_memory.measured_memory`)."""
+        return run_memory.measured_memory(self)
+
+    def predicted_components(self, rank: int) -> dict[str, float]:
+        """The prediction for ``rank`` in the components of :attr:`measured_memory`
+        (:func:`mnb.run_memory.predicted_components`)."""
+        return run_memory.predicted_components(self, rank)
+
     def step_peak_bytes(self, steps: list[int]) -> int | None:
         """The most the CUDA allocator held in any of ``steps`` on any rank (each step's own peak);
         None on CPU ranks (whose per-step readings are the process's resident set) or without readings."""
@@ -330,89 +291,51 @@ class Run:
     @property
     def memory_source(self) -> str:
         """Where the measured peak comes from: 'cuda' (allocator), 'counted' (tensors), or 'rss' (old records)."""
-        source = self.first_record.get("memory_source") or ("rss" if self.on_cpu else "cuda")
-        if source == "rss" and self.first_record.get("memory_components"):
-            return "counted"
-        return source
+        return run_memory.memory_source(self)
 
     @cached_property
     def predicted_memory(self) -> estimate.MemoryEstimate:
         """mnb.estimate.memory for this run's model, layout and train settings."""
-        mem = estimate.memory(self.model, self.layout, self.train, num_microbatches=self.num_microbatches,
-                              fused_loss=self.fusions, fused_kernels=self.fusions, cpu_kernels=self.on_cpu,
-                              lora=self.first_record.get("lora"))
-        if self.capacity_bytes:
-            from dataclasses import replace
-
-            mem = replace(mem, capacity_bytes=self.capacity_bytes)
-        return mem
+        return run_memory.predicted_memory(self)
 
     def stage_of_rank(self, rank: int) -> int:
-        coords = self.records_by_rank[rank].get("coords") or {}
-        if "pp" in coords:
-            return int(coords["pp"])
-        return self.predicted_memory.stage_of_rank(rank)
+        return run_memory.stage_of_rank(self, rank)
 
-    # ----- pipeline ------------------------------------------------------------------
+    # ----- pipeline (mnb.run_pipeline) ----------------------------------------------
     def timeline(self, step: int | None = None) -> list[dict[str, Any]]:
-        """Timeline events of one step (default: the last), one rank per pipeline stage.
-
-        Times are seconds from the earliest stage's start of that step, on the
-        host clock the ranks share (``origin_s`` of each row), so one stage's
-        idle time is measured against the others' work.
-        """
-        chosen: dict[int, int] = {}
-        for rank, rec in self.records_by_rank.items():
-            if rec.get("timeline"):
-                stage = int((rec.get("coords") or {}).get("pp", rec["timeline"][0].get("stage", 0)))
-                chosen.setdefault(stage, rank)
-        steps = self.timeline_steps()
-        if not chosen or not steps:
-            return []
-        wanted = steps[-1] if step is None else step
-        events = []
-        for stage, rank in chosen.items():
-            for ev in self.records_by_rank[rank]["timeline"]:
-                if int(ev.get("step", 0)) == wanted:
-                    events.append(dict(ev, stage=ev.get("stage", stage)))
-        origin = min((float(ev["origin_s"]) for ev in events if "origin_s" in ev), default=None)
-        if origin is not None:
-            for ev in events:
-                shift = float(ev.get("origin_s", origin)) - origin
-                ev["start_s"], ev["end_s"] = float(ev["start_s"]) + shift, float(ev["end_s"]) + shift
-        return events
+        """Timeline events of one step (default: the last), one rank per pipeline stage, times from the
+        earliest stage's start (:func:`mnb.run_pipeline.timeline`)."""
+        return run_pipeline.timeline(self, step)
 
     def timeline_steps(self) -> list[int]:
-        steps = {int(ev.get("step", 0)) for rec in self._records for ev in rec.get("timeline") or []}
-        return sorted(steps)
+        return run_pipeline.timeline_steps(self)
 
     @property
     def measured_bubble_per_step(self) -> dict[int, float]:
         """Bubble per step (the idle share of the step's pipeline span, mean over stages)."""
-        out = {}
-        for step in self.timeline_steps():
-            result = estimate.timeline_bubble(self.timeline(step))
-            if result is not None:
-                out[step] = result["bubble"]
-        return out
+        return run_pipeline.measured_bubble_per_step(self)
 
     @property
     def measured_bubble_by_stage(self) -> dict[int, float]:
         """Each stage's bubble: the median over steps after the first."""
-        per: dict[int, list[float]] = {}
-        for step in self.steady_steps(self.timeline_steps()):
-            result = estimate.timeline_bubble(self.timeline(step))
-            for stage, value in (result or {}).get("by_stage", {}).items():
-                per.setdefault(stage, []).append(value)
-        return {stage: median(values) for stage, values in sorted(per.items())}
+        return run_pipeline.measured_bubble_by_stage(self)
 
     @property
     def measured_bubble(self) -> float | None:
         """The pipeline's bubble: median over steps after the first (robust on a loaded machine), in [0, 1]."""
-        per = self.measured_bubble_per_step
-        values = [per[s] for s in self.steady_steps(list(per))]
-        return median(values) if values else None
+        return run_pipeline.measured_bubble(self)
 
+    @property
+    def expected_bubble(self) -> float | None:
+        """The schedule's bubble for the measured per-stage times (:func:`mnb.run_pipeline.expected_bubble`)."""
+        return run_pipeline.expected_bubble(self)
+
+    @property
+    def theoretical_bubble(self) -> float:
+        """The schedule's bubble for equal stages (:func:`mnb.estimate.bubble`)."""
+        return run_pipeline.theoretical_bubble(self)
+
+    # ----- steps ---------------------------------------------------------------------
     def step_ordinal(self, step: int) -> int:
         """Where the run's step number ``step`` stands in this run, counted from 1 (6 -> 3 in steps 4-6).
 
@@ -454,40 +377,6 @@ class Run:
         elif left_out:
             text += f"; profiled step{'s' if len(left_out) > 1 else ''} {_step_ranges(left_out)} left out"
         return text
-
-    @property
-    def expected_bubble(self) -> float | None:
-        """The schedule's bubble for the *measured* per-stage forward/backward times.
-
-        (p-1)/(m+p-1) assumes equal stages; real stages differ (the first holds the
-        embedding, the last the output layer and loss), and the faster stage waits
-        for the slower one.  This replays Megatron's 1F1B order with each stage's
-        mean measured microbatch times (``estimate.simulate_schedule``), so
-        measured minus expected is what communication and host overhead cost.
-        """
-        steps = self.timeline_steps()
-        if self.layout.pp < 2 or not steps:
-            return None
-        use = self.steady_steps(steps)
-        durations: dict[tuple[int, str], list[float]] = {}
-        for step in use:
-            for ev in self.timeline(step):
-                if ev["kind"] in ("forward", "backward"):
-                    durations.setdefault((int(ev["stage"]), ev["kind"]), []).append(ev["end_s"] - ev["start_s"])
-        vpp = self.layout.vpp
-        try:
-            per_stage = {kind: [vpp * sum(durations[(s, kind)]) / len(durations[(s, kind)])
-                                for s in range(self.layout.pp)] for kind in ("forward", "backward")}
-        except KeyError:
-            return None
-        events = estimate.simulate_schedule(self.layout, self.num_microbatches,
-                                            forward_s=per_stage["forward"], backward_s=per_stage["backward"])
-        result = estimate.timeline_bubble(events)
-        return None if result is None else result["bubble"]
-
-    @property
-    def theoretical_bubble(self) -> float:
-        return estimate.bubble(self.layout, self.num_microbatches)
 
     # ----- text ----------------------------------------------------------------------
     def summary(self) -> Text:

@@ -217,6 +217,24 @@ def test_rules_stated_once():
     assert ModelConfig.from_dict(load_preset("tiny").to_dict()) == load_preset("tiny")
 
 
+
+def test_config_keeps_the_old_import_paths_of_what_moved_out():
+    """The layout, paths, presets and the profiler's step syntax have their own modules; ``from mnb.config
+    import ParallelConfig`` (and the others) still names the same object."""
+    import mnb.config
+    import mnb.parallel_config
+    import mnb.paths
+    import mnb.presets
+    import mnb.profile_steps
+
+    moved = {mnb.parallel_config: ("ParallelConfig", "as_vpp", "divisors", "FSDP_STRATEGIES", "FSDP_OPTIM_ON_CPU"),
+             mnb.paths: ("cache_dir", "package_data"), mnb.presets: ("preset_names",),
+             mnb.profile_steps: ("parse_steps",)}
+    for module, names in moved.items():
+        for name in names:
+            assert getattr(mnb.config, name) is getattr(module, name), (module.__name__, name)
+
+
 def test_every_config_field_is_documented_and_docs_config_md_is_generated_from_it():
     """Each field of ParallelConfig/ModelConfig/TrainConfig says what it means (every Literal choice
     named), and docs/config.md is exactly what its docstrings generate."""

@@ -13,7 +13,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from mnb.controller import current_pool
-from mnb.magics import MNB_COMMANDS, SUBCOMMAND_PARSERS, help_end_transformer, megatron_parser
+from mnb.notebook.magics import MNB_COMMANDS, SUBCOMMAND_PARSERS, help_end_transformer, megatron_parser
 
 PARSERS = {**{f"%mnb {name}": make for name, make in SUBCOMMAND_PARSERS.items()}, "%%megatron": megatron_parser}
 

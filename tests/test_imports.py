@@ -143,7 +143,7 @@ def test_root_package_imports_nothing_of_mnb_at_module_level():
 
 def test_graph_sees_function_level_imports():
     """The checker itself: an import inside a function is an edge."""
-    assert "mnb.magics" in import_graph()["mnb"]  # load_ipython_extension imports it when called
+    assert "mnb.notebook.magics" in import_graph()["mnb"]  # load_ipython_extension imports it when called
     tree = ast.parse("def f():\n    from mnb.runs import Run\n")
     edges = set().union(*(_targets("mnb.x", PACKAGE / "x.py", n, _modules()) for n in _imports(tree)))
     assert edges == {"mnb.runs"}
@@ -157,16 +157,22 @@ RANK_SIDE = ("mnb.worker", "mnb.megatron")
 HEAVY = ("torch", "megatron", "transformer_engine", "apex")
 """Third-party packages the notebook kernel never imports (tests/test_no_torch.py checks a real import)."""
 
+OLD_FRONT_END = ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_commands", "mnb.run_commands",
+                 "mnb.debug_commands", "mnb.plan_commands", "mnb.profile_commands")
+"""Where the front end's modules stood before ``mnb/notebook/``: each re-exports its new home."""
+
 GROUPS: dict[str, tuple[str, ...]] = {
     "shared types": ("mnb.config", "mnb.pipeline_layout", "mnb.lora_config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
                      "mnb.timeouts", "mnb.version", "mnb.progress", "mnb.results", "mnb.writes", "mnb.hf_config",
-                     "mnb.model_source"),
-    "front end": ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_commands", "mnb.run_commands",
-                  "mnb.debug_commands", "mnb.plan_commands", "mnb.profile_commands"),
+                     "mnb.model_source", "mnb.paths", "mnb.presets", "mnb.profile_steps",
+                     "mnb.parallel_config"),
+    "front end": ("mnb.notebook",) + OLD_FRONT_END,
+    "old front-end paths": OLD_FRONT_END,
     "rank side": RANK_SIDE,
 }
 """Names for sets of modules in LAYERS.  shared types: the level-1 modules of the root that both sides use
-(configs, units, values on the wire, errors, json-only config readers); front end: the magics' modules."""
+(configs, units, values on the wire, errors, json-only config readers); front end: the magics' package and
+the old paths that re-export it."""
 
 LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("shared types", "only", ("shared types",), "level 1: below everything, they import only each other"),
@@ -187,7 +193,11 @@ LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
      "figures of estimates and of any object with a run's fields (runs.as_run coerces; runs imports plot)"),
     ("mnb.widgets", "only", ("mnb.widgets", "mnb.controller", "mnb.estimate", "mnb.plot", "mnb.runs", "shared types"),
      "views that drive the pool and read estimates and runs; never the front end or the export"),
-    ("mnb.launch_templates", "only", ("mnb.config",), "below both the Slurm launcher and the export"),
+    ("mnb.notebook", "only", ("mnb.notebook", "mnb.controller", "mnb.widgets", "mnb.estimate", "mnb.plot",
+                              "mnb.exports", "mnb.profiles", "shared types"),
+     "the magics parse, check and hand over: to the pool, the estimate, the export, the profiles, the live widget"),
+    ("old front-end paths", "only", ("mnb.notebook",), "re-exports that keep the old import paths working"),
+    ("mnb.launch_templates", "only", ("mnb.paths",), "below both the Slurm launcher and the export"),
     ("notebook side", "never", ("rank side",), "the kernel never imports torch (the rank side does)"),
     ("all but the front end", "never", ("front end",), "nothing below the magics imports them (the facade aside)"),
 ]
@@ -237,20 +247,25 @@ def test_layers():
 
 def test_layer_check_sees_a_violation():
     """The checker itself: what an allow-list leaves out is caught (the export, the widgets or a magic in the
-    controller, the controller in the worker, the worker in mnb.megatron, a pool in a shared type)."""
+    controller, the controller in the worker, the worker in mnb.megatron, a pool in a shared type, the rank
+    side in the front end, anything but the front end in an old front-end path)."""
     graph = {"mnb.controller.x": {"mnb.exports", "mnb.config"}, "mnb.estimate.y": {"mnb.runs"},
              "mnb.worker.z": {"mnb.controller.pool", "mnb.megatron.layout", "mnb.protocol"},
              "mnb.megatron.w": {"mnb.worker.channel", "mnb.config"}, "mnb.fields": {"mnb.controller"},
-             "mnb.controller.v": {"mnb.widgets.live", "mnb.pool_commands"}}
+             "mnb.controller.v": {"mnb.widgets.live", "mnb.notebook.pool_commands"},
+             "mnb.notebook.u": {"mnb.megatron.model", "mnb.controller"}, "mnb.magics": {"mnb.controller"}}
     found = layer_violations(graph)
     assert [line.split(":")[0] for line in found] == [
         "mnb.fields imports ['mnb.controller']",
-        "mnb.controller.v imports ['mnb.pool_commands', 'mnb.widgets.live']",
+        "mnb.controller.v imports ['mnb.notebook.pool_commands', 'mnb.widgets.live']",
         "mnb.controller.x imports ['mnb.exports']",
         "mnb.worker.z imports ['mnb.controller.pool']",
         "mnb.megatron.w imports ['mnb.worker.channel']",
         "mnb.estimate.y imports ['mnb.runs']",
-        "mnb.controller.v imports ['mnb.pool_commands']",
+        "mnb.notebook.u imports ['mnb.megatron.model']",
+        "mnb.magics imports ['mnb.controller']",
+        "mnb.notebook.u imports ['mnb.megatron.model']",
+        "mnb.controller.v imports ['mnb.notebook.pool_commands']",
     ], found
 
 
@@ -278,3 +293,23 @@ def test_architecture_doc_shows_the_layering_table():
 
 def _shown(name: str) -> str:
     return f"`{name}`" if name.startswith("mnb") else name
+
+
+def test_old_front_end_paths_name_the_new_objects():
+    """``from mnb.magics import X`` (and the other old paths) still works, and X is the front end's own object:
+    every public name the new module defines is re-exported, none is a copy."""
+    import importlib
+
+    graph = import_graph()
+    for old in OLD_FRONT_END:
+        (new,) = graph[old]
+        assert new.startswith("mnb.notebook."), (old, new)
+        tree = ast.parse(_modules()[new].read_text())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+            t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        public = {name for name in defined if not name.startswith("_")}
+        old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+        assert public <= set(old_module.__all__), (old, sorted(public - set(old_module.__all__)))
+        for name in old_module.__all__:
+            assert getattr(old_module, name) is getattr(new_module, name), (old, name)

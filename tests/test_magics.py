@@ -14,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from mnb.config import ParallelConfig
 from mnb.errors import CompositeRankError
-from mnb.magics import LAYOUT_FLAGS, megatron_parser, parse_ranks, requested_layout
+from mnb.notebook.magics import LAYOUT_FLAGS, megatron_parser, parse_ranks, requested_layout
 from tests.conftest import assert_no_orphans
 
 
@@ -57,7 +57,7 @@ def _flags(parser) -> list[str]:
 
 
 def test_flags_are_a_frozen_contract():
-    from mnb.magics import SUBCOMMAND_PARSERS
+    from mnb.notebook.magics import SUBCOMMAND_PARSERS
 
     found = {f"%mnb {name}": _flags(make()) for name, make in SUBCOMMAND_PARSERS.items()}
     found["%%megatron"] = _flags(megatron_parser())
@@ -285,7 +285,7 @@ def test_load_ext_binds_mnb_and_registers_once(shell):
 
     assert shell.user_ns["mnb"] is mnb
     shell.run_line_magic("reload_ext", "mnb")  # loading again: the same magics, one input transformer
-    from mnb.magics import help_end_transformer
+    from mnb.notebook.magics import help_end_transformer
 
     assert shell.input_transformers_cleanup.count(help_end_transformer) == 1
 

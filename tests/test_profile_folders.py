@@ -8,7 +8,7 @@ import argparse
 import pytest
 from IPython.core.error import UsageError
 
-from mnb.profile_commands import profile_request, run_profile_command
+from mnb.notebook.profile_commands import profile_request, run_profile_command
 
 
 def _profile(folder):

@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from mnb.config import cache_dir
+from mnb.paths import cache_dir
 from mnb.protocol import EXITS_DIR_ENV, fault_file
 from mnb.timeouts import DEATH_REPORT_WAIT_S, TEARDOWN_GRACE_S
 
@@ -402,7 +402,7 @@ def _signal(proc: psutil.Process, sig: int) -> None:
 
 COMPILE_CACHE = cache_dir()
 """Where CUDA ranks keep Inductor's and Triton's compiled kernels (``%mnb start`` docs say so):
-mnb's one cache folder, :func:`mnb.config.cache_dir`."""
+mnb's one cache folder, :func:`mnb.paths.cache_dir`."""
 
 FLIGHT_RECORDER_ENTRIES = 2000
 """``TORCH_FR_BUFFER_SIZE`` of CUDA pools (a user's own setting, or ``TORCH_NCCL_TRACE_BUFFER_SIZE``, wins):

@@ -26,8 +26,8 @@ TEXT_PROBE_BYTES = 8192
 
 
 def cache_dir() -> Path:
-    """mnb's cache folder (:func:`mnb.config.cache_dir`: ``$MNB_CACHE``, else ``$XDG_CACHE_HOME/mnb``, else ``~/.cache/mnb``)."""
-    from mnb.config import cache_dir as config_cache_dir
+    """mnb's cache folder (:func:`mnb.paths.cache_dir`: ``$MNB_CACHE``, else ``$XDG_CACHE_HOME/mnb``, else ``~/.cache/mnb``)."""
+    from mnb.paths import cache_dir as config_cache_dir
 
     return config_cache_dir()
 

@@ -263,7 +263,7 @@ def gpt(preset_or_config: str | ModelConfig | dict = "tiny", *, seed: int | None
     """Build this rank's part of a GPT for the current layout.
 
     Args:
-        preset_or_config: a preset name (``mnb.config.preset_names()``), a dict of
+        preset_or_config: a preset name (``mnb.presets.preset_names()``), a dict of
             ModelConfig fields, or a ModelConfig.
         seed: seed of the initial weights (default: the layout's seed, 1234).
         init: ``"layout_invariant"`` (same initial model under every layout) or

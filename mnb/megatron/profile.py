@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from mnb.config import parse_steps
+from mnb.profile_steps import parse_steps
 from mnb.megatron.memory import allocated_over_time
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",

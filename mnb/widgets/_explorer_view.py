@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import ipywidgets as widgets
 
-from mnb.config import ParallelConfig, preset_names
+from mnb.config import ParallelConfig
+from mnb.presets import preset_names
 from mnb.estimate import DEVICES
 from mnb.plot import plot_memory, plot_schedule, plot_timeline
 from mnb.units import format_bytes

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import mnb.estimate as est
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem, divisors, preset_names
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem, divisors
+from mnb.presets import preset_names
 from mnb.model_source import checkpoint_folder, resolve_model
 from mnb.estimate import hardware
 

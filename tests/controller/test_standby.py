@@ -18,7 +18,7 @@ from mnb.controller import Pool
 from mnb.controller import standby as standbys
 from mnb.controller import registry
 from mnb.errors import PoolError
-from mnb.magics import MegatronMagics
+from mnb.notebook.magics import MegatronMagics
 from tests.conftest import alive_pids
 from tests.controller.test_orphans import wait_gone
 
