@@ -163,7 +163,8 @@ def test_random_interrupts_during_training_never_split_the_ranks(kernel, flags, 
     assert kernel.value("mnb.pool().restarts") == restarts  # every interrupt landed in mnb.train: no rank was replaced
 
 
-def test_killed_kernel_mid_training_leaves_no_process_and_no_secret():
+def test_killed_kernel_mid_training_leaves_no_process_and_no_secret(tmp_path):
+    training = tmp_path / "training"  # written at the first training forward: the kill lands mid-run
     kernel = Kernel()
     try:
         kernel.ok("%load_ext mnb\nimport mnb")
@@ -172,8 +173,13 @@ def test_killed_kernel_mid_training_leaves_no_process_and_no_secret():
         pids = kernel.value("mnb.pool().descendants()")
         workdir = kernel.value("str(mnb.pool().workdir())")
         assert len(pids) >= 5  # torchrun, 2 ranks, the ranks' children
-        kernel.send("%%megatron\nmnb.train(model, steps=100000, micro_batch_size=2, global_batch_size=8)")
-        time.sleep(3.0)
+        kernel.send("%%megatron\n"  # the first training forward writes the file
+                    f"model.chunks[0].register_forward_pre_hook(lambda *_: open({str(training)!r}, 'w').close())\n"
+                    "mnb.train(model, steps=100000, micro_batch_size=2, global_batch_size=8)")
+        deadline = time.monotonic() + 300.0
+        while not training.exists():
+            assert time.monotonic() < deadline, "no training step within 300 s"
+            time.sleep(0.05)
         os.kill(kernel.pid, signal.SIGKILL)  # not reaped yet: a zombie until the manager polls it
         left = wait_gone(pids, 60.0)  # a few seconds by design; a loaded 2-core machine took more than 5
         for pid in left:
