@@ -20,7 +20,9 @@ from mnb.errors import CellTimeoutError
 pytestmark = pytest.mark.slow
 
 TP2, PP2 = ParallelConfig(tp=2), ParallelConfig(pp=2)
-TIMEOUT_S = 2.0
+TIMEOUT_S = 10.0
+"""The cells reach their hang within milliseconds; the timeout is what a loaded 2-core machine needs to get
+there too, so the report finds every rank at the call it hangs in (each test pays it once)."""
 
 COUNTS = "from mnb.megatron import collectives\ncollectives.counts({group})"
 
