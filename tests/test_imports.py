@@ -160,7 +160,7 @@ HEAVY = ("torch", "megatron", "transformer_engine", "apex")
 GROUPS: dict[str, tuple[str, ...]] = {
     "shared types": ("mnb.config", "mnb.pipeline_layout", "mnb.lora_config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
                      "mnb.timeouts", "mnb.version", "mnb.progress", "mnb.results", "mnb.writes", "mnb.hf_config",
-                     "mnb.model_source"),
+                     "mnb.model_source", "mnb.notices"),
     "front end": ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_commands", "mnb.run_commands",
                   "mnb.debug_commands", "mnb.plan_commands", "mnb.profile_commands"),
     "rank side": RANK_SIDE,
