@@ -128,12 +128,34 @@ def load_ipython_extension(ipython: Any) -> None:
     from mnb.notebook.magics import register
 
     register(ipython)
+    from mnb import notices
+
+    notices.route(_to_pool_log, kernel_warnings=True)  # torchao's, torch's, transformers' known notices
     if "mnb" not in ipython.user_ns:
         ipython.push({"mnb": sys.modules[__name__]}, interactive=False)
     existing = current_pool(required=False)
     if load_standby.begin(pool_running=existing is not None and existing.running):
         print(f"mnb: launching standby ranks for the first %mnb start ({load_standby.AT_LOAD_ENV}=0 "
               "turns this off)", flush=True)
+
+
+def _to_pool_log(line: str) -> None:
+    """A known third-party notice (:mod:`mnb.notices`) raised in the kernel: to the running pool's log
+    (``mnb.pool().spec.log_file``, beside the ranks' own), else to mnb's logger at debug level."""
+    import logging
+
+    from mnb.controller import current_pool
+
+    pool = current_pool(required=False)
+    log_file = getattr(getattr(pool, "spec", None), "log_file", None)
+    if log_file is not None:
+        try:
+            with open(log_file, "a", encoding="utf-8") as f:
+                f.write("mnb kernel (to the log): " + line)
+            return
+        except OSError:
+            pass
+    logging.getLogger("mnb").debug("known notice: %s", line.rstrip())
 
 
 def unload_ipython_extension(ipython: Any) -> None:

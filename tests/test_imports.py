@@ -165,7 +165,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "shared types": ("mnb.config", "mnb.pipeline_layout", "mnb.lora_config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
                      "mnb.timeouts", "mnb.version", "mnb.progress", "mnb.results", "mnb.writes", "mnb.hf_config",
                      "mnb.model_source", "mnb.paths", "mnb.presets", "mnb.profile_steps",
-                     "mnb.parallel_config"),
+                     "mnb.parallel_config", "mnb.notices"),
     "front end": ("mnb.notebook",) + OLD_FRONT_END,
     "old front-end paths": OLD_FRONT_END,
     "rank side": RANK_SIDE,

@@ -88,6 +88,7 @@ class LoraLinear(torch.nn.Module):
         self.dropout = torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else torch.nn.Identity()
         self.A = torch.nn.ParameterDict()
         self.B = torch.nn.ParameterDict()
+        self._on_device: dict[tuple[str, str], torch.Tensor] = {}
         r = lora.rank
         for t in targets:
             a = initial_a(r, t.in_features, seed, t.hf_module)
@@ -120,7 +121,6 @@ class LoraLinear(torch.nn.Module):
         return tpl.reduce_from_tensor_model_parallel_region(u, group=self.tp_group) if self.tp > 1 else u
 
     def forward(self, x: torch.Tensor, out: torch.Tensor, sp: bool = False) -> torch.Tensor:
-        last = out.dim() - 1
         for t in self.targets:
             u = self.u(x, t.short, sp and self.tp > 1)
             for piece in t.pieces:
@@ -128,8 +128,17 @@ class LoraLinear(torch.nn.Module):
                 if piece.positions is None:
                     out = out + delta
                 else:
-                    out = out.index_add(last, piece.positions.to(out.device), delta.to(out.dtype))
+                    out = _AddAt.apply(out, self.positions(piece, out.device), delta.to(out.dtype))
         return out
+
+    def positions(self, piece: Piece, device) -> torch.Tensor:
+        """``piece.positions`` on ``device``, copied once (a copy from host memory at every call would
+        wait for the GPU's queue, once per projection and microbatch)."""
+        key = (piece.key, str(device))
+        cached = self._on_device.get(key)
+        if cached is None:
+            cached = self._on_device[key] = piece.positions.to(device)
+        return cached
 
     @torch.no_grad()
     def delta_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -142,7 +151,7 @@ class LoraLinear(torch.nn.Module):
                 if piece.positions is None:
                     delta += part
                 else:
-                    delta.index_add_(0, piece.positions.to(delta.device), part)
+                    delta.index_add_(0, self.positions(piece, delta.device), part)
         return delta
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
@@ -155,6 +164,28 @@ class LoraLinear(torch.nn.Module):
         else:
             axes = {f"A.{key}": 1 for key in self.A}
         return make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets)
+
+
+class _AddAt(torch.autograd.Function):
+    """``out.index_add(last dim, positions, delta)`` whose backward keeps only ``positions``.
+
+    torch's ``index_add`` saves ``delta`` for its backward (``IndexAddBackward0._saved_source``): one
+    ``[tokens, out]`` tensor per adapted projection inside a fused linear (q, k, v in ``linear_qkv``;
+    gate, up in ``linear_fc1``), held from forward to backward: 9.1 GiB more activations than full
+    fine-tuning on a Llama-3.2-3B shape at 8k tokens per microbatch (H200, 2026-12-03).  Its gradient
+    needs only the positions: ``grad`` for ``out``, ``grad[..., positions]`` for ``delta``.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, positions: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(positions)
+        return out.index_add(out.dim() - 1, positions, delta)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (positions,) = ctx.saved_tensors
+        delta = grad.index_select(grad.dim() - 1, positions) if ctx.needs_input_grad[2] else None
+        return grad if ctx.needs_input_grad[0] else None, None, delta
 
 
 def initial_a(rank: int, in_features: int, seed: int, name: str) -> torch.Tensor:

@@ -71,9 +71,9 @@ def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_
     f = 3/2 for gated MLPs; plus the logits ``6 B s h V``.  Core attention is
     counted in full (not halved for causal masking), as in megatron-core 0.16.
 
-    With LoRA (``lora``, a :class:`mnb.config.LoraConfig`) the frozen weights' gradient GEMMs are not
-    done (Megatron's ``linear_with_frozen_weight``): ``2 B s`` per frozen weight less, and the
-    adapters' ``6 B s r (in + out)`` more.
+    With LoRA (``lora``, a :class:`mnb.config.LoraConfig`), only what the backward does (Megatron's
+    ``linear_with_frozen_weight`` computes no weight gradient; autograd skips what nothing trainable
+    needs): :func:`lora_flops_saved` less, and the adapters' ``6 B s r (in + out)`` more.
     """
     b, s, h, layers = global_batch_size, cfg.seq_length, cfg.hidden_size, cfg.num_layers
     q = cfg.num_attention_heads * cfg.head_dim
@@ -88,9 +88,45 @@ def model_flops_per_step(cfg: ModelConfig, global_batch_size: int, padded_vocab_
         return full
     from mnb.estimate.params import lora_layer_params
 
-    weights = 2 * h * h * ((1 + cfg.query_groups / cfg.num_attention_heads) * (q / h) + mlp)  # active, per layer
-    frozen_wgrad = 2 * b * s * (layers * weights + h * padded_vocab_size)
-    return full - frozen_wgrad + 6 * b * s * layers * lora_layer_params(cfg, lora, 1)
+    return full - lora_flops_saved(cfg, global_batch_size, padded_vocab_size, lora) \
+        + 6 * b * s * layers * lora_layer_params(cfg, lora, 1)
+
+
+def lora_flops_saved(cfg: ModelConfig, global_batch_size: int, padded_vocab_size: int, lora) -> float:
+    """FLOPs of a full fine-tuning step that a LoRA step does not do, whole model:
+
+    - every frozen weight's gradient GEMM (``2 B s`` per weight: every linear, the output layer);
+    - in the first layer, everything before its first adapted projection has no backward at all
+      (the frozen embedding's output needs no gradient): the input gradient of the linears before
+      it and the core attention's backward (``2 x`` its forward) when the first adapted projection
+      comes after it; at that projection itself, the base weight's and the ``A`` matrices' input
+      gradients (``2 B s`` per weight).  With ``q_proj`` adapted: layer 0's ``linear_qkv`` input
+      gradient and its adapters' ``2 B s r h`` each.  peft on transformers skips the same.
+    """
+    from mnb.estimate.params import lora_projections
+
+    b, s, h = global_batch_size, cfg.seq_length, cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
+    width = cfg.moe_ffn * cfg.moe_router_topk if cfg.is_moe else cfg.ffn
+    forward = {  # forward FLOPs per token of one layer, in the order the layer runs them
+        "linear_qkv": 2 * h * (q + 2 * kv),
+        "attention": 4 * s * q,  # QK^T and AV, counted in full as above
+        "linear_proj": 2 * q * h,
+        "linear_fc1": 2 * h * width * (2 if cfg.gated_linear_unit else 1),
+        "linear_fc2": 2 * width * h,
+    }
+    linear_weights = sum(v for k, v in forward.items() if k != "attention") / 2
+    frozen_wgrad = 2 * b * s * (cfg.num_layers * linear_weights + h * padded_vocab_size)
+    wanted = set(lora.resolved_targets(gpt2=not cfg.gated_linear_unit))
+    adapted = [(megatron, n_in) for name, (n_in, _, _, megatron) in lora_projections(cfg).items()
+               if name.strip() in wanted or megatron in wanted]
+    order = list(forward)
+    first = min((order.index(m) for m, _ in adapted), default=len(order))
+    before = sum(forward[op] * (2 if op == "attention" else 1) for op in order[:first])
+    at_first = 0
+    if first < len(order):
+        at_first = forward[order[first]] + sum(2 * lora.rank * n_in for m, n_in in adapted if m == order[first])
+    return float(frozen_wgrad + b * s * (before + at_first))
 
 
 def _peak(device: torch.device, train) -> dict:

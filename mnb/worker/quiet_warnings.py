@@ -63,6 +63,17 @@ def verbose_warnings() -> bool:
     return os.environ.get("MNB_VERBOSE", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _to_log(rank: int, line: str) -> None:
+    log_file = sys.__stderr__
+    if log_file is None:
+        return
+    try:
+        log_file.write(f"mnb rank {rank} (to the log; %mnb start --verbose shows it in cells): {line}")
+        log_file.flush()
+    except (OSError, ValueError):  # the log is gone: the rank is ending anyway
+        pass
+
+
 def route_warnings(rank: int, verbose: bool) -> None:
     """Send the known notices (:data:`QUIET_WARNINGS`) to the pool's log, or with ``verbose`` to the cell.
 
@@ -72,6 +83,10 @@ def route_warnings(rank: int, verbose: bool) -> None:
     """
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("default", message=pattern)
+    if not verbose:  # torchao's and torch's known log records (mnb.notices), imported with transformers
+        from mnb import notices
+
+        notices.route(lambda line: _to_log(rank, line))
     if verbose or getattr(warnings.showwarning, "_mnb_routed", False):
         return
     show = warnings.showwarning

@@ -197,6 +197,57 @@ def test_lora_trains_under_tp2_then_peft_transformers_and_pp2_agree(cpu_pool, ma
         assert step == 3, step
 
 
+FLOP_CELL = """
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+def _sdpa(q, k, v, *args, out_shape=None, **kwargs):  # QK^T and AV in full, as the model FLOPs count them
+    return 4 * q[0] * q[1] * q[2] * k[2] * q[3]
+
+def _sdpa_backward(grad, q, k, v, *args, out_shape=None, **kwargs):  # four GEMMs of the same size
+    return 8 * q[0] * q[1] * q[2] * k[2] * q[3]
+
+_aten = torch.ops.aten
+_formulas = {_aten._scaled_dot_product_flash_attention_for_cpu: _sdpa,
+             _aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward}
+from mnb.megatron.peak import cpu_gemm_flops
+cpu_gemm_flops(torch.float32)  # the rank's GEMM peak for MFU, measured once per process: not the step's
+_flops = {}
+for _label, _targets in _cases.items():
+    _m = mnb.from_hf(_base, seq_length=32)
+    if _targets:
+        mnb.lora(_m, rank=4, alpha=8, targets=_targets)
+    with FlopCounterMode(display=False, custom_mapping=_formulas) as _counter:
+        _r = mnb.train(_m, steps=1, micro_batch_size=2, global_batch_size=4, data="mock")
+    _flops[_label] = (_counter.get_total_flops(), _r["model_flops_per_step"], _r["memory_components"]["activations"])
+del _m
+_flops
+"""
+
+
+def test_lora_step_runs_its_model_flops_and_holds_no_more_than_full_fine_tuning(cpu_pool, made):
+    """A training step's model FLOPs (the run record's, which MFU divides) equal the FLOPs of the GEMMs and
+    attention kernels the ranks ran (torch's FlopCounterMode, summed over dp2): full fine-tuning, and LoRA
+    whose frozen weights get no weight gradient and whose first layer has no backward before its first
+    adapter (q_proj first; o_proj first: layer 0's attention has no backward; gate_proj first).  And the
+    activations LoRA holds (counted tensors) are no more than full fine-tuning's: an adapter inside a fused
+    linear (q, k, v; gate, up) adds its output in place of its rows without keeping it for the backward."""
+    cases = {"full": None, "all-linear": "all-linear", "q,v (peft's default)": ("q_proj", "v_proj"),
+             "o_proj": ("o_proj",), "gate_proj": ("gate_proj",)}
+    base = made["models"]["llama"][0]
+    results = cpu_pool.run(f"_cases = {cases!r}\n_base = {base!r}\n" + FLOP_CELL, quiet=True)
+    for label in cases:
+        ran = sum(per_rank[label][0] for per_rank in results.values())  # each dp rank ran half the batch
+        counted = {per_rank[label][1] for per_rank in results.values()}
+        assert len(counted) == 1, counted
+        assert ran == pytest.approx(counted.pop(), rel=1e-9), (label, ran)
+    for rank, per_rank in results.items():
+        full_flops, full_acts = per_rank["full"][1], per_rank["full"][2]
+        assert per_rank["all-linear"][1] < 0.8 * full_flops  # no weight gradient for the frozen weights
+        for label in cases:
+            assert per_rank[label][2] <= 1.02 * full_acts, (rank, label, per_rank[label][2], full_acts)
+
+
 def test_bad_adapter_folders_and_targets_are_refused_alike(cpu_pool, made):
     base, good = made["models"]["llama"][0], made["models"]["llama"][1]
     root = made["root"] / "bad"
