@@ -34,6 +34,7 @@ from mnb.controller.generation import Generation, RankInfo, launch
 from mnb.controller.guards import InterruptLatch
 from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.controller.output import coords_label
+from mnb.controller.reports import last_words
 from mnb.controller.standby import Standby, difference, settings
 from mnb.controller.transport import Transport
 from mnb.errors import PoolError, interrupted
@@ -218,7 +219,9 @@ class Repair:
         for rank in dead:
             if rank in generation.ranks:
                 generation.ranks[rank].state = "dead"
-        return self.replace(f"rank(s) {dead} died while the pool was idle", layout)
+        words = generation.transport.last_words  # e.g. a rank whose Megatron-Core import failed after its hello
+        why = "".join(f"; rank {rank}: {last_words(message)}" for rank, message in sorted(words.items()))
+        return self.replace(f"rank(s) {dead} died while the pool was idle{why}", layout)
 
     def wait(self, latch: InterruptLatch) -> None:
         """Wait for a restart under way (the next request's); raise what keeps requests from running."""

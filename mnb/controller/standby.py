@@ -3,9 +3,10 @@
 A start, restart or automatic restart spends most of its seconds in torchrun's agent and
 in importing torch and Megatron-Core.  Once a pool is ready (and again after each
 adoption) :class:`Standby` launches torchrun for the same size, device, GPUs and
-environment in the background, with ``MNB_STANDBY=1``: each rank imports torch and
-Megatron-Core, sends ``standby`` and waits for a signed ``go`` before CUDA or any
-process group (``mnb/worker/boot.py``).  ``Repair`` adopts it through :meth:`Standby.adopt`
+environment in the background, with ``MNB_STANDBY=1``: each rank imports torch, sends
+``standby`` and waits for a signed ``go`` before CUDA or any process group, while its
+Megatron-Core import goes on in a helper thread (``mnb/worker/boot.py``; a cell that arrives
+before that import ends waits for it, ``mnb/worker/late_start.py``).  ``Repair`` adopts it through :meth:`Standby.adopt`
 (``go``, then every hello, as a normal start) and wraps it in a ``Generation``.
 
 A standby whose settings no longer match (size, device, GPUs, ``--ip``, threads, the
