@@ -59,9 +59,8 @@ def start(rank: Any) -> None:
         def cpu_ranks_import() -> None:
             from mnb.megatron import cpu
 
-            cpu.install()
+            cpu.install()  # imports Megatron-Core's parts with CUDA call sites (the rest: as cells need it)
             route_warnings(rank.rank, verbose)  # cpu.install() ignores the apex notices: log or show them
-            _import_megatron()  # what the first model needs
 
         rank.late = LateStart(rank, cpu_ranks_import, "Megatron-Core import and CPU redirection")
     if os.environ.get(STANDBY_ENV) == "1":
