@@ -3,7 +3,7 @@
 One H200 call (the device machine runs the session's main checkout at the top and this branch's copy
 under ``.dev/i39-start``; each code's rows come from its own tree)::
 
-    python3 bench/start_orders.py --out $OUT/start --code main=$ROOT --code branch=$PWD
+    python3 bench/start_orders.py --drop-page-cache --out $OUT/start --code main=$ROOT --code branch=$PWD
 
 This CPU machine (2 CPU ranks, a tiny model, ``--standby on`` where the order has a standby: CPU
 pools choose ``auto`` = off on a machine this small)::
@@ -13,7 +13,7 @@ pools choose ``auto`` = off on a machine this small)::
 Each run is a fresh Python process (a fresh kernel) with a fresh compile cache (``XDG_CACHE_HOME``),
 driving the pool API as the magics do (``load_standby.begin`` is what ``%load_ext mnb`` calls;
 ``Pool.start()`` is a bare ``%mnb start``), and the page cache dropped first where the machine allows
-it (``/proc/sys/vm/drop_caches``; the row says whether it did):
+it and ``--drop-page-cache`` asks (``/proc/sys/vm/drop_caches``; the row says whether it did):
 
 - ``at-once``: ``%load_ext mnb`` (the load-time standby begins), ``%mnb start`` at once;
 - ``after-20s``: ``%load_ext mnb``, 20 s of the user reading, then ``%mnb start``;
@@ -50,8 +50,14 @@ CPU_CELL = ("model = mnb.gpt('tiny', num_layers=2, seq_length=64)\n"
             "mnb.train(model, steps=1, micro_batch_size=1, global_batch_size=2)")
 
 
+DROP_PAGE_CACHE = False
+"""``--drop-page-cache``: each run from a cold page cache (the device machine; never on a shared one)."""
+
+
 def drop_page_cache() -> bool:
-    """Whether the page cache could be dropped (root on the device machine; not on shared machines)."""
+    """Drop the page cache when asked and allowed (root); whether it was dropped."""
+    if not DROP_PAGE_CACHE:
+        return False
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -144,6 +150,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--cpu", action="store_true", help="2 CPU ranks and a tiny model (this machine)")
     parser.add_argument("--no-torchrun", action="store_true", help="leave out the cold torchrun row")
+    parser.add_argument("--drop-page-cache", action="store_true",
+                        help="drop the page cache before each run (a machine of its own, as root)")
     parser.add_argument("--one", choices=ORDERS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -153,6 +161,8 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from gpu_measure import Rows
 
+    global DROP_PAGE_CACHE
+    DROP_PAGE_CACHE = args.drop_page_cache
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     codes = [tuple(c.split("=", 1)) for c in args.code] or [("this", str(HERE.parent))]
