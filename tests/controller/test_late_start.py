@@ -13,11 +13,13 @@ import os
 import re
 import threading
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from mnb.controller import Pool
+from mnb.controller import standby as standbys
 from mnb.errors import RankDiedError
 
 pytestmark = pytest.mark.slow
@@ -65,11 +67,17 @@ def on_event(pool: Pool, kind: str, act, ranks: int = 1):
 
 def test_the_pool_is_ready_before_megatron_is_imported_and_the_first_cell_waits_and_says_so(tmp_path, capsys):
     gate = tmp_path / "open"
-    pool = Pool.start(2, device="cpu", standby="off", timeout=180, extra_env=held_megatron(tmp_path, gate))
+    pool = Pool.start(2, device="cpu", standby="on", timeout=180, extra_env=held_megatron(tmp_path, gate))
     try:
         pids = [info.pid for _, info in sorted(pool.ranks.items())]
         states = [row["state"] for row in pool.status()]  # the gate is shut: no rank can have imported it
         assert all(re.fullmatch(r"idle: importing Megatron-Core, \d+\.\d s so far", s) for s in states), states
+        # the next generation's imports would compete with these for the cores: it waits for them
+        deadline = time.monotonic() + 120
+        while pool.standby_status()["state"] == "launching" and time.monotonic() < deadline:
+            time.sleep(0.1)  # its thread has begun and asked the ranks
+        assert pool.standby_status()["state"] == standbys.DEFERRED, pool.standby_status()
+        assert pool.standby_status()["torchrun_pid"] is None
         assert pool.pull("rank") == {0: 0, 1: 1}  # ready: the ranks answer requests
         assert "Megatron-Core import and CPU redirection" in pool.start_timings
         assert "still running at the hello" in pool.start_timings
@@ -96,8 +104,15 @@ def test_the_pool_is_ready_before_megatron_is_imported_and_the_first_cell_waits_
         assert pool.restarts == 0 and [info.pid for _, info in sorted(pool.ranks.items())] == pids
         assert pool.run("mnb.gpt('tiny').__class__.__name__", quiet=True)[0]  # Megatron-Core serves
         assert "waiting for the ranks" not in capsys.readouterr().out  # ready: no cell waits again
+        deadline = time.monotonic() + 120  # the standby launches once the ranks say they are ready
+        while pool.standby_status()["torchrun_pid"] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.standby_status()["torchrun_pid"] is not None, pool.standby_status()
     finally:
         pool.stop()
+        parked = standbys.unpark()  # Pool.stop keeps the standby for a later start in this process
+        if parked is not None:
+            parked.close()
 
 
 def test_a_rank_whose_megatron_import_fails_after_its_hello_is_a_crashed_rank_named_with_the_error(tmp_path):
