@@ -75,7 +75,9 @@ class Rows:
 def standby_ready(pool, timeout_s: float = 300) -> None:
     """Wait until the pool's standby has finished launching (ready for go, failed, or none)."""
     deadline = time.monotonic() + timeout_s
-    while (pool.standby_status() or {}).get("state") == "launching" and time.monotonic() < deadline:
+    from mnb.controller.standby import DEFERRED
+
+    while (pool.standby_status() or {}).get("state") in ("launching", DEFERRED) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

@@ -40,7 +40,7 @@ controller -> rank
     interrupt  a real SIGINT to the running cell, from the I/O thread
     heartbeat  the controller is alive; ranks exit when these stop
     shutdown   leave the exec loop and exit (a standby rank exits at once)
-    go         a standby rank (imports done, before CUDA and the process group) starts and says hello
+    go         a standby rank (torch imported, before CUDA and the process group) starts and says hello
     input_reply  the answer to an ``input_request`` (same id), from the I/O thread to the waiting
                thread: value (the line typed, no newline), or error (``no-stdin``: the front-end
                has no stdin; ``eof``: the user ended input; ``interrupt``: the cell is being
@@ -48,19 +48,25 @@ controller -> rank
 
 rank -> controller (every header also has rank and identity)
     hello      world_size, local_rank, node_rank, pid, host, device, device_name, backend, coords,
-               layout, torch and megatron versions, startup (the start's stage intervals); a rank
-               whose start failed sends pid and failed instead
+               layout, torch and megatron versions, startup (the start's stage intervals), starting
+               (what the start still does after the hello, e.g. "importing Megatron-Core, 2.0 s so far";
+               "" when nothing: ``mnb/worker/late_start.py``); a rank whose start failed sends pid and
+               failed instead
     stream     name (stdout/stderr), text, cell (the execute's id), batched every 20 ms
     display    cell; payload: a MIME bundle to show in the notebook
-    event      kind (e.g. "progress"), cell; payload: the event (``mnb.progress.Progress``)
+    event      kind (e.g. "progress"), cell; payload: the event (``mnb.progress.Progress``); "starting"
+               {doing, elapsed_s}: the cell waits for the rank's start (Megatron-Core's import), and
+               "started" {waited_s} once that wait is over
     reply      the answer to a request (same id): ok, and ename, evalue, traceback when not;
                execute: coords, layout, profile_dir (the folder the rank wrote the cell's profile
                to, or None), kept (``post_mortem``: whether the rank kept a failure to debug),
                payload {value, records (the run records)};
                status: pid, device, rss_bytes, memory_bytes (memory_reserved_bytes on CUDA),
-               layout, busy; stacks: stacks, busy; interrupt: interrupted, deferred
+               layout, busy, starting (while the start goes on after the hello); stacks: stacks, busy; interrupt: interrupted, deferred
     heartbeat  the rank is alive (its state travels in status and stacks answers)
-    standby    a standby rank's imports are done and it waits for ``go``: pid, host
+    standby    a standby rank imported torch and waits for ``go``: pid, host
+    fatal      a rank's last words before it exits on a failure outside any request (its start after
+               the hello: Megatron-Core's import or the default layout): doing, ename, evalue, traceback
     input_request  a cell on the rank called ``input()``/``getpass``/pdb: prompt, password, cell;
                the controller asks the notebook's stdin (labelled with the rank) and sends an
                ``input_reply`` with the same id
@@ -102,8 +108,8 @@ it crashes (:func:`fault_file`): the one other thing besides messages that cross
 
 STANDBY_ENV = "MNB_STANDBY"
 """Set to 1 by the controller in a standby generation's environment (:mod:`mnb.controller.standby`): its
-ranks import torch and Megatron-Core, say ``standby`` and wait for a signed ``go`` before CUDA or any
-process group (:mod:`mnb.worker.boot`)."""
+ranks import torch, say ``standby`` and wait for a signed ``go`` before CUDA or any process group, their
+Megatron-Core import going on meanwhile (:mod:`mnb.worker.boot`)."""
 
 
 def fault_file(exits_dir: str | os.PathLike, rank: int) -> Path:
@@ -114,9 +120,11 @@ def fault_file(exits_dir: str | os.PathLike, rank: int) -> Path:
 CONTROLLER_TYPES = frozenset(
     {"execute", "push", "pull", "status", "stacks", "interrupt", "heartbeat", "shutdown", "go", "input_reply"}
 )
-"""``go`` releases a standby rank (imports done, waiting before CUDA and the process group) into its start."""
-RANK_TYPES = frozenset({"hello", "stream", "display", "event", "reply", "heartbeat", "standby", "input_request"})
-"""``standby``: a standby rank's imports are done and it waits for ``go`` (its pid, versions)."""
+"""``go`` releases a standby rank (torch imported, waiting before CUDA and the process group) into its start."""
+RANK_TYPES = frozenset({"hello", "stream", "display", "event", "reply", "heartbeat", "standby", "input_request",
+                        "fatal"})
+"""``standby``: a standby rank imported torch and waits for ``go`` (its pid, host); ``fatal``: a rank's last
+words before it exits (the transport keeps them for the death report)."""
 MESSAGE_TYPES = CONTROLLER_TYPES | RANK_TYPES
 
 

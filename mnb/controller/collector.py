@@ -17,6 +17,9 @@ its state or restarts ranks.  Every wait is bounded:
 - a rank's ``input()``/``getpass``/pdb prompt is answered with the notebook's stdin
   (``stdin.py``), one rank at a time; the time the user takes pauses the timeout and the
   grace period (the wait is the user's);
+- a cell that reaches ranks still finishing their start (Megatron-Core importing after the
+  hello, ``mnb/worker/late_start.py``) says so in one line, and the time those ranks take to
+  become ready pauses the timeout (the wait is the start's, not the cell's);
 - a request another thread cancelled (``Pool.stop``/``restart``: the latch's
   ``cancelled``) ends the wait at once: the ranks are about to be ended;
 - an event handler that raises (the live widget's drawing) is logged once per
@@ -145,6 +148,10 @@ class Collector:
         self._unshown: Message | None = None  # the first failure, until it is shown
         self._latch: InterruptLatch = NO_LATCH
         self._failed_handlers: set[int] = set()  # id() of the handlers that raised in this request
+        self._starting: set[int] = set()  # ranks whose cell waits for their start (``starting`` event)
+        self._paused_from: float | None = None  # since when a rank's start pauses the timeout
+        self._paused_total_s = 0.0
+        self._said_starting = False
 
     # ------------------------------------------------------------------ wait
     def wait(self, latch: InterruptLatch = NO_LATCH) -> Outcome:
@@ -166,7 +173,7 @@ class Collector:
                     interrupted = True
                     break
                 now = time.monotonic()
-                if self.timeout_s is not None and now - start > self.timeout_s:
+                if self.timeout_s is not None and now - start - self._paused_s(now) > self.timeout_s:
                     self.outcome.timed_out, self.outcome.timeout_s = True, self.timeout_s
                     return self._end(release_s=RELEASE_S)
                 if self._failed_at is not None:
@@ -292,6 +299,31 @@ class Collector:
     def _pending(self) -> list[int]:
         return [r for r in self.targets if r not in self.outcome.replies]
 
+    def _paused_s(self, now: float) -> float:
+        """Seconds the cell's timeout was paused so far: ranks finishing their start before the cell ran."""
+        return self._paused_total_s + (now - self._paused_from if self._paused_from is not None else 0.0)
+
+    def _on_starting(self, rank: int, kind: str, payload: dict[str, Any]) -> None:
+        """A rank's cell waits for its start (``starting``), or no longer does (``started``, or its reply)."""
+        now = time.monotonic()
+        if kind == "starting":
+            if not self._starting:
+                self._paused_from = now
+            self._starting.add(rank)
+            if not self._said_starting and self.folder is not None and not self._muted:
+                self._said_starting = True
+                self.folder.flush()
+                doing = str(payload.get("doing") or "starting")
+                what = doing.replace("importing ", "finish importing ", 1) if doing.startswith("importing ") \
+                    else f"finish {doing}"
+                print(f"mnb: waiting for the ranks to {what} (under way for {payload.get('elapsed_s', 0):.1f} s)...",
+                      flush=True)
+            return
+        self._starting.discard(rank)
+        if not self._starting and self._paused_from is not None:
+            self._paused_total_s += now - self._paused_from
+            self._paused_from = None
+
     # ------------------------------------------------------------- messages
     def _step(self, wait_s: float) -> None:
         try:
@@ -311,6 +343,8 @@ class Collector:
                 return
             self.outcome.replies[rank] = message
             self.stdin.finished(rank)
+            if rank in self._starting:  # its wait was interrupted: no ``started`` event comes
+                self._on_starting(rank, "started", {})
             if not message.get("ok") and self._failed_at is None:
                 self._on_first_failure(rank, message)
         elif message.type == "input_request":  # another cell's is refused there: its rank must not hang
@@ -372,6 +406,8 @@ class Collector:
             self._handle(message)
 
     def _on_event(self, rank: int, kind: str, payload: dict[str, Any]) -> None:
+        if kind in ("starting", "started"):  # the rank's start, not the cell's (handlers see it too)
+            self._on_starting(rank, kind, payload)
         if kind == "progress" and payload.get("step_time_s"):
             self.outcome.last_step_time_s = payload["step_time_s"]
         if self._muted:

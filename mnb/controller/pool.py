@@ -365,7 +365,9 @@ class Pool:
         the pool; a rank that died while no request ran starts the automatic restart here;
         during an automatic restart, by the restart's own progress (each rank
         ``restarting: launched``, ``ready`` once its hello arrived, then the layout's
-        restoring).  Reads no queue a request or a restart waits on.
+        restoring).  A rank still finishing its start after its hello says what it does
+        (``idle: importing Megatron-Core, 3.1 s so far``; a cell waits for it).  Reads no queue a
+        request or a restart waits on.
         """
         rows = self._repair.rows(self.layout)
         if rows is None and not self._gate.holder and self._repair.replace_if_dead(self.layout):
@@ -384,6 +386,8 @@ class Pool:
                 state = "busy" if reply.get("busy") or (state == "busy" and not quiet) else "idle"
             if reply is None and state != "dead":
                 state = f"{state} (no answer)"
+            elif reply is not None and reply.get("starting"):  # its start goes on after the hello; cells wait
+                state = f"{state}: {reply['starting']}"
             rows.append({
                 "rank": rank, "pid": info.pid, "host": info.host, "state": state, "device": info.device,
                 "memory_bytes": reply.get("memory_bytes") if reply else None,

@@ -13,7 +13,7 @@ Every way the pool's processes change goes through :class:`Repair`:
   and joined (a late failure of a request that was running cannot start torchrun again);
 - ``adopt``: a built generation becomes the pool's in one assignment;
 - standby ranks (``standby.py``): with ``standby_on``, a new standby is prepared after each
-  adoption, and ``launch`` and the relaunch thread adopt a matching live one instead of
+  adoption (launched once the adopted ranks finished their start, ``ranks_started``), and ``launch`` and the relaunch thread adopt a matching live one instead of
   launching cold (a mismatched one is discarded, a dead one replaced; ``start_note`` says which).
 
 The relaunch thread reads only the inbox of the generation it builds, never the
@@ -34,11 +34,12 @@ from mnb.controller.generation import Generation, RankInfo, launch
 from mnb.controller.guards import InterruptLatch
 from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.controller.output import coords_label
+from mnb.controller.reports import last_words
 from mnb.controller.standby import Standby, difference, settings
 from mnb.controller.transport import Transport
 from mnb.errors import PoolError, interrupted
 from mnb.protocol import Message
-from mnb.timeouts import DEFAULT_GRACE_S
+from mnb.timeouts import ASK_TIMEOUT_S, DEFAULT_GRACE_S
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +139,22 @@ class Repair:
             if not self.standby_on or self.stopped or (self.standby is not None and self.standby.alive()):
                 return
             old, self.standby = self.standby, Standby(self.spec, self.bind_ip, self.make_launcher,
-                                                      self.start_timeout_s)
+                                                      self.start_timeout_s, not_before=self.ranks_started)
         if old is not None:
             old.close()  # died on its own: replaced
+
+    def ranks_started(self) -> bool:
+        """Whether no rank of the current generation still finishes its start after its hello (Megatron-Core's
+        import, ``mnb/worker/late_start.py``): asked of the ranks (their I/O threads answer ``status``);
+        True without a generation or answer (nothing to wait for)."""
+        generation = self.generation
+        if generation is None or generation.closed:
+            return True
+        try:
+            answers = generation.transport.ask("status", sorted(generation.ranks), ASK_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - closed meanwhile: nothing to wait for
+            return True
+        return not any(answer.get("starting") for answer in answers.values())
 
     def take_standby(self) -> Standby | None:
         """The standby, now the caller's (``Pool.stop`` parks it for the next start in this kernel)."""
@@ -218,7 +232,9 @@ class Repair:
         for rank in dead:
             if rank in generation.ranks:
                 generation.ranks[rank].state = "dead"
-        return self.replace(f"rank(s) {dead} died while the pool was idle", layout)
+        words = generation.transport.last_words  # e.g. a rank whose Megatron-Core import failed after its hello
+        why = "".join(f"; rank {rank}: {last_words(message)}" for rank, message in sorted(words.items()))
+        return self.replace(f"rank(s) {dead} died while the pool was idle{why}", layout)
 
     def wait(self, latch: InterruptLatch) -> None:
         """Wait for a restart under way (the next request's); raise what keeps requests from running."""

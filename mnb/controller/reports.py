@@ -17,6 +17,8 @@ from mnb.errors import CompositeRankError, RankError, format_rank_set
 
 Labels = dict[int, str]
 """rank -> 'r1 tp0 pp0 dp1'"""
+FAULT_TRACEBACK_LINES = 12
+"""Lines of a dying rank's traceback (its ``fatal`` message) shown in the death report."""
 
 
 def interrupt_line(outcome: Outcome, targets: list[int], labels: Labels) -> str:
@@ -130,6 +132,25 @@ def death_lines(deaths: dict[int, str], labels: Labels) -> tuple[list[str], list
              + (f"torn down by torchrun after the failure ({deaths[r]})" if r in torn else deaths[r])
              for r in ordered if r in labels]
     return lines, [r for r in ordered if r not in torn]
+
+
+def last_words(message) -> str:
+    """A rank's ``fatal`` message in words: what its start was doing after the hello, and the error.
+
+    e.g. ``its start failed after it said hello: importing Megatron-Core raised ImportError: no module``
+    """
+    return (f"its start failed after it said hello: {message.get('doing') or 'the start'} raised "
+            f"{message.get('ename')}: {message.get('evalue')}")
+
+
+def last_words_lines(messages: dict, shown: int = FAULT_TRACEBACK_LINES) -> list[str]:
+    """The last lines of each dying rank's traceback (``fatal``), for the death report."""
+    lines: list[str] = []
+    for rank, message in sorted(messages.items()):
+        tail = (message.get("traceback") or "").rstrip("\n").splitlines()[-shown:]
+        if tail:
+            lines += [f"rank {rank}'s traceback (last {len(tail)} lines; all of it in the torchrun log):", *tail]
+    return lines
 
 
 FAULT_FRAMES = 8

@@ -465,7 +465,11 @@ class Requests:
             if not info.local and now - beats.get(rank, now) > REMOTE_RANK_SILENCE_S:
                 deaths.setdefault(rank, f"no heartbeat for {REMOTE_RANK_SILENCE_S:.0f} s (host {info.host})")
         deaths = deaths or {r: "stopped with torchrun" for r in generation.ranks}
+        words = dict(generation.transport.last_words)  # a rank that said why it exits (its late start failed)
+        for rank, message in words.items():
+            deaths[rank] = f"{deaths.get(rank, 'exited')}; {reports.last_words(message)}"
         lines, first = reports.death_lines(deaths, self.labels())
+        lines += reports.last_words_lines(words)
         for rank in first:
             if "killed by signal" in deaths.get(rank, ""):
                 path, found = generation.launcher.fault_report(rank)

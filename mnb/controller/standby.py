@@ -3,9 +3,10 @@
 A start, restart or automatic restart spends most of its seconds in torchrun's agent and
 in importing torch and Megatron-Core.  Once a pool is ready (and again after each
 adoption) :class:`Standby` launches torchrun for the same size, device, GPUs and
-environment in the background, with ``MNB_STANDBY=1``: each rank imports torch and
-Megatron-Core, sends ``standby`` and waits for a signed ``go`` before CUDA or any
-process group (``mnb/worker/boot.py``).  ``Repair`` adopts it through :meth:`Standby.adopt`
+environment in the background, with ``MNB_STANDBY=1``: each rank imports torch, sends
+``standby`` and waits for a signed ``go`` before CUDA or any process group, while its
+Megatron-Core import goes on in a helper thread (``mnb/worker/boot.py``; a cell that arrives
+before that import ends waits for it, ``mnb/worker/late_start.py``).  ``Repair`` adopts it through :meth:`Standby.adopt`
 (``go``, then every hello, as a normal start) and wraps it in a ``Generation``.
 
 A standby whose settings no longer match (size, device, GPUs, ``--ip``, threads, the
@@ -50,6 +51,10 @@ CPU_CORES_PER_RANK = 2
 CPU_SPARE_CORES = 2
 CPU_BYTES_PER_RANK = 2 * GIB
 CPU_SPARE_BYTES = 2 * GIB
+DEFERRED = "launching once the pool's ranks finished their start"
+"""A standby's state while the ranks it would replace still import Megatron-Core (its imports would compete)."""
+NOT_BEFORE_POLL_S = 0.5
+"""How often a standby asks whether the pool's ranks finished their start before it launches."""
 
 _LIVE: "weakref.WeakSet[Standby]" = weakref.WeakSet()
 _parked: "Standby | None" = None
@@ -108,7 +113,7 @@ class Standby:
     """One standby generation: launched in a background thread, adopted or closed once."""
 
     def __init__(self, spec: LaunchSpec, bind_ip: str, make_launcher: Callable[[LaunchSpec], Launcher],
-                 timeout_s: float):
+                 timeout_s: float, not_before: Callable[[], bool] = lambda: True):
         self.settings = settings(spec, bind_ip)
         self.folder = Path(tempfile.mkdtemp(prefix="mnb-pool-standby-"))  # ranks remove mnb-pool-* when orphaned
         self.spec = dataclasses.replace(spec, connection_file=self.folder / "pool.json",
@@ -117,13 +122,16 @@ class Standby:
         self.bind_ip, self.timeout_s = bind_ip, timeout_s
         self.launcher = make_launcher(self.spec)
         self.transport: Transport | None = None
-        self.state = "launching"  # launching | waiting for go | failed: ... | adopted | closed
+        self.state = "launching"  # launching | DEFERRED | waiting for go | failed: ... | adopted | closed
         self.pids: dict[int, int] = {}
         self.launched_at = time.time()
         self.ready_s: float | None = None
         """Seconds from the launch to every rank waiting for ``go``."""
         self.waited_s = 0.0
         """Seconds ``adopt`` waited for the standby's imports (0 when it was already waiting for ``go``)."""
+        self._not_before = not_before
+        """Whether it may launch now: the pool's own ranks finished their start (their Megatron-Core import),
+        so the standby's imports do not compete with theirs for the cores (``Repair.ranks_started``)."""
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._prepare, name="mnb-standby", daemon=True)
@@ -133,6 +141,19 @@ class Standby:
     # ------------------------------------------------------------ the background thread
     def _prepare(self) -> None:
         try:
+            deadline = time.monotonic() + self.timeout_s
+            while not self._not_before() and time.monotonic() < deadline:  # polls the pool's ranks
+                with self._lock:  # close() sets its state under the lock: never overwritten here
+                    if self._closed.is_set():
+                        return
+                    self.state = DEFERRED
+                if self._closed.wait(NOT_BEFORE_POLL_S):
+                    return
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                self.state = "launching"
+            self.launched_at = time.time()
             transport = open_transport(self.spec, self.bind_ip)
             with self._lock:  # close() either sees the transport and torchrun, or they never start
                 if self._closed.is_set():

@@ -97,6 +97,9 @@ class Transport:
         os.set_blocking(self._wake_write, False)
         self.inbox: _Inbox = _Inbox()
         self.last_heartbeat: dict[int, float] = {}
+        self.last_words: dict[int, Message] = {}
+        """Each rank's ``fatal`` message, sent before it exits on a failure outside any request (its start
+        after the hello): kept here, never queued, for the death report (``reports.last_words``)."""
         self.known_ranks: set[int] = set()  # ranks with a route (their first valid message arrived)
         self.dropped = 0
         self.received: collections.Counter[str] = collections.Counter()
@@ -258,6 +261,9 @@ class Transport:
         self.received[message.type] += 1
         self.last_heartbeat[rank] = time.monotonic()
         if message.type == "heartbeat":
+            return
+        if message.type == "fatal":
+            self.last_words[rank] = message
             return
         if message.type == "reply":
             with self._lock:

@@ -1,10 +1,12 @@
-"""A rank's start: torch, the device, the process group, Megatron's default layout, the hello.
+"""A rank's start: torch, the device, the process group, the hello; Megatron-Core after it.
 
 Kept out of ``mnb/worker/main.py`` (the rank's message loop): what happens between torchrun
-starting ``python -m mnb.worker`` and the first message the rank serves.  A standby rank
-(``MNB_STANDBY=1``) imports torch and Megatron-Core, then waits for a signed ``go`` before
-CUDA or any process group.  On CUDA ranks Megatron-Core is imported in a helper thread
-beside CUDA's and NCCL's initialisation, and once ready the fused kernels of
+starting ``python -m mnb.worker`` and the first message the rank serves.  Megatron-Core's
+import begins in a helper thread right after torch's, beside CUDA's and NCCL's (or gloo's)
+initialisation, and goes on after the hello with Megatron's default layout
+(``mnb/worker/late_start.py``): cells wait for it.  A standby rank (``MNB_STANDBY=1``) imports
+torch, says ``standby`` and waits for a signed ``go`` before CUDA or any process group (its
+Megatron-Core import goes on meanwhile).  On CUDA ranks, once ready, the fused kernels of
 :data:`BACKGROUND_PRESETS` compile in a background thread.
 """
 
@@ -19,8 +21,8 @@ import sys
 from typing import Any
 
 from mnb.protocol import STANDBY_ENV, Message
+from mnb.worker.late_start import LateStart
 from mnb.worker.quiet_warnings import route_warnings, verbose_warnings
-from mnb.worker.startup import StartClock
 
 log = logging.getLogger("mnb.worker")
 
@@ -35,7 +37,13 @@ def die_with_parent() -> None:
 
 
 def start(rank: Any) -> None:
-    """Torch, the device, the process group, Megatron's default layout and the pre-bound names; then hello."""
+    """Torch, the device, the process group and the pre-bound names; then hello.
+
+    Megatron-Core's import (on CPU ranks with the CPU redirection) begins in a helper thread right
+    after torch's and goes on after the hello, followed there by Megatron's default layout
+    (:class:`~mnb.worker.late_start.LateStart`): the pool is ready once every rank said hello, and a
+    cell that arrives before the rest is done waits for it and says so.
+    """
     clock = rank.clock
     verbose = verbose_warnings()
     route_warnings(rank.rank, verbose)
@@ -43,25 +51,28 @@ def start(rank: Any) -> None:
         import torch
         import torch.distributed as dist
 
+    if rank.device_kind == "cuda":
+        # Megatron-Core's import is seconds of Python; CUDA's and NCCL's initialisation are
+        # seconds in C: one overlaps the other, and both overlap the notebook's first seconds.
+        rank.late = LateStart(rank, _import_megatron, "Megatron-Core import")
+    else:
+        def cpu_ranks_import() -> None:
+            from mnb.megatron import cpu
+
+            cpu.install()  # imports Megatron-Core's parts with CUDA call sites (the rest: as cells need it)
+            route_warnings(rank.rank, verbose)  # cpu.install() ignores the apex notices: log or show them
+
+        rank.late = LateStart(rank, cpu_ranks_import, "Megatron-Core import and CPU redirection")
     if os.environ.get(STANDBY_ENV) == "1":
         stand_by(rank)
-    megatron_import = None
     if rank.device_kind == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda but torch sees no CUDA device on this host")
-        # Megatron-Core's import is seconds of Python; CUDA's and NCCL's initialisation are
-        # seconds in C: one overlaps the other.
-        megatron_import = _InThread("Megatron-Core import", clock, _import_megatron)
         with clock.stage("CUDA init"):
             torch.cuda.set_device(rank.local_rank)
         rank.device = torch.device("cuda", rank.local_rank)
         backend = "nccl"
     else:
-        from mnb.megatron import cpu
-
-        with clock.stage("Megatron-Core import and CPU redirection"):
-            cpu.install()
-        route_warnings(rank.rank, verbose)  # cpu.install() ignores the apex notices: log or show them
         from mnb.megatron import collectives
 
         collectives.install()  # gloo: mnb counts collectives (NCCL ranks have the Flight Recorder)
@@ -72,17 +83,10 @@ def start(rank: Any) -> None:
         kwargs["device_id"] = rank.device
     with clock.stage(f"process group ({backend})"):
         dist.init_process_group(**kwargs)
-    if megatron_import is not None:
-        megatron_import.result()
 
-    with clock.stage("mnb: layout and recording"):
-        from megatron.core import parallel_state
+    from mnb.config import ParallelConfig
+    from mnb.megatron import events
 
-        from mnb.config import ParallelConfig
-        from mnb.megatron import autorecord, events, layout
-
-        layout.apply_layout(ParallelConfig())
-        autorecord.install()  # a cell's or script's own get_forward_backward_func calls are measured
     events.set_sink(rank.send_event)
 
     import mnb
@@ -94,11 +98,13 @@ def start(rank: Any) -> None:
         device=rank.device,
         torch=torch,
         dist=dist,
-        ps=parallel_state,
         mnb=mnb,
         display=rank.display,
-    )
-    rank.channel.send(
+    )  # ps: once Megatron-Core is imported (LateStart)
+    if rank.device.type == "cuda":
+        device = rank.device
+        rank.late.after_ready(lambda: _warm_fused_kernels_in_background(device))
+    rank.late.send_hello(
         Message(
             "hello",
             header={
@@ -111,7 +117,8 @@ def start(rank: Any) -> None:
                 "device": str(rank.device),
                 "device_name": _device_name(rank),
                 "backend": backend,
-                "coords": layout.coordinates(),
+                # the default layout's, which the rank builds once Megatron-Core is imported
+                "coords": ParallelConfig().resolve(rank.world_size).coordinates(rank.rank),
                 "layout": rank.layout,
                 "torch": torch.__version__,
                 "megatron": _megatron_version(),
@@ -119,25 +126,16 @@ def start(rank: Any) -> None:
             },
         )
     )
-    if rank.device.type == "cuda":
-        _warm_fused_kernels_in_background(rank.device)
 
 
 def stand_by(rank: Any) -> None:
-    """A standby rank: Megatron-Core imported, then wait for ``go`` before CUDA or any process group.
+    """A standby rank: torch imported (Megatron-Core importing beside), then wait for ``go`` before CUDA
+    or any process group.
 
     The controller launched this rank ahead of need (``mnb/controller/standby.py``); until
     ``go`` it holds host memory only.  The channel's I/O thread watches the controller
     as for any rank, so a standby whose kernel died exits on its own.
     """
-    with rank.clock.stage("standby: Megatron-Core import"):
-        if rank.device_kind == "cuda":
-            _import_megatron()  # pure Python: no CUDA call
-        else:
-            from mnb.megatron import cpu
-
-            cpu.install()
-            _import_megatron()  # what the first model needs, ahead of the go
     rank.channel.send(Message("standby", header={"rank": rank.rank, "pid": os.getpid(),
                                                  "host": socket.gethostname()}))
     with rank.clock.stage("standby: waiting for go"):
@@ -159,30 +157,6 @@ def _device_name(rank: Any) -> str:
     if rank.device.type == "cuda":
         return torch.cuda.get_device_name(rank.device)
     return "cpu"
-
-
-class _InThread:
-    """Run ``fn`` in a helper thread as one stage of the start; :meth:`result` re-raises its error."""
-
-    def __init__(self, name: str, clock: StartClock, fn):
-        import threading
-
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                with clock.stage(name):
-                    fn()
-            except BaseException as exc:  # re-raised in the main thread by result()
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name=f"mnb-{name}", daemon=True)
-        self._thread.start()
-
-    def result(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 def _import_megatron() -> None:

@@ -36,6 +36,7 @@ from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle
 from mnb.worker.channel import Channel
 from mnb.worker.executor import Outcome, describe_exception, portable, run_cell
 from mnb.worker.faults import record_fatal_stacks
+from mnb.worker.late_start import LateStart
 
 log = logging.getLogger("mnb.worker")
 
@@ -65,6 +66,11 @@ class Rank:
         """The last cell's failure with its frames, for ``%mnb debug``; released when the next cell starts."""
         self.cwd_missing: str | None = None
         """The notebook's directory this host lacks, once said (``follow_kernel``); None while cells follow it."""
+        self.late: LateStart | None = None
+        """The start's part after the hello (Megatron-Core, the default layout): the one owner of whether
+        this rank is ready for cells; set by :func:`boot.start`."""
+        self.cell_id: str | None = None
+        """The ``execute`` this rank runs or ran last (its output and events are labelled with it)."""
 
     @property
     def layout(self) -> dict[str, Any] | None:
@@ -75,6 +81,10 @@ class Rank:
         answered with "no layout", not with the layout the rank had before (a CI run found a
         rank reporting its old layout with no groups at all, which the controller then trusted).
         """
+        if self.late is not None and not self.late.ready:  # the default layout, built before any cell runs
+            from mnb.config import ParallelConfig
+
+            return ParallelConfig().resolve(self.world_size).as_dict()
         module = sys.modules.get("mnb.megatron.layout")
         current = module.current_layout() if module is not None else None
         return current.as_dict() if current is not None else None
@@ -98,6 +108,8 @@ class Rank:
         else:
             info["memory_bytes"] = info["rss_bytes"]
         info["layout"] = self.layout
+        if self.late is not None and not self.late.ready:
+            info["starting"] = self.late.doing()  # e.g. "importing Megatron-Core, 3.1 s so far"
         return info
 
     def display(self, *objs: Any, force: bool = False) -> None:
@@ -159,6 +171,7 @@ class Rank:
             debugging.post_mortem(self, message)
             return
         debugging.forget_failure(self)  # the next cell: the failed one's frames (and tensors) go
+        self.late.finish()  # the first cell waits for Megatron-Core and the default layout, and says so
         with stdin.forwarded(self.channel, self.rank, message.id, message.get("debug_ranks")):
             self._execute(message)
 

@@ -36,19 +36,25 @@ class StartClock:
         self.stages: list[tuple[str, float, float]] = [("interpreter and mnb.worker", self.process_started,
                                                         MODULE_LOADED_AT)]
         self._lock = threading.Lock()  # stages may end in a helper thread
+        self._running: dict[str, float] = {}  # stages begun and not ended (a helper thread's, at the hello)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         began = time.time()
+        with self._lock:
+            self._running[name] = began
         try:
             yield
         finally:
             with self._lock:
+                self._running.pop(name, None)
                 self.stages.append((name, began, time.time()))
 
     def as_header(self) -> dict:
-        """What the hello message carries (plain JSON)."""
+        """What the hello message carries (plain JSON): the stages ended, and those still running
+        (``[name, began]``: Megatron-Core's import goes on after the hello, ``mnb/worker/late_start.py``)."""
         with self._lock:
             stages = sorted(self.stages, key=lambda s: s[1])
+            running = sorted(([name, began] for name, began in self._running.items()), key=lambda s: s[1])
         return {"process_started": self.process_started, "stages": [list(s) for s in stages],
-                "hello_sent": time.time()}
+                "running": running, "hello_sent": time.time()}

@@ -241,12 +241,14 @@ def test_failure_in_a_collective_keeps_the_layout_across_the_automatic_restart(t
 def test_start_timings_cover_the_start_stage_by_stage(cpu_pool):
     text = cpu_pool.start_timings
     names = [line[2:].split("  ")[0] for line in text.splitlines()[2:]]
-    assert names == ["torchrun: agent, rendezvous, spawn", "interpreter and mnb.worker", "torch import",
-                     "Megatron-Core import and CPU redirection", "process group (gloo)",
-                     "mnb: layout and recording", "hello reaches the notebook", "ready (every rank said hello)"]
-    numbers = [[float(x) for x in line.split()[-2:]] for line in text.splitlines()[2:-1]]
-    begins = [b for b, _ in numbers]
-    assert begins == sorted(begins) and all(took >= 0 for _, took in numbers)
+    # Megatron-Core's import begins in a helper thread right after torch's, beside the process group,
+    # and may still run at the hello (mnb/worker/late_start.py); the default layout follows it there
+    assert names[:3] == ["torchrun: agent, rendezvous, spawn", "interpreter and mnb.worker", "torch import"]
+    assert sorted(names[3:5]) == ["Megatron-Core import and CPU redirection", "process group (gloo)"]
+    assert names[5:] == ["hello reaches the notebook", "ready (every rank said hello)"], names
+    rows = [re.match(r"  (.+?)  +(\d+\.\d\d)  +(\d+\.\d\d|\.\.\.)", line) for line in text.splitlines()[2:-1]]
+    begins = [float(row[2]) for row in rows]
+    assert begins == sorted(begins) and all(row[3] == "..." or float(row[3]) >= 0 for row in rows)
     ready = float(text.splitlines()[-1].split()[-1])
     assert begins[-1] <= ready <= cpu_pool.startup_s + 0.5  # the launch comes after the pool's own set-up
 

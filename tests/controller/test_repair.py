@@ -53,7 +53,8 @@ def test_status_during_an_automatic_restart_answers_from_the_restarts_progress(c
     assert seen, "the restart ended before status was asked"
     assert all([row["rank"] for row in rows] == [0, 1] for rows in seen), seen  # rows, never an empty table
     states = {row["state"] for rows in seen for row in rows}
-    assert all(state.startswith("restarting: ") or state == "idle" for state in states), states
+    # once adopted, the new ranks may still import Megatron-Core ("idle: importing Megatron-Core, 2.1 s so far")
+    assert all(state.startswith(("restarting: ", "idle: ")) or state == "idle" for state in states), states
     assert "restarting: launched" in states, states  # before any hello: a row per rank all the same
     assert cpu_pool.run("rank", quiet=True) == {0: 0, 1: 1}  # the restart finished and nothing waits on it
     assert cpu_pool.restarts == restarts + 1

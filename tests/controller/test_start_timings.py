@@ -42,3 +42,19 @@ def test_a_remote_rank_shows_only_its_own_stages_from_its_own_start():
     stages = rank_stages(LAUNCH - 50, CUDA_RANK, received_at=0.0, local=False)  # another host's clock
     assert not any(s.name.startswith(("torchrun", "hello")) for s in stages)
     assert stages[0].began_s == 0.0 and stages[-1].began_s == pytest.approx(7.0)
+
+
+def test_a_stage_still_running_at_the_hello_is_shown_as_such():
+    # Megatron-Core's import goes on after the hello (mnb/worker/late_start.py): the pool is ready first
+    rank = {"process_started": 1002.0,
+            "stages": [["interpreter and mnb.worker", 1002.0, 1002.5], ["torch import", 1002.5, 1004.5],
+                       ["process group (gloo)", 1004.6, 1005.0]],
+            "running": [["Megatron-Core import and CPU redirection", 1004.55]], "hello_sent": 1005.1}
+    stages = rank_stages(LAUNCH, rank, received_at=1005.2, local=True)
+    running = [s for s in stages if s.running]
+    assert [s.name for s in running] == ["Megatron-Core import and CPU redirection"]
+    assert running[0].seconds == pytest.approx(0.55)  # by the hello
+    text = format_stages(stages, total_s=5.2, rank=0)
+    line = next(line for line in text.splitlines() if "Megatron-Core" in line)
+    assert "4.55     ...  (still running at the hello, 0.55 s so far: the first cell waits for it)" in line, line
+    assert "overlaps" in next(line for line in text.splitlines() if "process group" in line)
