@@ -68,7 +68,7 @@ _LAZY = {
     "evaluate": ("mnb.megatron.evaluate", "evaluate"),
     "explorer": ("mnb.widgets", "explorer"),
     "sweep": ("mnb.widgets", "sweep"),
-    "export": ("mnb.exports", "export"),
+    "export": ("mnb.megatron_lm.exports", "export"),
     "from_hf": ("mnb.megatron.hf", "from_hf"),
     "logits": ("mnb.megatron.logits", "logits"),
     "save_hf": ("mnb.megatron.hf", "save_hf"),

@@ -162,7 +162,9 @@ OLD_FRONT_END = ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_
 """Where the front end's modules stood before ``mnb/notebook/``: each re-exports its new home."""
 OLD_ANALYSIS = ("mnb.runs", "mnb.run_memory", "mnb.run_pipeline", "mnb.run_summary")
 """Where a run's analysis stood before ``mnb/analysis/``: each re-exports its new home."""
-OLD_PATHS = {"mnb.notebook": OLD_FRONT_END, "mnb.analysis": OLD_ANALYSIS}
+OLD_EXPORT = ("mnb.exports", "mnb.export_args")
+"""Where the export stood before ``mnb/megatron_lm/``: each re-exports its new home."""
+OLD_PATHS = {"mnb.notebook": OLD_FRONT_END, "mnb.analysis": OLD_ANALYSIS, "mnb.megatron_lm": OLD_EXPORT}
 """{new package: the old modules of the root that re-export its modules}."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -173,6 +175,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "front end": ("mnb.notebook",) + OLD_FRONT_END,
     "old front-end paths": OLD_FRONT_END,
     "old analysis paths": OLD_ANALYSIS,
+    "old export paths": OLD_EXPORT,
     "rank side": RANK_SIDE,
 }
 """Names for sets of modules in LAYERS.  shared types: the level-1 modules of the root that both sides use
@@ -201,10 +204,14 @@ LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("mnb.widgets", "only", ("mnb.widgets", "mnb.controller", "mnb.estimate", "mnb.plot", "mnb.analysis", "shared types"),
      "views that drive the pool and read estimates and runs; never the front end or the export"),
     ("mnb.notebook", "only", ("mnb.notebook", "mnb.controller", "mnb.widgets", "mnb.estimate", "mnb.plot",
-                              "mnb.exports", "mnb.profiles", "shared types"),
+                              "mnb.megatron_lm", "mnb.profiles", "shared types"),
      "the magics parse, check and hand over: to the pool, the estimate, the export, the profiles, the live widget"),
     ("old front-end paths", "only", ("mnb.notebook",), "re-exports that keep the old import paths working"),
     ("old analysis paths", "only", ("mnb.analysis",), "re-exports that keep the old import paths working"),
+    ("mnb.megatron_lm", "only", ("mnb.megatron_lm", "mnb.controller", "mnb.estimate", "mnb.launch_templates",
+                                 "shared types"),
+     "the export reads the notebook's last settings from the pool's registry; nothing below the front end imports it"),
+    ("old export paths", "only", ("mnb.megatron_lm",), "re-exports that keep the old import paths working"),
     ("mnb.launch_templates", "only", ("mnb.paths",), "below both the Slurm launcher and the export"),
     ("notebook side", "never", ("rank side",), "the kernel never imports torch (the rank side does)"),
     ("all but the front end", "never", ("front end",), "nothing below the magics imports them (the facade aside)"),
@@ -257,7 +264,7 @@ def test_layer_check_sees_a_violation():
     """The checker itself: what an allow-list leaves out is caught (the export, the widgets or a magic in the
     controller, the controller in the worker, the worker in mnb.megatron, a pool in a shared type, the rank
     side in the front end, anything but the front end in an old front-end path)."""
-    graph = {"mnb.controller.x": {"mnb.exports", "mnb.config"}, "mnb.estimate.y": {"mnb.runs"},
+    graph = {"mnb.controller.x": {"mnb.megatron_lm.exports", "mnb.config"}, "mnb.estimate.y": {"mnb.runs"},
              "mnb.worker.z": {"mnb.controller.pool", "mnb.megatron.layout", "mnb.protocol"},
              "mnb.megatron.w": {"mnb.worker.channel", "mnb.config"}, "mnb.fields": {"mnb.controller"},
              "mnb.controller.v": {"mnb.widgets.live", "mnb.notebook.pool_commands"},
@@ -266,7 +273,7 @@ def test_layer_check_sees_a_violation():
     assert [line.split(":")[0] for line in found] == [
         "mnb.fields imports ['mnb.controller']",
         "mnb.controller.v imports ['mnb.notebook.pool_commands', 'mnb.widgets.live']",
-        "mnb.controller.x imports ['mnb.exports']",
+        "mnb.controller.x imports ['mnb.megatron_lm.exports']",
         "mnb.worker.z imports ['mnb.controller.pool']",
         "mnb.megatron.w imports ['mnb.worker.channel']",
         "mnb.estimate.y imports ['mnb.runs']",

@@ -383,7 +383,7 @@ def run_parser() -> MagicArgumentParser:
 
 
 def export_parser() -> MagicArgumentParser:
-    from mnb.exports import KINDS
+    from mnb.megatron_lm.exports import KINDS
 
     p = _parser("%mnb export", "Write the current layout and the last mnb.gpt/mnb.train settings as Megatron-LM "
                 "pretrain_gpt.py arguments, torchrun command lines or an sbatch script for N nodes x G GPUs; "
