@@ -97,8 +97,8 @@ def __getattr__(name: str) -> Any:
 
         return last_run()
     if name == "last_profile":
-        # The notebook's last profiled cell (mnb.profiles.Profile); None until one ran.
-        from mnb.profiles import last_profile
+        # The notebook's last profiled cell (mnb.notebook.profiles.Profile); None until one ran.
+        from mnb.notebook.profiles import last_profile
 
         return last_profile()
     if name in _LAZY:

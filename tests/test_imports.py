@@ -158,7 +158,8 @@ HEAVY = ("torch", "megatron", "transformer_engine", "apex")
 """Third-party packages the notebook kernel never imports (tests/test_no_torch.py checks a real import)."""
 
 OLD_FRONT_END = ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_commands", "mnb.run_commands",
-                 "mnb.debug_commands", "mnb.plan_commands", "mnb.profile_commands")
+                 "mnb.debug_commands", "mnb.plan_commands", "mnb.profile_commands", "mnb.profiles", "mnb.workshop",
+                 "mnb.config_reference")
 """Where the front end's modules stood before ``mnb/notebook/``: each re-exports its new home."""
 OLD_ANALYSIS = ("mnb.runs", "mnb.run_memory", "mnb.run_pipeline", "mnb.run_summary")
 """Where a run's analysis stood before ``mnb/analysis/``: each re-exports its new home."""
@@ -204,8 +205,9 @@ LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("mnb.widgets", "only", ("mnb.widgets", "mnb.controller", "mnb.estimate", "mnb.plot", "mnb.analysis", "shared types"),
      "views that drive the pool and read estimates and runs; never the front end or the export"),
     ("mnb.notebook", "only", ("mnb.notebook", "mnb.controller", "mnb.widgets", "mnb.estimate", "mnb.plot",
-                              "mnb.megatron_lm", "mnb.profiles", "shared types"),
-     "the magics parse, check and hand over: to the pool, the estimate, the export, the profiles, the live widget"),
+                              "mnb.megatron_lm", "shared types"),
+     "the magics parse, check and hand over: to the pool, the estimate, the export, the live widget; the profiles, "
+     "the workshop's checks and the config reference are the notebook's own"),
     ("old front-end paths", "only", ("mnb.notebook",), "re-exports that keep the old import paths working"),
     ("old analysis paths", "only", ("mnb.analysis",), "re-exports that keep the old import paths working"),
     ("mnb.megatron_lm", "only", ("mnb.megatron_lm", "mnb.controller", "mnb.estimate", "mnb.launch_templates",

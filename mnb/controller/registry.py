@@ -60,7 +60,7 @@ def last_run() -> Any:
 
 
 def set_last_profile(profile: Any) -> None:
-    """Keep ``profile`` (a :class:`mnb.profiles.Profile`, or None) as ``mnb.last_profile``."""
+    """Keep ``profile`` (a :class:`mnb.notebook.profiles.Profile`, or None) as ``mnb.last_profile``."""
     _LAST_PROFILE.clear()
     if profile is not None:
         _LAST_PROFILE.append(profile)
