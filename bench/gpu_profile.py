@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--folder", default=None, help="the profile folder (default beside --out)")
     args = parser.parse_args()
     from mnb.controller import Pool, last_run
-    from mnb.profiles import Profile
+    from mnb.notebook.profiles import Profile
 
     cuda = args.device == "cuda"
     model = (f"model = mnb.gpt({args.model!r}, seq_length=2048)" if cuda else

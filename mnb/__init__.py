@@ -68,7 +68,7 @@ _LAZY = {
     "evaluate": ("mnb.megatron.evaluate", "evaluate"),
     "explorer": ("mnb.widgets", "explorer"),
     "sweep": ("mnb.widgets", "sweep"),
-    "export": ("mnb.exports", "export"),
+    "export": ("mnb.megatron_lm.exports", "export"),
     "from_hf": ("mnb.megatron.hf", "from_hf"),
     "logits": ("mnb.megatron.logits", "logits"),
     "save_hf": ("mnb.megatron.hf", "save_hf"),
@@ -97,8 +97,8 @@ def __getattr__(name: str) -> Any:
 
         return last_run()
     if name == "last_profile":
-        # The notebook's last profiled cell (mnb.profiles.Profile); None until one ran.
-        from mnb.profiles import last_profile
+        # The notebook's last profiled cell (mnb.notebook.profiles.Profile); None until one ran.
+        from mnb.notebook.profiles import last_profile
 
         return last_profile()
     if name in _LAZY:

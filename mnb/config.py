@@ -45,7 +45,7 @@ FP8_TE_SPELLING = (
 TRANSFORMER_DEFAULTS: dict[str, Any] = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 """TransformerConfig values mnb changes from Megatron's defaults (overridable through ``extra``).
 
-Here, not in the rank-side model code, so that an export to Megatron-LM (:mod:`mnb.exports`)
+Here, not in the rank-side model code, so that an export to Megatron-LM (:mod:`mnb.megatron_lm.exports`)
 writes the same values the ranks trained with."""
 
 

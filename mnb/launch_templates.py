@@ -1,7 +1,7 @@
 """The launch templates (``templates/launch/*.sbatch``) filled in: one renderer for everyone.
 
 Two sides render them: the Slurm launcher (``mnb.controller.slurm``: ``pool.sbatch``, the job
-of a ``%mnb start --slurm`` pool) and the export (``mnb.exports``: ``megatron-lm.sbatch`` for
+of a ``%mnb start --slurm`` pool) and the export (``mnb.megatron_lm.exports``: ``megatron-lm.sbatch`` for
 ``%mnb export slurm``).  The controller never imports the export (docs/architecture.md, the
 layering table), so the renderer lives below both; it reads only the package's data.
 """

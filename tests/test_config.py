@@ -238,7 +238,7 @@ def test_config_keeps_the_old_import_paths_of_what_moved_out():
 def test_every_config_field_is_documented_and_docs_config_md_is_generated_from_it():
     """Each field of ParallelConfig/ModelConfig/TrainConfig says what it means (every Literal choice
     named), and docs/config.md is exactly what its docstrings generate."""
-    from mnb import config_reference
+    from mnb.notebook import config_reference
 
     assert config_reference.undocumented() == []
     assert config_reference.DOC_PATH.read_text() == config_reference.markdown(), \
@@ -248,7 +248,7 @@ def test_every_config_field_is_documented_and_docs_config_md_is_generated_from_i
 def test_a_field_without_a_docstring_is_found():
     import dataclasses
 
-    from mnb import config_reference
+    from mnb.notebook import config_reference
 
     @dataclasses.dataclass
     class Example:

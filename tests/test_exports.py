@@ -21,7 +21,7 @@ import mnb
 from mnb.config import FSDP_STRATEGIES, ParallelConfig, TrainConfig, load_preset, model_config, uneven_pipeline_layout
 from mnb.controller import registry
 from mnb.controller.preflight import cell_settings
-from mnb.exports import export
+from mnb.megatron_lm.exports import export
 
 
 def pairs(args) -> dict[str, str | None]:

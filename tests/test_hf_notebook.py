@@ -18,7 +18,7 @@ import mnb.estimate as est
 from mnb.config import ParallelConfig, TrainConfig
 from mnb.controller import registry
 from mnb.controller.preflight import cell_settings
-from mnb.exports import export
+from mnb.megatron_lm.exports import export
 from mnb.hf_config import hf_config
 from mnb.model_source import resolve_model
 

@@ -158,8 +158,15 @@ HEAVY = ("torch", "megatron", "transformer_engine", "apex")
 """Third-party packages the notebook kernel never imports (tests/test_no_torch.py checks a real import)."""
 
 OLD_FRONT_END = ("mnb.magics", "mnb.magic_parsers", "mnb.magic_help", "mnb.pool_commands", "mnb.run_commands",
-                 "mnb.debug_commands", "mnb.plan_commands", "mnb.profile_commands")
+                 "mnb.debug_commands", "mnb.plan_commands", "mnb.profile_commands", "mnb.profiles", "mnb.workshop",
+                 "mnb.config_reference")
 """Where the front end's modules stood before ``mnb/notebook/``: each re-exports its new home."""
+OLD_ANALYSIS = ("mnb.runs", "mnb.run_memory", "mnb.run_pipeline", "mnb.run_summary")
+"""Where a run's analysis stood before ``mnb/analysis/``: each re-exports its new home."""
+OLD_EXPORT = ("mnb.exports", "mnb.export_args")
+"""Where the export stood before ``mnb/megatron_lm/``: each re-exports its new home."""
+OLD_PATHS = {"mnb.notebook": OLD_FRONT_END, "mnb.analysis": OLD_ANALYSIS, "mnb.megatron_lm": OLD_EXPORT}
+"""{new package: the old modules of the root that re-export its modules}."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "shared types": ("mnb.config", "mnb.pipeline_layout", "mnb.lora_config", "mnb.fields", "mnb.units", "mnb.values", "mnb.protocol", "mnb.errors",
@@ -168,6 +175,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
                      "mnb.parallel_config", "mnb.notices"),
     "front end": ("mnb.notebook",) + OLD_FRONT_END,
     "old front-end paths": OLD_FRONT_END,
+    "old analysis paths": OLD_ANALYSIS,
+    "old export paths": OLD_EXPORT,
     "rank side": RANK_SIDE,
 }
 """Names for sets of modules in LAYERS.  shared types: the level-1 modules of the root that both sides use
@@ -176,7 +185,7 @@ the old paths that re-export it."""
 
 LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("shared types", "only", ("shared types",), "level 1: below everything, they import only each other"),
-    ("mnb.controller", "only", ("mnb.controller", "shared types", "mnb.runs", "mnb.launch_templates"),
+    ("mnb.controller", "only", ("mnb.controller", "shared types", "mnb.analysis", "mnb.launch_templates"),
      "the pool: driven by the front end, widgets and export, never the other way; never the rank side"),
     ("mnb.worker", "only", ("rank side", "shared types"),
      "the rank's loop drives mnb.megatron; never the controller, the front end or the notebook's analysis"),
@@ -190,13 +199,21 @@ LAYERS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("mnb.hf_config", "only", ("mnb.config", "mnb.units"),
      "config.json to a ModelConfig, json only; the rank side reads it too"),
     ("mnb.plot", "only", ("mnb.plot", "mnb.estimate", "mnb.config", "mnb.units"),
-     "figures of estimates and of any object with a run's fields (runs.as_run coerces; runs imports plot)"),
-    ("mnb.widgets", "only", ("mnb.widgets", "mnb.controller", "mnb.estimate", "mnb.plot", "mnb.runs", "shared types"),
+     "figures of estimates and of any object with a run's fields (analysis.runs.as_run coerces; it imports plot)"),
+    ("mnb.analysis", "only", ("mnb.analysis", "mnb.estimate", "mnb.plot", "shared types"),
+     "a run's records, their analysis and summary text: below the pool (its registry makes a Run of the records)"),
+    ("mnb.widgets", "only", ("mnb.widgets", "mnb.controller", "mnb.estimate", "mnb.plot", "mnb.analysis", "shared types"),
      "views that drive the pool and read estimates and runs; never the front end or the export"),
     ("mnb.notebook", "only", ("mnb.notebook", "mnb.controller", "mnb.widgets", "mnb.estimate", "mnb.plot",
-                              "mnb.exports", "mnb.profiles", "shared types"),
-     "the magics parse, check and hand over: to the pool, the estimate, the export, the profiles, the live widget"),
+                              "mnb.megatron_lm", "shared types"),
+     "the magics parse, check and hand over: to the pool, the estimate, the export, the live widget; the profiles, "
+     "the workshop's checks and the config reference are the notebook's own"),
     ("old front-end paths", "only", ("mnb.notebook",), "re-exports that keep the old import paths working"),
+    ("old analysis paths", "only", ("mnb.analysis",), "re-exports that keep the old import paths working"),
+    ("mnb.megatron_lm", "only", ("mnb.megatron_lm", "mnb.controller", "mnb.estimate", "mnb.launch_templates",
+                                 "shared types"),
+     "the export reads the notebook's last settings from the pool's registry; nothing below the front end imports it"),
+    ("old export paths", "only", ("mnb.megatron_lm",), "re-exports that keep the old import paths working"),
     ("mnb.launch_templates", "only", ("mnb.paths",), "below both the Slurm launcher and the export"),
     ("notebook side", "never", ("rank side",), "the kernel never imports torch (the rank side does)"),
     ("all but the front end", "never", ("front end",), "nothing below the magics imports them (the facade aside)"),
@@ -249,7 +266,7 @@ def test_layer_check_sees_a_violation():
     """The checker itself: what an allow-list leaves out is caught (the export, the widgets or a magic in the
     controller, the controller in the worker, the worker in mnb.megatron, a pool in a shared type, the rank
     side in the front end, anything but the front end in an old front-end path)."""
-    graph = {"mnb.controller.x": {"mnb.exports", "mnb.config"}, "mnb.estimate.y": {"mnb.runs"},
+    graph = {"mnb.controller.x": {"mnb.megatron_lm.exports", "mnb.config"}, "mnb.estimate.y": {"mnb.runs"},
              "mnb.worker.z": {"mnb.controller.pool", "mnb.megatron.layout", "mnb.protocol"},
              "mnb.megatron.w": {"mnb.worker.channel", "mnb.config"}, "mnb.fields": {"mnb.controller"},
              "mnb.controller.v": {"mnb.widgets.live", "mnb.notebook.pool_commands"},
@@ -258,7 +275,7 @@ def test_layer_check_sees_a_violation():
     assert [line.split(":")[0] for line in found] == [
         "mnb.fields imports ['mnb.controller']",
         "mnb.controller.v imports ['mnb.notebook.pool_commands', 'mnb.widgets.live']",
-        "mnb.controller.x imports ['mnb.exports']",
+        "mnb.controller.x imports ['mnb.megatron_lm.exports']",
         "mnb.worker.z imports ['mnb.controller.pool']",
         "mnb.megatron.w imports ['mnb.worker.channel']",
         "mnb.estimate.y imports ['mnb.runs']",
@@ -295,21 +312,22 @@ def _shown(name: str) -> str:
     return f"`{name}`" if name.startswith("mnb") else name
 
 
-def test_old_front_end_paths_name_the_new_objects():
-    """``from mnb.magics import X`` (and the other old paths) still works, and X is the front end's own object:
-    every public name the new module defines is re-exported, none is a copy."""
+def test_old_paths_name_the_new_objects():
+    """``from mnb.magics import X``, ``from mnb.runs import X`` (and the other old paths) still work, and X is the
+    new home's own object: every public name the new module defines is re-exported, none is a copy."""
     import importlib
 
     graph = import_graph()
-    for old in OLD_FRONT_END:
-        (new,) = graph[old]
-        assert new.startswith("mnb.notebook."), (old, new)
-        tree = ast.parse(_modules()[new].read_text())
-        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
-            t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
-        public = {name for name in defined if not name.startswith("_")}
-        old_module, new_module = importlib.import_module(old), importlib.import_module(new)
-        assert public <= set(old_module.__all__), (old, sorted(public - set(old_module.__all__)))
-        for name in old_module.__all__:
-            assert getattr(old_module, name) is getattr(new_module, name), (old, name)
+    for package, olds in OLD_PATHS.items():
+        for old in olds:
+            (new,) = graph[old]
+            assert new.startswith(package + "."), (old, new)
+            tree = ast.parse(_modules()[new].read_text())
+            defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+                t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+            public = {name for name in defined if not name.startswith("_")}
+            old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+            assert public <= set(old_module.__all__), (old, sorted(public - set(old_module.__all__)))
+            for name in old_module.__all__:
+                assert getattr(old_module, name) is getattr(new_module, name), (old, name)

@@ -13,8 +13,8 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_notebook_side_modules_import_no_torch():
-    result = run("import mnb, mnb.magics, mnb.controller, mnb.estimate, mnb.plot, mnb.runs, mnb.config, "
-                 "mnb.protocol, mnb.errors, mnb.kernelspec, mnb.exports, mnb.controller.slurm, "
+    result = run("import mnb, mnb.magics, mnb.controller, mnb.estimate, mnb.plot, mnb.runs, mnb.analysis, mnb.config, "
+                 "mnb.protocol, mnb.errors, mnb.kernelspec, mnb.exports, mnb.megatron_lm, mnb.controller.slurm, "
                  "mnb.units, mnb.timeouts, mnb.progress, mnb.hf_config\n"
                  "mnb.export('slurm', model='tiny', gpus_per_node=2)\n" + CHECK)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -11,7 +11,7 @@ import json
 
 from IPython.core.interactiveshell import InteractiveShell
 
-from mnb.profiles import Profile
+from mnb.notebook.profiles import Profile
 
 MAIN, GLOO = 101, 202
 

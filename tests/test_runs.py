@@ -19,7 +19,7 @@ import pytest
 
 from mnb.config import ParallelConfig, load_preset
 from mnb.estimate import MemoryEstimate
-from mnb.runs import Run
+from mnb.analysis.runs import Run
 
 STAGE0 = [("forward", 0, 0, 1), ("forward", 1, 1, 2), ("backward", 0, 4, 6), ("forward", 2, 6, 7),
           ("backward", 1, 7, 9), ("forward", 3, 9, 10), ("backward", 2, 10, 12), ("backward", 3, 13, 15)]

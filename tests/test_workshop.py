@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from mnb.workshop import NotRight, check_equal, check_number
+from mnb.notebook.workshop import NotRight, check_equal, check_number
 
 MEASURED = 125_216  # e.g. notebook 07's optimizer bytes per rank
 WRONG = [0, None, "a string", ..., True, float("nan"), 2 * MEASURED, [MEASURED]]

@@ -38,7 +38,7 @@ def record_training(records: list[dict[str, Any]]) -> None:
     """Take the ranks' records of a cell's last training (one per rank): they become ``mnb.last_run``,
     the model and training settings ``%mnb export`` remembers (:func:`remember_settings`) and, from CPU
     ranks, the measured GEMM peak (:func:`measured_cpu_peak_flops`)."""
-    from mnb.runs import Run
+    from mnb.analysis.runs import Run
 
     _LAST_RUN.clear()
     _LAST_RUN.append(Run(records))
@@ -60,7 +60,7 @@ def last_run() -> Any:
 
 
 def set_last_profile(profile: Any) -> None:
-    """Keep ``profile`` (a :class:`mnb.profiles.Profile`, or None) as ``mnb.last_profile``."""
+    """Keep ``profile`` (a :class:`mnb.notebook.profiles.Profile`, or None) as ``mnb.last_profile``."""
     _LAST_PROFILE.clear()
     if profile is not None:
         _LAST_PROFILE.append(profile)

@@ -199,7 +199,7 @@ def timeline_bubble(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """Bubble measured from the timeline events of one step (see the module doc).
 
     The span runs from the first compute start to the last compute end over
-    all stages (times must share one clock: :meth:`mnb.runs.Run.timeline`
+    all stages (times must share one clock: :meth:`mnb.analysis.runs.Run.timeline`
     aligns ranks).  Per stage, idle = span - busy, busy the union of its
     forward/backward intervals; the stage's bubble is idle / span and the
     pipeline's is their mean, comparable with :func:`bubble`.  Returns

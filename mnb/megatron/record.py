@@ -1,6 +1,6 @@
 """The per-rank run record that ``mnb.train`` returns and publishes.
 
-Schema (JSON-able; the controller, ``mnb.runs`` and ``mnb.plot`` read it)::
+Schema (JSON-able; the controller, ``mnb.analysis.runs`` and ``mnb.plot`` read it)::
 
     {
       "rank": int, "world_size": int,

@@ -296,7 +296,7 @@ def megatron_parser() -> MagicArgumentParser:
 
 
 def profile_arguments(p: MagicArgumentParser) -> None:
-    """``%%megatron``'s profiling flags (mnb.megatron.profile, mnb.profiles)."""
+    """``%%megatron``'s profiling flags (mnb.megatron.profile, mnb.notebook.profiles)."""
     prof = p.add_argument_group("profiling (mnb.last_profile; docs/magics.md)")
     prof.add_argument("--profile", nargs="?", const="", default=None, metavar="STEPS",
                       help="torch.profiler on the ranks for steps STEPS of the cell's training, e.g. 3-4 "
@@ -383,7 +383,7 @@ def run_parser() -> MagicArgumentParser:
 
 
 def export_parser() -> MagicArgumentParser:
-    from mnb.exports import KINDS
+    from mnb.megatron_lm.exports import KINDS
 
     p = _parser("%mnb export", "Write the current layout and the last mnb.gpt/mnb.train settings as Megatron-LM "
                 "pretrain_gpt.py arguments, torchrun command lines or an sbatch script for N nodes x G GPUs; "

@@ -1,7 +1,7 @@
 """``%mnb plan`` and ``%mnb export``: which layouts fit, and the launch to run one elsewhere.
 
 Kept out of :mod:`mnb.notebook.magics` (parsing and dispatch only there).  Both work without a pool
-(pure Python: ``mnb.estimate``, ``mnb.exports``); only ``%mnb plan --calibrate`` measures the
+(pure Python: ``mnb.estimate``, ``mnb.megatron_lm``); only ``%mnb plan --calibrate`` measures the
 live one.  Torch-free.
 """
 
@@ -18,7 +18,7 @@ from mnb.notebook.parsers import layout_from_flags
 
 
 def export_command(args: argparse.Namespace) -> None:
-    from mnb.exports import check_output, export
+    from mnb.megatron_lm.exports import check_output, export
 
     settings = {k: getattr(args, k) for k in ("seq_length", "steps", "micro_batch_size", "global_batch_size",
                                               "lr", "data", "fp8") if getattr(args, k) is not None}

@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 
 from mnb.profile_steps import parse_steps
 from mnb.notebook.parsers import parse_ranks
-from mnb.profiles import Profile, delete_profile, last_profile, list_profiles, set_last_profile
+from mnb.notebook.profiles import Profile, delete_profile, last_profile, list_profiles, set_last_profile
 
 
 def profile_request(args: argparse.Namespace, pool: Any) -> dict[str, Any] | None:

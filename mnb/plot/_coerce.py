@@ -1,7 +1,7 @@
-"""What a plot takes: any object with a run's fields (e.g. :class:`mnb.runs.Run`), or an estimate.
+"""What a plot takes: any object with a run's fields (e.g. :class:`mnb.analysis.runs.Run`), or an estimate.
 
-Plots read data, not classes: nothing here imports :mod:`mnb.runs`.  Turning rank records
-or ``Run.to_dict()`` into a run is :func:`mnb.runs.as_run`'s job, done by the caller.
+Plots read data, not classes: nothing here imports :mod:`mnb.analysis.runs`.  Turning rank records
+or ``Run.to_dict()`` into a run is :func:`mnb.analysis.runs.as_run`'s job, done by the caller.
 """
 
 from __future__ import annotations

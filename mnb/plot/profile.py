@@ -1,6 +1,6 @@
 """plot_profile_timeline, plot_profile_memory: the figures of a merged profile (``mnb.last_profile``).
 
-Drawn from plain data that :class:`mnb.profiles.Profile` computes (its ``timeline_rows`` and
+Drawn from plain data that :class:`mnb.notebook.profiles.Profile` computes (its ``timeline_rows`` and
 ``thread_names``, one rank's ``memory()`` series); ``Profile.plot`` and ``Profile.plot_memory`` call
 these.  Each returns the Axes.
 """

@@ -3,7 +3,7 @@
 A :class:`PoolRunner` knows nothing of widgets: it is given a :class:`RunRequest`,
 re-lays-out the live ranks (``pool.run(code, layout=...)``), trains
 ``steps`` steps, and hands a :class:`RunOutcome` (the gathered
-:class:`mnb.runs.Run`, or why it failed) to the callback it was made with::
+:class:`mnb.analysis.runs.Run`, or why it failed) to the callback it was made with::
 
     runner = PoolRunner(on_done=lambda outcome: print(outcome.metrics or outcome.failure))
     runner.start(pool, RunRequest(model="tiny", parallel=ParallelConfig(pp=2),

@@ -104,7 +104,7 @@ class Explorer(widgets.VBox):
             raise TypeError(f"unknown explorer setting(s) {unknown}; choose from {', '.join(CONFIG_TRAITS)}")
         run_steps = settings.pop("run_steps", None)
         self._derived: Derived | None = None  # what the traits show: derive()'s answer for them
-        self._run = None  # the measured mnb.runs.Run shown beside the predictions
+        self._run = None  # the measured mnb.analysis.runs.Run shown beside the predictions
         self._redraw = threading.RLock()  # the background run redraws while the page may change settings
         self._view: view.ExplorerView | None = None
         self._runner = PoolRunner(on_done=self._run_finished, on_progress=self._run_progress)

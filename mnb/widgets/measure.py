@@ -69,13 +69,13 @@ def measure(
     on_event: Callable[[int, str, dict], None] | None = None,
     gpu: str | None = None,
 ):
-    """Train ``steps`` steps under ``parallel`` on ``pool``; return the gathered :class:`mnb.runs.Run`.
+    """Train ``steps`` steps under ``parallel`` on ``pool``; return the gathered :class:`mnb.analysis.runs.Run`.
 
     Rank exceptions, timeouts and deaths propagate (see :func:`failure`).
     ``gpu`` names the hardware-table entry for MFU (CUDA pools pick it from the
     device name when not given; CPU pools have no MFU).
     """
-    from mnb.runs import Run
+    from mnb.analysis.runs import Run
 
     code = training_code(model, model_overrides or {}, train, steps)
     with handlers_replaced(pool, [on_event] if on_event else [lambda *a: None]):

@@ -26,7 +26,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from mnb.controller import Pool
 from mnb.controller.slurm import SlurmRequest, job_state
 from mnb.errors import PoolError, RankDiedError
-from mnb.exports import export
+from mnb.megatron_lm.exports import export
 from tests.conftest import assert_no_orphans
 from tests.slurm_local import LocalSlurm, unavailable
 

@@ -75,7 +75,7 @@ def test_step_time_parts():
 
 def test_notebook_modules_import_no_torch():
     code = (
-        "import sys, mnb, mnb.estimate, mnb.runs, mnb.plot\n"
+        "import sys, mnb, mnb.estimate, mnb.analysis.runs, mnb.plot\n"
         "bad = [m for m in ('torch', 'megatron', 'numpy') if m in sys.modules]\n"
         "print(bad)\n"
         "assert not [m for m in bad if m != 'numpy'], bad\n"

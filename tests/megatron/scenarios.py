@@ -401,7 +401,7 @@ def fused_first_steps() -> dict:
         switched = train(model, steps=6, micro_batch_size=1, global_batch_size=2, bf16=True)
     finally:
         events.set_sink(None)
-    from mnb.runs import as_run
+    from mnb.analysis.runs import as_run
 
     frames = {"after_compile": seen["frames"], "after_switch": dynamo_utils.counters["frames"]["total"]}
     calls = {k: fusions.calls[k] - seen["calls"][k] for k in fusions.calls}  # steps 3-6, the main thread only

@@ -216,7 +216,7 @@ def test_megatron_lm_reads_the_exported_data_in_the_notebooks_order(tmp_path, mo
     from megatron.training import global_vars, training
 
     from mnb.config import ParallelConfig, TrainConfig
-    from mnb.export_args import megatron_lm_args
+    from mnb.megatron_lm.export_args import megatron_lm_args
     from mnb.megatron.batches import BatchPlan
 
     (tmp_path / "t.txt").write_text(" ".join(f"word{i % 89}" for i in range(6000)))

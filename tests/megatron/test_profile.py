@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 
 import mnb
 from mnb.errors import CompositeRankError
-from mnb.profiles import Profile
+from mnb.notebook.profiles import Profile
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from test_runs import STAGE0, STAGE1, _events, make_records  # noqa: E402
 import mnb.estimate as est  # noqa: E402
 from mnb.config import ParallelConfig, TrainConfig  # noqa: E402
 from mnb.plot import plot_memory, plot_mfu, plot_plan, plot_schedule, plot_timeline  # noqa: E402
-from mnb.runs import Run, as_run  # noqa: E402
+from mnb.analysis.runs import Run, as_run  # noqa: E402
 
 
 def save(ax, tmp_path, name):
