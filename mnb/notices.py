@@ -27,8 +27,6 @@ QUIET_LOGS: tuple[tuple[str, str], ...] = (
     ("torchao", r"Failed to load .*torchao.*_C"),
     ("torchao", r"Skipping import of cpp extensions"),
     ("torch.utils._pytree", r"<enum '\w+'> is an Enum subclass and is now natively supported by torch\.compile"),
-    # CPU ranks: Megatron-Core 0.19's import reaches torch's cpp_extension, which looks for CUDA
-    ("torch.utils.cpp_extension", r"No CUDA runtime is found"),
 )
 """(logger, pattern matched at the start of the message): records that go to the pool's log."""
 

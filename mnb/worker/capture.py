@@ -9,12 +9,17 @@ assembles lines, labels them by rank and folds identical ones.
 (the protocol IPython itself uses) without importing IPython, and sends it
 as a ``display`` message.  Matplotlib figures left open by a cell are sent
 as PNG after the cell, like the inline backend does, then closed.
+
+A rank's background threads (Megatron-Core's import after the hello, the presets' compile) are not
+the cell's: :func:`write_this_thread_to_log` sends what they print, warn or log to the pool's log,
+as it went before the hello, whichever cell happens to be running.
 """
 
 from __future__ import annotations
 
 import io
 import sys
+import threading
 from typing import Any, Callable
 
 from mnb.protocol import Message
@@ -30,6 +35,19 @@ _REPR_METHODS = (
     ("text/latex", "_repr_latex_"),
     ("application/json", "_repr_json_"),
 )
+
+
+_this_thread = threading.local()
+
+
+def write_this_thread_to_log() -> None:
+    """Send this thread's writes to ``sys.stdout``/``sys.stderr`` to the pool's log, not to a cell.
+
+    For a rank's background work, whose output belongs to no cell: Megatron-Core's import after
+    the hello (:class:`~mnb.worker.late_start.LateStart`) would otherwise print its notices into
+    whichever cell waits for it.  ``%mnb start --verbose`` leaves them in the cells.
+    """
+    _this_thread.to_log = True
 
 
 class RankStream(io.TextIOBase):
@@ -53,6 +71,8 @@ class RankStream(io.TextIOBase):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         if not text:
             return 0
+        if getattr(_this_thread, "to_log", False):
+            return self._to_log(text)
         if self._write_stream is not None:
             self._write_stream(self.name, text, self.cell_id)
         else:
@@ -62,6 +82,16 @@ class RankStream(io.TextIOBase):
                     header={"rank": self._rank, "name": self.name, "text": text, "cell": self.cell_id},
                 )
             )
+        return len(text)
+
+    def _to_log(self, text: str) -> int:
+        # looked up now: FdCapture.start moves sys.__stderr__/__stdout__ to the log's own descriptors
+        log = sys.__stdout__ if self.name == "stdout" else sys.__stderr__
+        try:
+            log.write(text)
+            log.flush()
+        except (AttributeError, OSError, ValueError):  # no log (closed, or None): the rank is ending anyway
+            pass
         return len(text)
 
     def flush(self) -> None:

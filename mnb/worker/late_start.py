@@ -11,6 +11,9 @@ first, which waits for that and tells the notebook so (the ``starting``/``starte
 line in the cell).  What the rank still does is in its hello and its ``status`` answers
 (:meth:`doing`).
 
+What the helper thread prints, warns or logs goes to the pool's log, as the start's output did
+before the hello, not into the cell that waits (``%mnb start --verbose`` shows it there).
+
 Only the main thread is interrupted (a SIGINT from the I/O thread): Kernel -> Interrupt during the
 wait ends the cell and leaves the helper thread running, and the next cell waits again.
 
@@ -29,6 +32,8 @@ import time
 from typing import Any, Callable
 
 from mnb.protocol import Message
+from mnb.worker.capture import write_this_thread_to_log
+from mnb.worker.quiet_warnings import verbose_warnings
 
 IMPORTING = "importing Megatron-Core"
 LAYING_OUT = "building Megatron's default layout"
@@ -93,6 +98,8 @@ class LateStart:
 
     # ------------------------------------------------------------ the helper thread
     def _run(self) -> None:
+        if not verbose_warnings():
+            write_this_thread_to_log()  # the import's notices are the start's, not the waiting cell's
         try:
             with self.rank.clock.stage(self._stage):
                 self._importer()

@@ -45,8 +45,6 @@ QUIET_FROM = (
     # parameters (optimizer.py's _zero_grad_group_helper, from mnb.train's optimizer.zero_grad()): harmless
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
      f"megatron{os.sep}core{os.sep}optimizer{os.sep}"),
-    # Megatron-Core 0.19's hyper_comm_grid.py at import (which now goes on after the hello, in the first cell)
-    (r"absl\.logging is not installed", f"megatron{os.sep}core{os.sep}"),
 )
 
 
