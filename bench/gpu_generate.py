@@ -20,7 +20,9 @@ transformers the time its streamer receives the first new token (its static cach
 ``--check`` adds a GPU check that the graph path chooses the tokens of the per-token path, and on the
 first model the kernels per decoded token (the step run uncaptured under the profiler) and the rows of
 ``decode_graphs.sdpa_decode``.  ``--baseline-decoder FILE`` (e.g. ``git show REV:mnb/megatron/decode_graphs.py``)
-measures that version of the decode path too, on the first model, in the same pool (``mnb-baseline`` rows).
+measures that version of the decode path too, on the first model, in the same pool (``mnb-baseline`` rows);
+``--variants compile_step,...`` measures the path with each of those ``decode_graphs`` flags on
+(``mnb-<flag>`` rows), and ``--profile`` gives the GPU time per decoded token by kernel name.
 """
 
 from __future__ import annotations
@@ -145,6 +147,56 @@ def kernels(batch, steps=16):
         return dict(side="kernels", batch=batch, per_token=round((count(1 + steps) - count(1)) / steps, 1))
     finally:
         model.decoder = None
+
+def kernel_table(batch, steps=16, top=40, compiled=False):
+    # GPU time per decoded token by kernel name (the step uncaptured, as kernels()), and the sum: what the
+    # kernels themselves take, against the captured step's wall time per token (the gaps between them);
+    # compiled: the layers through torch.compile (decode_graphs.compile_step)
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.randint(0, 128000, (batch, {PROMPT}), generator=torch.Generator().manual_seed(batch)).tolist()
+    model.decoder = None
+    decoder = decode_graphs.decoder_of(model)
+    decoder.capture = False
+    mnb.generate(model, ids, max_new_tokens=1, stream=False, compile=compiled)
+    def by_name(n):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mnb.generate(model, ids, max_new_tokens=n, stream=False, compile=compiled)
+            torch.cuda.synchronize()
+        names = {{}}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                count, us = names.get(e.name, (0, 0.0))
+                names[e.name] = (count + 1, us + e.device_time)
+        return names
+    try:
+        long, short = by_name(1 + steps), by_name(1)
+        rows = []
+        for name, (count, us) in long.items():
+            c0, u0 = short.get(name, (0, 0.0))
+            rows.append((round((us - u0) / steps, 2), round((count - c0) / steps, 2), name[:110]))
+        rows.sort(reverse=True)
+        return dict(side="kernel_table" + ("-compiled" if compiled else ""), batch=batch, kernel_us_per_token=round(sum(r[0] for r in rows), 1),
+                    kernels_per_token=round(sum(r[1] for r in rows), 1), top=rows[:top])
+    finally:
+        model.decoder = None
+
+def variant(name, batch, value=True):
+    # timed() with decode_graphs.<name> set (a fresh decoder before and after); "default": no flag changed
+    if name == "default":
+        model.decoder = None
+        return dict(timed(batch), side="mnb-default")
+    saved = getattr(decode_graphs, name)
+    setattr(decode_graphs, name, value)
+    model.decoder = None
+    try:
+        row = timed(batch)
+        row["captured"] = all(g.captured for e in model.decoder.entries.values() for g in e.graphs.values())
+        row["compiled"] = bool(model.decoder.compiled_blocks) and model.decoder.compile_failed is None
+        return dict(row, side="mnb-" + name)
+    finally:
+        setattr(decode_graphs, name, saved)
+        model.decoder = None
 """
 
 MNB_CHECK = """
@@ -192,7 +244,8 @@ def with_decoder(source, code):
 """
 
 
-def side_mnb(models: list[str], check: bool, baseline: str | None = None) -> list[dict]:
+def side_mnb(models: list[str], check: bool, baseline: str | None = None, variants: tuple[str, ...] = (),
+             profile: bool = False) -> list[dict]:
     import traceback
 
     from mnb.controller import Pool
@@ -209,7 +262,7 @@ def side_mnb(models: list[str], check: bool, baseline: str | None = None) -> lis
     pool = Pool.start(1, gpus=[0], timeout=600)
     try:
         cell(MNB_TIMED + MNB_CHECK + BASELINE, step="define")
-        extras = check or bool(baseline)  # on the first model, after every model's timed rows
+        extras = check or bool(baseline) or bool(variants) or profile  # on the first model, after the timed rows
         for index, model in enumerate(models):
             start = time.perf_counter()
             keep = "first = model\n" if extras and index == 1 else ""  # kept for the extras (memory only)
@@ -241,6 +294,17 @@ def side_mnb(models: list[str], check: bool, baseline: str | None = None) -> lis
                            model=model, batch=batch, step="sdpa")
                 if row is not None:
                     emit(rows, {**row, "side": "mnb-sdpa", "model": model})
+        for batch in BATCHES if profile else ():  # kernel time by name, on the first model
+            for compiled in (False, True):
+                row = cell(f"kernel_table({batch}, compiled={compiled})", model=model, batch=batch,
+                           step="kernel_table")
+                if row is not None:
+                    emit(rows, {**row, "model": model})
+        for name in variants:  # the decode path with a flag of decode_graphs on, on the first model
+            for batch in BATCHES:
+                row = cell(f"variant({name!r}, {batch})", model=model, batch=batch, step=name)
+                if row is not None:
+                    emit(rows, {**row, "model": model})
         if baseline:
             for batch in BATCHES:
                 code = f"dict(timed({batch}), kernels=kernels({batch})['per_token'])"
@@ -345,6 +409,10 @@ def main() -> int:
     parser.add_argument("--batches", default="1,32", help="batch sizes, e.g. 32")
     parser.add_argument("--baseline-decoder", help="another version of mnb/megatron/decode_graphs.py to measure "
                         "beside this one (mnb side, first model)")
+    parser.add_argument("--variants", default="", help="decode_graphs flags to measure on, one at a time, on the "
+                        "first model (mnb side), e.g. compile_step,compile_attention")
+    parser.add_argument("--profile", action="store_true", help="GPU time per decoded token by kernel name "
+                        "(first model, the step uncaptured)")
     parser.add_argument("--side-timeouts", default="", help="seconds each side may run, e.g. mnb=190,hf-static=220")
     parser.add_argument("--hf-folders", help="JSON {label: Hugging Face folder}: transformers loads these "
                         "(bench/hf_gpu.py); the labels are the --models")
@@ -363,7 +431,8 @@ def main() -> int:
             side_floor(models)
         elif args.side == "mnb":
             side_mnb(models, args.check,
-                     Path(args.baseline_decoder).read_text() if args.baseline_decoder else None)
+                     Path(args.baseline_decoder).read_text() if args.baseline_decoder else None,
+                     tuple(v for v in args.variants.split(",") if v), args.profile)
         else:
             side_hf(models, static=args.side == "hf-static",
                     folders=json.loads(args.hf_folders) if args.hf_folders else None)
@@ -391,6 +460,8 @@ def main() -> int:
                    "--batches", args.batches]
         command += ["--check"] if args.check else []
         command += ["--baseline-decoder", args.baseline_decoder] if args.baseline_decoder else []
+        command += ["--variants", args.variants] if args.variants else []
+        command += ["--profile"] if args.profile else []
         proc = subprocess.Popen(command, env=dict(os.environ))
         try:
             code = proc.wait(timeout=limits.get(side))

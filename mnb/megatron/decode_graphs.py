@@ -70,6 +70,11 @@ sdpa_decode = False
 whole cache with an additive mask in the model's dtype, instead of five kernels (scores, mask, softmax,
 cast, values); its arithmetic differs from the per-token path's (another summation order and rounding),
 so it is off by default."""
+compile_step = False
+"""True: every call decodes as ``mnb.generate(..., compile=True)`` does (bench/gpu_generate.py's
+``--variants compile_step``)."""
+compile_backend = "inductor"
+"""``torch.compile``'s backend for ``compile=True`` (tests: "eager", Dynamo's tracing without Inductor)."""
 cpu_standin = False
 """Tests only: run this path on CPU ranks, the graph replaced by :class:`Eager` (no CUDA capture)."""
 enabled = True
@@ -258,6 +263,50 @@ def swapped_attention(chunks, state: Pass):
         config.apply_rope_fusion = rope_fusion
 
 
+def _as_it_is(inp, requires_grad, keep_graph):
+    return inp
+
+
+@contextlib.contextmanager
+def views_kept():
+    """Megatron's ``make_viewless_tensor`` as the identity in its layer and block modules, for a compiled
+    decode step: it swaps ``.data`` of a new tensor (which ``torch.compile`` cannot trace) so that training
+    can free a pipeline stage's output early; a decode step keeps nothing for a backward."""
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    saved = [(m, m.make_viewless_tensor) for m in (transformer_block, transformer_layer)]
+    try:
+        for module, _ in saved:
+            module.make_viewless_tensor = _as_it_is
+        yield
+    finally:
+        for module, original in saved:
+            module.make_viewless_tensor = original
+
+
+ARGMAX_BLOCKS = 512
+"""At most this many blocks in :func:`first_argmax`'s first pass."""
+
+
+def first_argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
+    """``torch.argmax(logits, -1)`` into ``out`` (the first index of the largest value, as argmax), in two
+    passes: the largest of each block of the row, then the first block holding the row's largest.
+
+    Why: one row of 128,256 logits is one reduction that CUDA's argmax runs in a single thread block
+    (37 us of a 1.6 ms llama-1b decode step on an H200); blocks of a few hundred spread it over the GPU.
+    ``max`` over a dimension and ``argmax`` both return the first index of a tie, so the result is
+    argmax's, bit for bit.  A vocabulary without a divisor up to :data:`ARGMAX_BLOCKS` takes one pass.
+    """
+    vocab = logits.shape[-1]
+    blocks = next((b for b in range(min(ARGMAX_BLOCKS, vocab // 2), 1, -1) if vocab % b == 0), 1)
+    if blocks == 1:
+        torch.argmax(logits, dim=-1, out=out)
+        return
+    best, where = logits.unflatten(-1, (blocks, vocab // blocks)).max(dim=-1)  # [rows, blocks]
+    block = best.argmax(dim=-1, keepdim=True)
+    torch.add(where.gather(-1, block).squeeze(-1), block.squeeze(-1), alpha=vocab // blocks, out=out)
+
+
 class Sampling:
     """Greedy or temperature / top-k / top-p choice of one token per row, on the device, graph-safe.
 
@@ -289,7 +338,7 @@ class Sampling:
     def choose(self, logits: torch.Tensor, out: torch.Tensor) -> None:
         logits = logits[:, : self.vocab]
         if self.greedy:  # in the logits' dtype: widening is exact, so the same index (first of ties)
-            torch.argmax(logits, dim=-1, out=out)
+            first_argmax(logits, out)
             return
         scaled = logits.double() / self.temperature
         order = torch.argsort(scaled, dim=-1, descending=True, stable=True)
@@ -385,6 +434,10 @@ class GraphDecoder:
         self.entries: dict[tuple[int, int], Entry] = {}
         self.state = Pass()  # what the swapped attentions read; graphs captured it, so one per decoder
         self.captures = 0
+        self.compiled_blocks: dict[int, Any] = {}
+        """chunk index -> its layer stack through ``torch.compile`` (``generate(..., compile=True)``)."""
+        self.compile_failed: BaseException | None = None
+        """Why a compiled step did not capture: later steps of this decoder run the modules as they are."""
 
     @staticmethod
     def params_signature(model) -> tuple:
@@ -409,7 +462,25 @@ class GraphDecoder:
         return entry
 
     # ---- one forward of a virtual stage -------------------------------------------------------
-    def stage_forward(self, stage: int, entry: Entry, state: Pass, tokens, where, hidden_in):
+    def block(self, stage: int, compiled: bool):
+        """The layer stack of ``stage``'s chunk, through ``torch.compile`` when ``compiled`` (and no compiled
+        step of this decoder failed to capture): Inductor fuses each layer's norms, RoPE, attention
+        arithmetic, SwiGLU and residual adds into a few kernels; the GEMMs stay cuBLAS's."""
+        index = stage // self.pp
+        chunk = self.chunks[index]
+        if not compiled or self.compile_failed is not None:
+            return chunk.decoder
+        if index not in self.compiled_blocks:
+            compiled_block = torch.compile(chunk.decoder, dynamic=False, backend=compile_backend)
+
+            def run(**kwargs):
+                with views_kept():
+                    return compiled_block(**kwargs)
+
+            self.compiled_blocks[index] = run
+        return self.compiled_blocks[index]
+
+    def stage_forward(self, stage: int, entry: Entry, state: Pass, tokens, where, hidden_in, compiled=False):
         """Stage ``stage``'s output: hidden states, or on the last stage the last positions' logits."""
         chunk = self.chunks[stage // self.pp]
         state.caches = entry.caches
@@ -423,7 +494,7 @@ class GraphDecoder:
             state.rotation = entry.rotation[where].transpose(0, 1).unsqueeze(2)
         elif entry.rope is not None:
             rope = entry.rope[where].transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim]: Megatron rotates
-        hidden = chunk.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
+        hidden = self.block(stage, compiled)(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope)
         return hidden
 
     def logits(self, stage: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -432,15 +503,16 @@ class GraphDecoder:
         logits, _ = chunk.output_layer(hidden, weight=weight, runtime_gather_output=True)
         return logits[-1]
 
-    def step(self, stage: int, entry: Entry, state: Pass, sampling: Sampling):
-        """The decode step of ``stage`` (what is captured)."""
+    def step(self, stage: int, entry: Entry, state: Pass, sampling: Sampling, compiled: bool = False):
+        """The decode step of ``stage`` (what is captured); ``compiled``: its layers through ``torch.compile``."""
         state.prefill = False
         state.positions = entry.where
         state.sdpa = sdpa_decode
         state.bias = torch.where(entry.key_index <= entry.where, 0.0, float("-inf")).view(entry.rows, 1, 1, -1)
         if state.sdpa:
             state.bias = state.bias.to(self.dtype)
-        hidden = self.stage_forward(stage, entry, state, entry.tokens, entry.where, entry.hidden_in[stage])
+        hidden = self.stage_forward(stage, entry, state, entry.tokens, entry.where, entry.hidden_in[stage],
+                                    compiled=compiled)
         if stage < self.n_stages - 1:
             return hidden
         sampling.choose(self.logits(stage, hidden), entry.chosen)
@@ -462,31 +534,41 @@ class GraphDecoder:
             entry.advance()
         return None
 
-    def graph(self, graphs: dict, key, step: Callable[[], Any], entry: Entry, capture: bool):
-        """``graphs[key]``, captured now if missing (``capture`` False: the step run as it is)."""
+    def graph(self, graphs: dict, key, step: Callable[[], Any], entry: Entry, capture: bool,
+              compiled: bool = False):
+        """``graphs[key]``, captured now if missing (``capture`` False: the step run as it is).
+
+        A compiled step compiles in the capture's warm-up runs, before the capture."""
         if key not in graphs:
             entry.where.zero_()
             entry.count.zero_()
             if not capture:
                 graphs[key] = Eager(step)
             else:
-                graphs[key] = self._capture(step)
+                graphs[key] = self._capture(step, compiled)
             self.captures += 1
         return graphs[key]
 
-    def _capture(self, step: Callable[[], Any]):
-        """A :class:`Graph` of ``step``; if capture fails, again with the uncompiled attention, and
-        last the step run uncaptured (:class:`Eager`), with a warning saying why."""
+    def _capture(self, step: Callable[[], Any], compiled: bool = False):
+        """A :class:`Graph` of ``step``; if capture fails, again without what was compiled (the layers,
+        then the attention: the step reads :attr:`compile_failed` and :attr:`Pass.attend` when it
+        runs), and last the step run uncaptured (:class:`Eager`), with a warning saying why."""
         try:
             return Graph(step)
         except Exception as error:  # noqa: BLE001 - any capture failure: the call still runs
             first = error
-        if self.state.attend is not decode_attention:
-            self.state.attend = decode_attention
+        for what, applies, uncompile in (
+                ("layers", lambda: compiled and self.compile_failed is None,
+                 lambda: setattr(self, "compile_failed", first)),
+                ("attention", lambda: self.state.attend is not decode_attention,
+                 lambda: setattr(self.state, "attend", decode_attention))):
+            if not applies():
+                continue
+            uncompile()
             try:
                 graph = Graph(step)
-                log.warning("mnb.generate: the compiled decode attention did not capture (%s); captured "
-                            "it uncompiled", first)
+                log.warning("mnb.generate: the decode step with compiled %s did not capture (%s); captured "
+                            "it uncompiled", what, first)
                 return graph
             except Exception as error:  # noqa: BLE001
                 first = error
@@ -499,11 +581,13 @@ class GraphDecoder:
 
     # ---- the call -----------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], max_new_tokens: int, sampling_args: dict, on_block,
-            interrupted: Callable[[], bool]) -> bool:
+            interrupted: Callable[[], bool], compile: bool = False) -> bool:
         """Decode; ``on_block(tokens [batch, n] on the host, last)`` after every block; True ends it.
 
-        Returns whether an interrupt ended it.
+        ``compile``: the decode step's layers through ``torch.compile`` before the capture (graphs kept
+        apart from the uncompiled ones).  Returns whether an interrupt ended it.
         """
+        compile = bool(compile or compile_step)
         batch = len(prompts)
         lengths = [len(p) for p in prompts]
         rows, positions = batch_bucket(batch), length_bucket(max(lengths) + max_new_tokens)
@@ -517,13 +601,15 @@ class GraphDecoder:
         with swapped_attention(self.chunks, state):
             before, start = self.captures, time.perf_counter()
             greedy = sampling.greedy
-            graphs = {v: self.graph(entry.graphs, (v, greedy), lambda v=v: self.step(v, entry, state, sampling),
-                                    entry, self.capture) for v in self.stages}
+            graphs = {v: self.graph(entry.graphs, (v, greedy, compile),
+                                    lambda v=v: self.step(v, entry, state, sampling, compile),
+                                    entry, self.capture, compile) for v in self.stages}
             prefills = {v: self.graph(prefill.graphs, (v, greedy),
                                       lambda v=v: self.prefill_step(v, entry, prefill, state, sampling), entry,
                                       self.capture and rows * length <= PREFILL_GRAPH_TOKENS) for v in self.stages}
             if self.captures > before and self.capture:
-                self._announce(rows, positions, length, time.perf_counter() - start)
+                self._announce(rows, positions, length, time.perf_counter() - start,
+                               compile and self.compile_failed is None)
             self.prefill(entry, prefill, prefills, sampling, prompts)
             done, steps = False, 1
             while not done:
@@ -582,9 +668,10 @@ class GraphDecoder:
         torch.distributed.all_reduce(flag)
         return bool(flag.item())
 
-    def _announce(self, rows: int, positions: int, length: int, seconds: float) -> None:
+    def _announce(self, rows: int, positions: int, length: int, seconds: float, compiled: bool) -> None:
         if torch.distributed.get_rank() == 0:
-            print(f"mnb.generate: captured CUDA graphs for batch <= {rows}, prompts <= {length} tokens, "
+            how = "compiled and captured" if compiled else "captured"
+            print(f"mnb.generate: {how} CUDA graphs for batch <= {rows}, prompts <= {length} tokens, "
                   f"{positions} positions in {seconds:.2f} s (kept for later calls of this size)", flush=True)
 
 

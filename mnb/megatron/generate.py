@@ -139,7 +139,7 @@ def check_settings(model: MegatronModel, max_new_tokens: int, temperature: float
 
 def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None,
-             stream: bool = True):
+             stream: bool = True, compile: bool = False):
     """Continue ``prompts`` with ``model``; the continuations only, the same on every rank.
 
     Args:
@@ -157,11 +157,18 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
             The end token ends a continuation too (kept in token-id answers, as transformers
             keeps it): a checkpoint's ``eos_token_id``, else the tokenizer's end of document.
         stream: show each prompt's text growing in the notebook (plain text outside one).
+        compile: on GPU ranks, fuse each layer's small operations (norms, RoPE, attention arithmetic,
+            SwiGLU, residual adds) with ``torch.compile`` before the decode step is captured: faster
+            decoding (llama-1b at batch 1 on an H200: BENCHMARKS.md), for a compile of seconds the first
+            time a batch and length bucket is decoded (Inductor's cache shortens it in later processes).
+            Worth it for long or repeated generation; CPU ranks decode as they do without it.
 
     Must run on every rank of the pool (a ``%%megatron`` cell).  Kernel -> Interrupt stops
     every rank after the same token (KeyboardInterrupt); the pool stays usable.
     """
     stops = check_settings(model, max_new_tokens, temperature, top_k, top_p, stop)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, not {compile!r}")
     tokenizer = tokenizer_of(model)
     if stops and tokenizer is None:
         raise ValueError("stop strings need a tokenizer, and this model has none (no tokenizer.json in its "
@@ -185,7 +192,8 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
         if decode_graphs.usable(model):
             outputs, stopped = decode_static(model, batch.ids, max_new_tokens,
                                              dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-                                             tokenizer, stops, flag, view, ends=end_ids(model, tokenizer))
+                                             tokenizer, stops, flag, view, ends=end_ids(model, tokenizer),
+                                             compile=compile)
         else:
             sampler = Sampler(temperature, top_k, top_p, seed, vocab)
             outputs, stopped = decode(model, batch.ids, max_new_tokens, sampler, tokenizer, stops, flag, view,
@@ -339,7 +347,7 @@ def _append(output: list[int], token: int, ends, max_new_tokens: int, stops: lis
 
 def decode_static(model: MegatronModel, prompts: list[list[int]], max_new_tokens: int, sampling: dict,
                   tokenizer, stops: list[str], flag: interrupts.InterruptFlag, view: Stream | None = None,
-                  ends: set[int] = frozenset()):
+                  ends: set[int] = frozenset(), compile: bool = False):
     """GPU ranks: the static-cache, CUDA-graph decode (:mod:`mnb.megatron.decode_graphs`); the
     new tokens come to the host every few tokens and end each continuation as :func:`decode` does."""
     from mnb.megatron import decode_graphs
@@ -360,7 +368,7 @@ def decode_static(model: MegatronModel, prompts: list[list[int]], max_new_tokens
 
     with inference_mode(model):
         decoder = decode_graphs.decoder_of(model)
-        stopped = decoder.run(prompts, max_new_tokens, sampling, on_block, lambda: flag.requested)
+        stopped = decoder.run(prompts, max_new_tokens, sampling, on_block, lambda: flag.requested, compile)
     return outputs, stopped
 
 

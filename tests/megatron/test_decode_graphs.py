@@ -125,3 +125,19 @@ def test_greedy_choice_writes_the_next_inputs_and_one_add_advances():
     assert len(ops.names) == 2, ops.names
     assert entry.where.view(-1).tolist() == [4, 6, 8, 1] and entry.count.tolist() == [1]
     assert entry.out[:, 0].tolist() == entry.tokens.view(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [128256, 50257, 320, 7])
+def test_greedy_argmax_in_blocks_is_argmax_with_its_ties(vocab):
+    """Two passes (the largest of each block, then the first block with the row's largest) pick the index
+    ``torch.argmax`` picks, the first of equal values included; a prime vocabulary takes one pass."""
+    generator = torch.Generator().manual_seed(vocab)
+    tied = torch.randint(-3, 4, (3, vocab), generator=generator).to(torch.bfloat16)  # many equal values
+    tied[1, vocab // 3] = tied[1, vocab - 1] = 100  # the row's largest twice, in different blocks
+    padded = torch.randn(32, vocab + 5, generator=generator)[:, :vocab]  # a view, as the padded logits are
+    for logits in (tied, padded):
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        with Operations() as ops:
+            dg.first_argmax(logits, out)
+        assert torch.equal(out, logits.argmax(-1))
+        assert len(ops.names) == (1 if vocab == 7 else 4), ops.names  # max, argmax, gather, add

@@ -85,6 +85,14 @@ def test_the_static_cache_decode_equals_the_reference_and_keeps_its_buckets(cpu_
                             "\nfinally:\n    decode_graphs.sdpa_decode = False\n(got, model.decoder.state.sdpa)",
                             quiet=True)
         assert same_on_every_rank(sdpa) == (reference, True)
+        # compile=True: each chunk's layers through torch.compile (Dynamo's tracing of Megatron's block; the
+        # "eager" backend, no C++ toolchain) give the same tokens; two chunks a rank under pp2+vpp2.
+        compiled = cpu_pool.run("decode_graphs.compile_backend, model.decoder = 'eager', None\ntry:\n    got = "
+                                + code.replace("stream=False", "stream=False, compile=True") +
+                                "\nfinally:\n    decode_graphs.compile_backend = 'inductor'\n"
+                                "(got, len(model.decoder.compiled_blocks), model.decoder.compile_failed)", quiet=True)
+        assert same_on_every_rank(compiled) == (reference, 2, None)
+        cpu_pool.run("model.decoder = None", quiet=True)
         # An MoE model (Megatron's token dispatch: run uncaptured on GPUs) through the same step, under ep2.
         cpu_pool.run("moe = mnb.gpt('moe-tiny')\nref_moe = reference(moe, " + repr(PROMPTS) + ", 8)",
                      layout=ParallelConfig(ep=2), quiet=True)
@@ -107,7 +115,8 @@ def test_the_static_cache_decode_equals_the_reference_and_keeps_its_buckets(cpu_
                 "for k in p.graphs))")
         books = cpu_pool.run(code, quiet=True)  # pp2+vpp2: rank r holds virtual stages r and r + 2
         stages = {r: [(r, False), (r, True), (r + 2, False), (r + 2, True)] for r in (0, 1)}
-        assert books == {r: ([(4, 256)], 8, stages[r], [(64, k) for k in stages[r]]) for r in (0, 1)}
+        assert books == {r: ([(4, 256)], 8, [(*k, False) for k in stages[r]], [(64, k) for k in stages[r]])
+                         for r in (0, 1)}  # decode graphs also by compile=
         captures = books[0][1]
         cpu_pool.run(f"mnb.generate(model, {PROMPTS + [[1, 2]]}, max_new_tokens=4, stream=False)", quiet=True)
         assert same_on_every_rank({r: v[:2] for r, v in cpu_pool.run(code, quiet=True).items()}) == ([(4, 256)], captures)
@@ -325,6 +334,7 @@ def test_bad_arguments_are_refused_before_any_collective(cpu_pool):
         ("mnb.generate(model, 'x', temperature=-1)", "temperature must be >= 0"),
         ("mnb.generate(model, 'x', max_new_tokens=200)", "exceeds the model's max_position_embeddings"),
         ("mnb.generate(model, [[1, 9999]])", r"outside the model's vocabulary \[0, 512\)"),
+        ("mnb.generate(model, 'x', compile='yes')", "compile must be True or False"),
     ):
         with pytest.raises(Exception, match=match):
             cpu_pool.run(call, quiet=True)
