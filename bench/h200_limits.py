@@ -14,6 +14,9 @@
    mnb's fused kernels, and llama-1b with Megatron's default (foreach) Adam step for comparison.
 5. A kernel profile of llama-3b's best micro batch (bench/kernel_profile.py), and the pool
    against a plain torchrun script doing the same llama-1b steps.
+6. ``--sections wgrad``: llama-1b (mbs 16) and llama-3b (mbs 8) with the weight gradients added into
+   ``main_grad`` inside the GEMM (``mnb.megatron.wgrad_fusion``, the default on GPUs) and without
+   (DDP's hook adds them), the same initial weights and data: MFU and losses side by side.
 
 Uses the pool API (the device machine has no IPython; ``%mnb`` calls the same methods).
 """
@@ -70,7 +73,8 @@ class Bench(Rows):
             pool.run("model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n" + before
                      + f"model = mnb.gpt({preset!r}, seq_length=2048{', ' + model_kw if model_kw else ''})\n"
                      f"mnb.train(model, steps={STEPS}, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)")
-            self.add(section, {"model": label, **run_row(mnb.last_run, label)})
+            self.add(section, {"model": label, **run_row(mnb.last_run, label),
+                               "losses": [round(x, 4) for x in mnb.last_run.losses]})
         except Exception:
             self.add(section, {"model": label, "error": traceback.format_exc()[-1500:]})
 
@@ -123,6 +127,15 @@ def main() -> None:
             bench.train_row(pool, "mfu", preset, mbs)
         for preset, mbs in (("llama-1b", 8), ("llama-3b", 4)):  # llama-3b unfused at mbs 8: out of memory
             bench.train_row(pool, "mfu", preset, mbs, model_kw="fusions=False")
+    if "wgrad" in sections:  # weight gradients added into main_grad by the GEMM (mnb.megatron.wgrad_fusion)
+        pool.run("from mnb.megatron import background_compile\npending = background_compile.pending()\n"
+                 "pending.wait(600) if pending is not None else True")  # the presets' kernels compiled first
+        switch = "from mnb.megatron import wgrad_fusion as _w\n_w.enabled = {}\n"
+        for preset, mbs in (("llama-1b", 16), ("llama-3b", 8)):
+            for on in (True, False):
+                bench.train_row(pool, "wgrad", preset, mbs, before=switch.format(on),
+                                note="wgrad fused into the GEMM" if on else "wgrad added by DDP's hook")
+        pool.run(switch.format(True))
     if "adam" in sections:
         bench.train_row(pool, "mfu", "llama-1b", 8, note="mnb's fused Adam step")
         bench.train_row(pool, "mfu", "llama-1b", 8, note="Megatron's foreach Adam step",

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from mnb.config import TrainConfig
-from mnb.megatron import background_compile, events, fp8, interrupts, schedule
+from mnb.megatron import background_compile, events, fp8, interrupts, schedule, wgrad_fusion
 from mnb.megatron import layout as _layout
 from mnb.megatron.batches import BatchPlan, microbatch_iterators
 from mnb.megatron.memory import ComponentMeter, MemoryMeter
@@ -379,7 +379,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
                                     f"(steps_done={model.steps_done}); nothing was trained")
         config.timers = recorder
         try:
-            with time_token_dispatch(model.chunks, recorder):
+            with time_token_dispatch(model.chunks, recorder), wgrad_fusion.fused(model.chunks, device):
                 step_rows, timeline, stopped = _run_steps(model, tc, plan, dataset, scheduler, recorder, meter,
                                                           device, flag, own, session, switch)
         finally:

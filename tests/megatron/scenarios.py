@@ -515,7 +515,31 @@ def world2() -> dict:
     for name, (reference, parallel_kw, train_kw) in WORLD2_LAYOUTS.items():
         preset, gpt_kw = REFERENCES[reference]
         _guard(results, name, lambda: _train(preset, parallel_kw, gpt_kw, **train_kw))
+    _guard(results, "tp2-sp-wgrad-fused", wgrad_fused)
     return results
+
+
+def wgrad_fused() -> dict:
+    """tp2 + sp with the weight gradients added into main_grad by the GEMM (mnb.megatron.wgrad_fusion, forced
+    on for CPU ranks): its losses, how often the kernels ran, and whether the switch is off afterwards."""
+    from mnb.megatron import wgrad_fusion
+
+    wgrad_fusion.ON_CPU = True
+    wgrad_fusion.calls.update(fp32=0, same_dtype=0)
+    from mnb.config import ParallelConfig
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    apply_layout(ParallelConfig(tp=2, sequence_parallel=True))
+    model = gpt("tiny")
+    try:
+        record = train(model, steps=PARITY_STEPS, **PARITY_BATCH)
+    finally:
+        wgrad_fusion.ON_CPU = False
+    left_on = sum(getattr(m, "gradient_accumulation_fusion", False) is True
+                  for chunk in model.chunks for m in chunk.modules())
+    return {"steps": record["steps"], "calls": dict(wgrad_fusion.calls), "left_on": left_on}
 
 
 def fused_loss_tp2() -> dict:
