@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from gpu_measure import GIB, MEASURED_PEAK_FLOPS, Rows, run_row  # noqa: E402
-from hf_gpu import SHAPES  # noqa: E402
+from hf_gpu import build_checkpoint as hf_checkpoint  # noqa: E402
 
 RANK, ALPHA = 16, 32
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -89,29 +89,14 @@ def write_rows(path: Path, n: int, completion_words: int) -> None:
 
 
 def build_checkpoint(size: str, folder: Path, tokenizer: Path, device: str) -> dict:
+    """bench/hf_gpu.py's checkpoint with this benchmark's tokenizer (its ids and files)."""
     import shutil
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     bos, eos = json.loads((tokenizer / "ids.json").read_text())
-    vocab = 128256 if size != "tiny" else 1024
-    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                      tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos, **SHAPES[size])
-    start = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="2GB")
-    del model
+    made = hf_checkpoint(size, folder, device, vocab=128256 if size != "tiny" else 1024, bos=bos, eos=eos)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, folder / name)
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return {"size": size, "build_and_save_s": round(time.perf_counter() - start, 1),
-            "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))}
+    return {"size": size, "build_and_save_s": made["build_and_save_s"], "bytes": made["bytes"]}
 
 
 # ------------------------------------------------------------------------------ peft side

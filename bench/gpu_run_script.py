@@ -2,9 +2,9 @@
 
     python bench/gpu_run_script.py --gpus 1 --out bench/gpu_run_script.json
 
-Three measurements of bench/pretrain_mock.py (mock data, a Llama-style 4-layer model):
+Three measurements of bench/pretrain_gpt.py --mock-data (mock data, a Llama-style 4-layer model):
 
-1. cold: ``torchrun --nproc-per-node N bench/pretrain_mock.py ARGS`` from this process,
+1. cold: ``torchrun --nproc-per-node N bench/pretrain_gpt.py --mock-data ARGS`` from this process,
    wall time from the launch to the ``first step at`` line (the script's own number is
    printed too: its time from import to first step inside the fresh process);
 2. warm 1: the same script through ``Pool.run_script`` on a pool started beforehand
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPT = HERE / "pretrain_mock.py"
+SCRIPT = HERE / "pretrain_gpt.py"  # with --mock-data
 PRETRAIN_ARGS = [
     "--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "4096",
     "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "4",

@@ -51,14 +51,16 @@ PRESET = {"1b": "llama-1b", "3b": "llama-3b"}
 TRAIN = "steps=6, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True"
 
 
-def build_checkpoint(size: str, folder: Path, device: str = "cuda") -> dict:
+def build_checkpoint(size: str, folder: Path, device: str = "cuda", *, vocab: int = 128256, bos: int = 128000,
+                     eos: int = 128001) -> dict:
+    """A random-weight Llama-3.2-shaped bf16 checkpoint of ``SHAPES[size]`` in ``folder`` (2 GB shards)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                      tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001, **SHAPES[size])
+                      tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos, **SHAPES[size])
     start = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):

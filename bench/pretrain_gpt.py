@@ -15,15 +15,24 @@ Every rank builds its own data loader (``is_distributed``); fine for the one-nod
 benchmark runs (bench/gpu_export_run.py), where each rank reads its data-parallel share.
 ``MNB_INIT_FINGERPRINT=FILE`` (benchmark only): at the first forward, before any optimizer step,
 write a per-parameter digest of the initial bf16 weights to FILE (bench/gpu_export_run.py compares
-it with the notebook model's).
+it with the notebook model's).  It prints ``first step at T s`` (seconds since the script started)
+when its first forward on the last pipeline stage is done, so that a cold torchrun and a warm
+``%mnb run`` of it can be compared (bench/gpu_run_script.py, with ``--mock-data``).
+
+Not runnable on CPU ranks: ``initialize_megatron`` asserts ``torch.cuda.is_available()``.
 """
 
-import json
-import os
-import sys
-from functools import partial
+import time
 
-import torch
+T0 = time.perf_counter()
+
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from functools import partial  # noqa: E402
+
+import torch  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
@@ -33,9 +42,8 @@ from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.training import pretrain
 
-from pretrain_mock import use_shipped_dataset_helpers  # the wheel has helpers_cpp built but no Makefile
-
 _FINGERPRINT = {"file": os.environ.get("MNB_INIT_FINGERPRINT")}
+FIRST_STEP = {"at_s": None}
 
 
 def datasets_provider(train_val_test_num_samples):
@@ -71,7 +79,23 @@ def forward_step(data_iterator, model):
     tokens, labels, loss_mask, position_ids = (batch[k].cuda(non_blocking=True)
                                                for k in ("tokens", "labels", "loss_mask", "position_ids"))
     output = model(tokens, position_ids, None, labels=labels)
+    if FIRST_STEP["at_s"] is None and parallel_state.is_pipeline_last_stage():
+        FIRST_STEP["at_s"] = time.perf_counter() - T0
+        print(f"first step at {FIRST_STEP['at_s']:.2f} s", flush=True)
     return output, partial(loss_func, loss_mask)
+
+
+def use_shipped_dataset_helpers() -> None:
+    """megatron-core's wheel ships ``helpers_cpp`` built but not its Makefile, and Megatron-LM's
+    ``initialize_megatron`` runs ``make`` on rank 0 anyway, which then fails ("No targets
+    specified and no makefile found") and exits.  Keep the build when the shipped one imports."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    dataset_utils.compile_helpers = lambda: None
 
 
 if __name__ == "__main__":
