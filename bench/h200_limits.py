@@ -97,6 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="h200-out")
     parser.add_argument("--sections", default="start,think,mfu,profile,plain")
+    parser.add_argument("--wgrad-models", default="llama-1b:16,llama-3b:8", help="wgrad section: preset:mbs,...")
+    parser.add_argument("--wgrad-order", default="on,off", help="wgrad section: the rows of each model, on/off")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,8 +133,8 @@ def main() -> None:
         pool.run("from mnb.megatron import background_compile\npending = background_compile.pending()\n"
                  "pending.wait(600) if pending is not None else True")  # the presets' kernels compiled first
         switch = "from mnb.megatron import wgrad_fusion as _w\n_w.enabled = {}\n"
-        for preset, mbs in (("llama-1b", 16), ("llama-3b", 8)):
-            for on in (True, False):
+        for preset, mbs in ((m.split(":")[0], int(m.split(":")[1])) for m in args.wgrad_models.split(",")):
+            for on in (o == "on" for o in args.wgrad_order.split(",")):
                 bench.train_row(pool, "wgrad", preset, mbs, before=switch.format(on),
                                 note="wgrad fused into the GEMM" if on else "wgrad added by DDP's hook")
         pool.run(switch.format(True))
