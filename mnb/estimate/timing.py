@@ -182,7 +182,9 @@ def step_time(
     (:func:`mnb.estimate.flops`); executed attention work follows ``attention``.
     ``overlap_grad_reduce``, ``overlap_param_gather``, ``tp_comm_overlap``,
     ``gradient_accumulation_fusion``: Megatron's settings of those names (mnb's own training
-    runs with all four off).  ``grad_bytes``: bytes per gradient element as reduced and
+    runs with the first three off, and on GPUs with ``gradient_accumulation_fusion`` on:
+    :mod:`mnb.megatron.wgrad_fusion`; the default here, off, is what the measured rows of
+    BENCHMARKS.md this model was checked against ran with).  ``grad_bytes``: bytes per gradient element as reduced and
     accumulated (default 4: Megatron's ``grad_reduce_in_fp32``, mnb's setting; 2 for bf16/fp16
     gradients), as in :func:`mnb.estimate.memory`.  ``cp_comm_type``: ``"all_gather"`` (K/V
     gathered, not overlapped: mnb's context parallelism without TE) or ``"p2p"`` (TE's ring,
