@@ -12,6 +12,12 @@ rates) to ``--out`` and prints the curve as the ``gemm_curve`` literal of
 ``mnb/estimate/calibration.py`` (fraction of the datasheet peak against the
 effective size ``3/(1/m+1/n+1/k)``, the median rate per size bin) and the
 ``hardware.register(...)`` call that applies it in a session.  Not run in CI.
+
+``--decode``: instead, the decode step's GEMMs (one or a few rows against each llama-1b/3b weight: how
+``mnb.generate`` multiplies at batch 1 and 32) through ``torch.matmul`` (Megatron's linears), ``F.linear``
+and, for one row, ``torch.mv``; each timed as 48 calls captured in one CUDA graph (no launch gaps), the
+median of 5 replays, against the copy bandwidth.  The calls cycle through copies of the weight that
+together exceed the L2 cache (a weight read again at once would come from L2, not HBM).
 """
 
 from __future__ import annotations
@@ -60,15 +66,82 @@ def curve(rates: list[list[float]], peak: float, bins_per_octave: int = 2) -> li
     return out
 
 
+L2_SPAN = 256 * 2**20
+"""Bytes of weight copies the decode GEMMs cycle through: well above an H100/H200's 50-60 MB of L2."""
+
+
+def graphed_us(fn, calls: int = 50, replays: int = 5) -> float:
+    """Microseconds per ``fn()`` call, ``calls`` of them captured in one CUDA graph (median of replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def decode_gemms(out: Path) -> None:
+    """The decode step's GEMMs at 1 and 32 rows by three torch calls (see the module docstring)."""
+    import torch.nn.functional as F
+
+    src = torch.empty(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 2 / (graphed_us(lambda: dst.copy_(src), calls=10) / 1e6)  # read + write
+    del src, dst
+    rows = []
+    for model in ("llama-1b", "llama-3b"):
+        h, q, kv, ffn = LLAMA[model]
+        for name, (n, k) in {"qkv": (q + 2 * kv, h), "proj": (h, q), "fc1": (2 * ffn, h), "fc2": (h, ffn),
+                             "output": (128256, h)}.items():
+            copies = max(2, -(-L2_SPAN // (n * k * 2)))
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            floor_us = n * k * 2 / bandwidth * 1e6
+            for m in (1, 32):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                turn = iter(range(10**9))
+
+                def weight():
+                    return weights[next(turn) % copies]
+
+                calls = {"matmul": lambda: torch.matmul(x, weight().t()), "linear": lambda: F.linear(x, weight())}
+                if m == 1:
+                    calls["mv"] = lambda: torch.mv(weight(), x[0])
+                for how, fn in calls.items():
+                    us = graphed_us(fn, calls=48)
+                    rows.append(dict(model=model, gemm=name, n=n, k=k, m=m, call=how, us=round(us, 2),
+                                     floor_us=round(floor_us, 2), of_bandwidth=round(floor_us / us, 3)))
+                    print(rows[-1], flush=True)
+            del weights
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_gemms.json").write_text(json.dumps({"copy_bytes_per_s": bandwidth, "rows": rows}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget", type=float, default=120.0, help="seconds for the whole sweep")
+    parser.add_argument("--decode", action="store_true", help="the decode step's GEMMs instead (see above)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemm_sweep needs a GPU (CPU ranks measure themselves: %mnb plan --calibrate)")
     torch.cuda.set_device(0)
     torch.zeros(1, device="cuda")
+    if args.decode:
+        decode_gemms(args.out)
+        return
     shapes = sorted(set(GPU_SHAPES) | set(megatron_shapes()))
     result = measure(budget_s=args.budget, shapes=shapes)
     dev = hardware.device_from_name(result["device_name"])
