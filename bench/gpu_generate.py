@@ -148,20 +148,20 @@ def kernels(batch, steps=16):
     finally:
         model.decoder = None
 
-def kernel_table(batch, steps=16, top=40, compiled=False):
+def kernel_table(batch, steps=16, top=40):
     # GPU time per decoded token by kernel name (the step uncaptured, as kernels()), and the sum: what the
-    # kernels themselves take, against the captured step's wall time per token (the gaps between them);
-    # compiled: the layers through torch.compile (decode_graphs.compile_step)
+    # kernels themselves take, against the captured step's wall time per token (the gaps between them).
+    # Not for compile=True: uncaptured steps are not compiled (and a profiled compile measures itself)
     from torch.profiler import ProfilerActivity, profile
     ids = torch.randint(0, 128000, (batch, {PROMPT}), generator=torch.Generator().manual_seed(batch)).tolist()
     model.decoder = None
     decoder = decode_graphs.decoder_of(model)
     decoder.capture = False
-    mnb.generate(model, ids, max_new_tokens=1, stream=False, compile=compiled)
+    mnb.generate(model, ids, max_new_tokens=1, stream=False)
     def by_name(n):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            mnb.generate(model, ids, max_new_tokens=n, stream=False, compile=compiled)
+            mnb.generate(model, ids, max_new_tokens=n, stream=False)
             torch.cuda.synchronize()
         names = {{}}
         for e in prof.events():
@@ -176,7 +176,7 @@ def kernel_table(batch, steps=16, top=40, compiled=False):
             c0, u0 = short.get(name, (0, 0.0))
             rows.append((round((us - u0) / steps, 2), round((count - c0) / steps, 2), name[:110]))
         rows.sort(reverse=True)
-        return dict(side="kernel_table" + ("-compiled" if compiled else ""), batch=batch, kernel_us_per_token=round(sum(r[0] for r in rows), 1),
+        return dict(side="kernel_table", batch=batch, kernel_us_per_token=round(sum(r[0] for r in rows), 1),
                     kernels_per_token=round(sum(r[1] for r in rows), 1), top=rows[:top])
     finally:
         model.decoder = None
@@ -295,11 +295,9 @@ def side_mnb(models: list[str], check: bool, baseline: str | None = None, varian
                 if row is not None:
                     emit(rows, {**row, "side": "mnb-sdpa", "model": model})
         for batch in BATCHES if profile else ():  # kernel time by name, on the first model
-            for compiled in (False, True):
-                row = cell(f"kernel_table({batch}, compiled={compiled})", model=model, batch=batch,
-                           step="kernel_table")
-                if row is not None:
-                    emit(rows, {**row, "model": model})
+            row = cell(f"kernel_table({batch})", model=model, batch=batch, step="kernel_table")
+            if row is not None:
+                emit(rows, {**row, "model": model})
         for name in variants:  # the decode path with a flag of decode_graphs on, on the first model
             for batch in BATCHES:
                 row = cell(f"variant({name!r}, {batch})", model=model, batch=batch, step=name)

@@ -587,7 +587,8 @@ class GraphDecoder:
         ``compile``: the decode step's layers through ``torch.compile`` before the capture (graphs kept
         apart from the uncompiled ones).  Returns whether an interrupt ended it.
         """
-        compile = bool(compile or compile_step)
+        # MoE and Megatron-FSDP steps run uncaptured (host-side counts, per-layer gathers): not compiled either
+        compile = bool(compile or compile_step) and (self.capture or cpu_standin)
         batch = len(prompts)
         lengths = [len(p) for p in prompts]
         rows, positions = batch_bucket(batch), length_bucket(max(lengths) + max_new_tokens)

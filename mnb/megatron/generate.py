@@ -161,7 +161,8 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
             SwiGLU, residual adds) with ``torch.compile`` before the decode step is captured: faster
             decoding (llama-1b at batch 1 on an H200: BENCHMARKS.md), for a compile of seconds the first
             time a batch and length bucket is decoded (Inductor's cache shortens it in later processes).
-            Worth it for long or repeated generation; CPU ranks decode as they do without it.
+            Worth it for long or repeated generation; CPU ranks, MoE and Megatron-FSDP models (their
+            steps run uncaptured) decode as they do without it.
 
     Must run on every rank of the pool (a ``%%megatron`` cell).  Kernel -> Interrupt stops
     every rank after the same token (KeyboardInterrupt); the pool stays usable.
