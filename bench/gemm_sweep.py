@@ -72,16 +72,9 @@ L2_SPAN = 256 * 2**20
 
 def graphed_us(fn, calls: int = 50, replays: int = 5) -> float:
     """Microseconds per ``fn()`` call, ``calls`` of them captured in one CUDA graph (median of replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    from mnb.megatron.decode_graphs import Graph  # warm-up on a side stream, then the capture
+
+    graph = Graph(lambda: [fn() for _ in range(calls)])
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
