@@ -15,7 +15,7 @@ effective size ``3/(1/m+1/n+1/k)``, the median rate per size bin) and the
 
 ``--decode``: instead, the decode step's GEMMs (one or a few rows against each llama-1b/3b weight: how
 ``mnb.generate`` multiplies at batch 1 and 32) through ``torch.matmul`` (Megatron's linears), ``F.linear``
-and, for one row, ``torch.mv``; each timed as 48 calls captured in one CUDA graph (no launch gaps), the
+and, for one row, ``torch.mv`` and a plain Triton GEMV (:func:`triton_gemv`, checked against an fp32 mv); each timed as 48 calls captured in one CUDA graph (no launch gaps), the
 median of 5 replays, against the copy bandwidth.  The calls cycle through copies of the weight that
 together exceed the L2 cache (a weight read again at once would come from L2, not HBM).
 """
@@ -86,6 +86,38 @@ def graphed_us(fn, calls: int = 50, replays: int = 5) -> float:
     return statistics.median(times)
 
 
+GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4), (16, 256, 4), (8, 1024, 8))
+"""(rows per program, K per iteration, warps) tried for the Triton GEMV candidate."""
+
+
+def triton_gemv():
+    """``y = W x`` for one row ``x`` as a plain Triton kernel: each program reads a few whole rows of ``W``
+    (no split-K), fp32 sums, a bf16 result: a candidate for the small decode GEMMs cuBLAS runs at ~6 us."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(w_ptr, x_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
+                        other=0.0)
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :].to(tl.float32), axis=1)
+        tl.store(y_ptr + rows, acc.to(tl.bfloat16), mask=rows < N)
+
+    def gemv(w: torch.Tensor, x: torch.Tensor, config) -> torch.Tensor:
+        block_n, block_k, warps = config
+        n, k = w.shape
+        y = torch.empty(n, device=w.device, dtype=torch.bfloat16)
+        kernel[(triton.cdiv(n, block_n),)](w, x, y, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        return y
+
+    return gemv
+
+
 def decode_gemms(out: Path) -> None:
     """The decode step's GEMMs at 1 and 32 rows by three torch calls (see the module docstring)."""
     import torch.nn.functional as F
@@ -94,6 +126,7 @@ def decode_gemms(out: Path) -> None:
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 2 / (graphed_us(lambda: dst.copy_(src), calls=10) / 1e6)  # read + write
     del src, dst
+    gemv = triton_gemv()
     rows = []
     for model in ("llama-1b", "llama-3b"):
         h, q, kv, ffn = LLAMA[model]
@@ -112,6 +145,13 @@ def decode_gemms(out: Path) -> None:
                 calls = {"matmul": lambda: torch.matmul(x, weight().t()), "linear": lambda: F.linear(x, weight())}
                 if m == 1:
                     calls["mv"] = lambda: torch.mv(weight(), x[0])
+                    for config in GEMV_CONFIGS:
+                        reference = torch.mv(weights[0].float(), x[0].float())
+                        error = float((gemv(weights[0], x[0], config).float() - reference).abs().max()
+                                      / reference.abs().max())
+                        if error > 1e-2:
+                            raise AssertionError(f"triton gemv {config} wrong on {name}: relative error {error}")
+                        calls[f"triton {config}"] = lambda config=config: gemv(weight(), x[0], config)
                 for how, fn in calls.items():
                     us = graphed_us(fn, calls=48)
                     rows.append(dict(model=model, gemm=name, n=n, k=k, m=m, call=how, us=round(us, 2),
