@@ -39,6 +39,7 @@ as do CPU ranks when :data:`cpu_standin` is set (tests of this path's bookkeepin
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -288,6 +289,13 @@ ARGMAX_BLOCKS = 512
 """At most this many blocks in :func:`first_argmax`'s first pass."""
 
 
+@functools.lru_cache(maxsize=None)
+def _argmax_blocks(vocab: int) -> int:
+    """The most blocks, up to :data:`ARGMAX_BLOCKS`, that split ``vocab`` evenly (1: none does); per vocabulary
+    once, not per token (uncaptured steps run this Python every token)."""
+    return next((b for b in range(min(ARGMAX_BLOCKS, vocab // 2), 1, -1) if vocab % b == 0), 1)
+
+
 def first_argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
     """``torch.argmax(logits, -1)`` into ``out`` (the first index of the largest value, as argmax), in two
     passes: the largest of each block of the row, then the first block holding the row's largest.
@@ -298,7 +306,7 @@ def first_argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
     argmax's, bit for bit.  A vocabulary without a divisor up to :data:`ARGMAX_BLOCKS` takes one pass.
     """
     vocab = logits.shape[-1]
-    blocks = next((b for b in range(min(ARGMAX_BLOCKS, vocab // 2), 1, -1) if vocab % b == 0), 1)
+    blocks = _argmax_blocks(vocab)
     if blocks == 1:
         torch.argmax(logits, dim=-1, out=out)
         return

@@ -37,12 +37,17 @@ calls = {"fp32": 0, "same_dtype": 0}
 """How many weight gradients each kernel accumulated (tests and diagnostics)."""
 
 
-def _accumulate_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    calls["fp32"] += 1
+def _add_product(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad += grad_output.T @ total_input`` in one GEMM, accumulated and written in fp32."""
     if total_input.dtype == torch.float32:  # fp32 training: the plain GEMM already accumulates in fp32
         main_grad.addmm_(grad_output.t(), total_input)
     else:
         torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+
+
+def _accumulate_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    calls["fp32"] += 1
+    _add_product(total_input, grad_output, main_grad)
 
 
 def _accumulate_same_dtype(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -76,8 +81,7 @@ def _probe(device: torch.device) -> bool:
         x, g = (torch.randn(64, n, device=device, generator=generator).bfloat16() for n in (32, 48))
         main_grad = torch.randn(48, 32, device=device, generator=generator)
         expected = main_grad + g.float().t() @ x.float()
-        _accumulate_fp32(x, g, main_grad)
-        calls["fp32"] -= 1
+        _add_product(x, g, main_grad)
         return bool(torch.allclose(main_grad, expected, rtol=1e-3, atol=1e-3))
     except Exception as error:  # noqa: BLE001 - no fused GEMM here: Megatron's unfused path
         log.warning("weight gradients are added by DDP's hook (torch.addmm with out_dtype failed: %s)", error)
