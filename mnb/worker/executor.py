@@ -56,7 +56,7 @@ def run_cell(code: str, namespace: dict[str, Any], keep_failure: bool = False, *
             exec(compile(tree, filename, "exec"), namespace)
         finally:
             value = namespace.pop(_RESULT, None)
-        if code.rstrip().endswith(";"):  # IPython's convention: a trailing ';' hides the result
+        if ends_with_semicolon(code):  # IPython's convention: a trailing ';' hides the result
             value = None
         return Outcome(ok=True, value=value)
     except BaseException as exc:  # the rank reports every failure, KeyboardInterrupt included
@@ -66,6 +66,23 @@ def run_cell(code: str, namespace: dict[str, Any], keep_failure: bool = False, *
         else:
             release_frames(exc)
         return outcome
+
+
+def ends_with_semicolon(code: str) -> bool:
+    """Whether the cell's last token, comments and blank lines left out, is ``;`` (IPython's rule:
+    ``mnb.train(...);  # quiet`` hides the result as ``mnb.train(...);`` does)."""
+    import io
+    import tokenize
+
+    last = None
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(code).readline):
+            if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                                  tokenize.DEDENT, tokenize.ENDMARKER):
+                last = token
+    except (tokenize.TokenError, SyntaxError):  # the cell ran, so it parsed; be safe anyway
+        return code.rstrip().endswith(";")
+    return last is not None and last.type == tokenize.OP and last.string == ";"
 
 
 def release_frames(exc: BaseException) -> None:

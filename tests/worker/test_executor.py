@@ -39,3 +39,9 @@ def test_a_successful_cell_keeps_its_globals():
     namespace: dict = {}
     assert run_cell("x = [1, 2]\nlen(x)", namespace, number=2).value == 2
     assert namespace["x"] == [1, 2]
+
+
+def test_a_trailing_semicolon_hides_the_result_as_in_ipython_comments_included():
+    for code, shown in (("1 + 1;", False), ("1 + 1;  # quiet, as IPython", False), ("1 + 1;\n\n# note\n", False),
+                        ("1 + 1", True), ("1 + 1  # ';' only in a comment;", True), ("'a;'", True)):
+        assert (run_cell(code, {}, number=3).value == (2 if code.startswith("1") else "a;")) is shown, code
