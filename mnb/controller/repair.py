@@ -34,12 +34,12 @@ from mnb.controller.generation import Generation, RankInfo, launch
 from mnb.controller.guards import InterruptLatch
 from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.controller.output import coords_label
-from mnb.controller.reports import last_words
+from mnb.controller.reports import death_lines, last_words
 from mnb.controller.standby import Standby, difference, settings
 from mnb.controller.transport import Transport
 from mnb.errors import PoolError, interrupted
 from mnb.protocol import Message
-from mnb.timeouts import ASK_TIMEOUT_S, DEFAULT_GRACE_S
+from mnb.timeouts import ASK_TIMEOUT_S, DEATH_REPORT_WAIT_S, DEFAULT_GRACE_S
 
 log = logging.getLogger(__name__)
 
@@ -329,9 +329,24 @@ class Repair:
                 old.close(grace_s=0)  # stuck or dead ranks: nothing to wait for
             if self._cancel.is_set():
                 return
-            self._adopt_in(self._build(on_launched=self._on_launched, on_hello=self._on_hello), layout)
+            retried = ""
+            try:
+                self._adopt_in(self._build(on_launched=self._on_launched, on_hello=self._on_hello), layout)
+            except PoolError as first:
+                if self._cancel.is_set():
+                    raise
+                # A new rank that dies during its start is most often killed from outside (the OOM killer
+                # while another process peaked, a stray signal): a second launch, cold, usually stands.
+                # Said in the restart line; a second failure names both.
+                log.warning("the automatic restart's first launch failed, launching again: %s", first)
+                self._stage("launching again")
+                try:
+                    self._adopt_in(self._build(on_launched=self._on_launched, on_hello=self._on_hello), layout)
+                except PoolError as second:
+                    raise PoolError(f"{second}; a first launch had failed too: {first}") from first
+                retried = f"; launched twice: the first launch failed ({first})"
             self.restart_line = (f"the {self.spec.world_size} ranks restarted in {time.perf_counter() - began:.1f} s "
-                                 f"({self.start_note})")
+                                 f"({self.start_note}{retried})")
             self.prepare_standby()
         except BaseException as exc:  # reported to the next request, which cannot run without ranks
             if self._cancel.is_set():  # Pool.stop()/restart() cancelled it: nothing failed
@@ -367,5 +382,25 @@ class Repair:
         failed = [m for m in outcome.replies.values() if not m.get("ok")]
         if failed or outcome.waiting or outcome.died or outcome.cancelled or len(outcome.replies) < len(targets):
             raise PoolError(f"restoring the layout {layout.describe()} failed: "
-                            + ("; ".join(f"{m.get('ename')}: {m.get('evalue')}" for m in failed)
-                               or outcome.cancelled or "the new ranks did not answer"))
+                            + self._unrestored(generation, layout, outcome, failed, targets))
+
+    def _unrestored(self, generation: Generation, layout: ParallelConfig, outcome: Outcome, failed: list[Message],
+                    targets: list[int]) -> str:
+        """Why the new ranks did not take the layout, in words that say what to look at: the ranks'
+        errors, how a rank died (its exit, its last words), or which ranks a timeout left where."""
+        if failed:
+            return "; ".join(f"{m.get('ename')}: {m.get('evalue')}" for m in failed)
+        if outcome.cancelled:
+            return outcome.cancelled
+        if outcome.died:
+            deaths = generation.launcher.deaths(DEATH_REPORT_WAIT_S)
+            for rank, message in sorted(generation.transport.last_words.items()):
+                deaths[rank] = f"{deaths.get(rank, 'exited')}; {last_words(message)}"
+            labels = {rank: coords_label(rank, layout.coordinates(rank), layout.as_dict()) for rank in generation.ranks}
+            how = "; ".join(death_lines(deaths, labels)[0]) or "torchrun ended"
+            return f"a new rank died while taking it ({how}; log {generation.launcher.spec.log_file})"
+
+        silent = sorted(outcome.waiting) or sorted(set(targets) - set(outcome.replies))
+        where = "; ".join(f"rank {rank} at {at}" for rank, at in sorted(outcome.waiting.items()) if at)
+        return (f"rank(s) {silent} did not answer within {self.start_timeout_s:.0f} s (the start timeout, "
+                f"%mnb start --timeout)" + (f": {where}" if where else ""))

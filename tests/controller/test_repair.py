@@ -409,6 +409,34 @@ def test_mnb_restart_keeps_the_layout_and_says_so_as_the_automatic_restart_does(
     assert cpu_pool.layout == ParallelConfig(tp=2).resolve(2)
 
 
+def test_a_new_rank_killed_while_the_restart_restores_the_layout_gets_a_second_launch(cpu_pool, capsys, monkeypatch):
+    """A CI run's automatic restart failed with "the new ranks did not answer": a new rank had died while
+    taking the layout.  The restart now says how it died, and launches once more before giving up."""
+    restore, killed, restarts = Repair._restore_layout, [], cpu_pool.restarts
+
+    def kill_a_new_rank_the_first_time(self: Repair, generation, layout: ParallelConfig) -> None:
+        if not killed:
+            killed.append(generation.ranks[1].pid)
+            os.kill(killed[0], signal.SIGKILL)
+            deadline, seen = time.monotonic() + 60, threading.Event()
+            while not generation.any_dead():  # the restore's own check then sees it: no race with its replies
+                assert time.monotonic() < deadline, "the killed new rank was never seen dead"
+                seen.wait(0.05)
+        restore(self, generation, layout)
+
+    monkeypatch.setattr(Repair, "_restore_layout", kill_a_new_rank_the_first_time)
+    with pytest.raises(RankDiedError, match="the layout tp2 pp1 dp1 stays"):
+        cpu_pool.run("import os\nif rank == 1:\n    os._exit(3)", layout=ParallelConfig(tp=2), quiet=True)
+    capsys.readouterr()
+    assert cpu_pool.run("ps.get_tensor_model_parallel_world_size()", quiet=True) == {0: 2, 1: 2}
+    out = capsys.readouterr().out
+    assert killed and killed[0] not in cpu_pool.pids(), (killed, cpu_pool.pids())
+    assert ("launched twice: the first launch failed (restoring the layout tp2 pp1 dp1 failed: a new rank died "
+            f"while taking it (rank 1 (r1 tp1 pp0 dp0) died: killed by signal SIGKILL (pid {killed[0]}); "
+            "rank 0 (r0 tp0 pp0 dp0) died: torn down by torchrun after the failure") in out, out
+    assert cpu_pool.restarts == restarts + 1
+
+
 def test_a_stopped_pool_is_not_relaunched_by_a_late_failure(cpu_pool, monkeypatch):
     """The death of a rank is being reported when another thread stops the pool: no torchrun again."""
     stopped, stopper, restarts = threading.Event(), [], cpu_pool.restarts
