@@ -21,10 +21,13 @@ with T = micro batch x sequence / cp tokens:
   every tp rank without it.
 - **recompute**: full recompute repeats each layer's forward in the backward;
   selective repeats core attention's forward.
-- **gradient accumulation**: without ``gradient_accumulation_fusion`` (TE or
-  apex), each microbatch adds every weight gradient into Megatron's fp32
+- **gradient accumulation**: without ``gradient_accumulation_fusion`` (TE, apex,
+  or mnb's stand-in on GPUs), each microbatch adds every weight gradient into Megatron's fp32
   ``main_grad`` (read the gradient and ``main_grad``, write ``main_grad``: 2 + 4 + 4
-  bytes per parameter with fp32 ``main_grad``).
+  bytes per parameter with fp32 ``main_grad``); with it, only the parameters outside the
+  parallel linears are added that way (the word and position embeddings, norms; a tied output
+  layer's gradient lands in the embedding's).  :func:`fuses_weight_gradients` is when mnb's own
+  training fuses, the estimators' default.
 
 Pass counts are per token and layer, forward / backward, in elements of the
 training dtype; they are the kernels' own reads and writes, not a fit.
@@ -155,6 +158,26 @@ def fp8_peak(dev: Device, peak: float) -> float:
     return peak * dev.fp8_flops / dev.bf16_flops * FP8_GEMM_EFFICIENCY
 
 
+def fuses_weight_gradients(dev: Device, model: ModelConfig, parallel: ParallelConfig) -> bool:
+    """Whether mnb's own training adds the linears' weight gradients into ``main_grad`` inside the GEMM
+    (:mod:`mnb.megatron.wgrad_fusion`, Megatron's ``gradient_accumulation_fusion``): on GPUs, except for
+    the FP8 linears of the local spec (``ModelConfig.fp8``: their own weight-gradient GEMM) and under
+    Megatron-FSDP (its own gradient buffers).  The one statement of that rule on the notebook side:
+    ``step_time``, ``plan`` and the explorer default to it; the rank side applies it per linear."""
+    return dev.name != "cpu" and not model.fp8 and parallel.fsdp is None
+
+
+def linear_params(model: ModelConfig, parallel: ParallelConfig, stage: int) -> int:
+    """Weights of one rank's Megatron parallel linears in pipeline stage ``stage``: the layers' GEMM
+    weights (experts' too) and an untied output layer; not embeddings, norms or a router."""
+    width = round(sum(count * n * k for _m, n, k, count in _layer_gemms(model, parallel, 1)))
+    layers = model.layers_per_stage(parallel.pp)[stage]
+    total = layers * width
+    if stage == parallel.pp - 1 and (not model.share_embeddings_and_output_weights or parallel.pp > 1):
+        total += padded_vocab_size(model, parallel.tp) * model.hidden_size // parallel.tp
+    return total
+
+
 def stage_work(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -214,10 +237,10 @@ def stage_work(
     if stage == 0:  # embedding lookup and its gradient (fp32 scatter-add)
         mem += tokens * h * (e + 3 * 4) / bandwidth
 
-    grad_acc = 0.0
-    if not gradient_accumulation_fusion:
-        params = stage_params(model, parallel, stage).total
-        grad_acc = params * (e + 2 * grad_bytes) / bandwidth
+    params = stage_params(model, parallel, stage).total
+    if gradient_accumulation_fusion:
+        params -= linear_params(model, parallel, stage)
+    grad_acc = params * (e + 2 * grad_bytes) / bandwidth
     total = gemm + attn + mem + recompute + grad_acc
     return StageWork(
         gemm_s=gemm, attention_s=attn, memory_s=mem, recompute_s=recompute, grad_accumulation_s=grad_acc,

@@ -58,7 +58,7 @@ from ._inputs import as_model, as_parallel, as_train
 from ._inputs import num_microbatches as resolve_microbatches
 from .explain import Explanation
 from .flops import flops, hardware_flops
-from .kernels import StageWork, stage_work
+from .kernels import StageWork, fuses_weight_gradients, stage_work
 from .memory import bytes_per_param
 from .sharding import dp_traffic, sharded_components
 from .pipeline import bubble_time_ratio
@@ -165,7 +165,7 @@ def step_time(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     tp_comm_overlap: bool = False,
-    gradient_accumulation_fusion: bool = False,
+    gradient_accumulation_fusion: bool | None = None,
     grad_bytes: int | None = None,
     cp_comm_type: str = "all_gather",
 ) -> StepTimeEstimate:
@@ -182,9 +182,9 @@ def step_time(
     (:func:`mnb.estimate.flops`); executed attention work follows ``attention``.
     ``overlap_grad_reduce``, ``overlap_param_gather``, ``tp_comm_overlap``,
     ``gradient_accumulation_fusion``: Megatron's settings of those names (mnb's own training
-    runs with the first three off, and on GPUs with ``gradient_accumulation_fusion`` on:
-    :mod:`mnb.megatron.wgrad_fusion`; the default here, off, is what the measured rows of
-    BENCHMARKS.md this model was checked against ran with).  ``grad_bytes``: bytes per gradient element as reduced and
+    runs with the first three off; ``gradient_accumulation_fusion=None``, the default, is what mnb's
+    training does: on for GPUs but for local-spec FP8 linears and Megatron-FSDP,
+    :func:`~mnb.estimate.kernels.fuses_weight_gradients`).  ``grad_bytes``: bytes per gradient element as reduced and
     accumulated (default 4: Megatron's ``grad_reduce_in_fp32``, mnb's setting; 2 for bf16/fp16
     gradients), as in :func:`mnb.estimate.memory`.  ``cp_comm_type``: ``"all_gather"`` (K/V
     gathered, not overlapped: mnb's context parallelism without TE) or ``"p2p"`` (TE's ring,
@@ -210,6 +210,8 @@ def step_time(
     e = 2 if (train.bf16 or train.fp8) else 4
     v = parallel.vpp
 
+    if gradient_accumulation_fusion is None:
+        gradient_accumulation_fusion = fuses_weight_gradients(dev, model, parallel)
     bpp = bytes_per_param(train, grad_bytes=grad_bytes)
     layers = model.layers_per_stage(pp)
     distinct: dict[tuple[int, bool, bool], StageWork] = {}  # middle stages of equal size are alike
