@@ -15,7 +15,8 @@ no ``main_grad``).
 The result differs from the unfused path by rounding only: the product is added in fp32 instead of
 first being rounded to bf16 (apex's arithmetic).  Not used on CPU ranks, under Megatron-FSDP (which
 has its own path), for frozen weights (LoRA) or FP8 linears (:mod:`mnb.megatron.fp8` runs its own
-weight-gradient GEMM).
+weight-gradient GEMM).  The estimators predict by the same rule
+(:func:`mnb.estimate.kernels.fuses_weight_gradients`): a change here changes it there.
 """
 
 from __future__ import annotations
