@@ -51,6 +51,10 @@ def layout_kept(layout: ParallelConfig) -> str:
     return f"names defined in earlier cells are gone, the layout {layout.describe()} stays"
 
 
+class LayoutRefused(PoolError):
+    """New ranks answered that they cannot take the layout: a second launch would answer the same."""
+
+
 class Repair:
     """The pool's current generation and everything that replaces or ends it."""
 
@@ -333,7 +337,7 @@ class Repair:
             try:
                 self._adopt_in(self._build(on_launched=self._on_launched, on_hello=self._on_hello), layout)
             except PoolError as first:
-                if self._cancel.is_set():
+                if self._cancel.is_set() or isinstance(first, LayoutRefused):
                     raise
                 # A new rank that dies during its start is most often killed from outside (the OOM killer
                 # while another process peaked, a stray signal): a second launch, cold, usually stands.
@@ -380,6 +384,9 @@ class Repair:
         for rank, reply in outcome.replies.items():
             generation.ranks[rank].coords = reply.get("coords") or generation.ranks[rank].coords
         failed = [m for m in outcome.replies.values() if not m.get("ok")]
+        if failed and not (outcome.waiting or outcome.died):  # every rank answered: it would answer so again
+            raise LayoutRefused(f"restoring the layout {layout.describe()} failed: "
+                                + self._unrestored(generation, layout, outcome, failed, targets))
         if failed or outcome.waiting or outcome.died or outcome.cancelled or len(outcome.replies) < len(targets):
             raise PoolError(f"restoring the layout {layout.describe()} failed: "
                             + self._unrestored(generation, layout, outcome, failed, targets))
