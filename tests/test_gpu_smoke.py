@@ -36,3 +36,53 @@ def test_a_one_rank_cuda_pool_trains_tiny_and_measures_memory_and_mfu(tmp_path):
     finally:
         pool.stop()
     assert_no_orphans(pids)
+
+
+def test_refused_fast_paths_train_with_ddps_add_and_decode_uncompiled_with_the_same_results(tmp_path):
+    """The GPU-only fast paths fail over, never fail the cell: a torch whose ``addmm(out_dtype=...)`` fails
+    wgrad_fusion's probe trains with DDP's add (nothing counted in the fused kernel), and a compiled decode
+    step that does not capture is captured uncompiled, with the plain path's tokens."""
+    if visible_gpu_count() < 1:
+        pytest.skip("no GPU visible here (nvidia-smi found none)")
+    pool = Pool.start(1, device="cuda", timeout=300, workdir=tmp_path)
+    train = "model = mnb.gpt('tiny')\nmnb.train(model, steps=2, micro_batch_size=2, global_batch_size=4, bf16=True)\n"
+    try:
+        refused = pool.run(
+            "from mnb.megatron import decode_graphs, wgrad_fusion\n"
+            "kept = wgrad_fusion._add_product\n"
+            "def refuse(*args):\n    raise RuntimeError('addmm with out_dtype refused (test)')\n"
+            "wgrad_fusion._add_product, wgrad_fusion._probed = refuse, {}\n"
+            "wgrad_fusion.calls.update(fp32=0, same_dtype=0)\n"
+            "try:\n" + "".join("    " + line + "\n" for line in train.splitlines()) +
+            "finally:\n    wgrad_fusion._add_product, probed, wgrad_fusion._probed = kept, dict(wgrad_fusion._probed), {}\n"
+            "(probed, dict(wgrad_fusion.calls))", quiet=True)
+        assert refused[0] == ({"cuda:0": False}, {"fp32": 0, "same_dtype": 0}), refused
+        unfused = last_run().losses
+        fused = pool.run(train + "(dict(wgrad_fusion._probed), wgrad_fusion.calls['fp32'])", quiet=True)
+        assert fused[0][0] == {"cuda:0": True} and fused[0][1] > 0, fused
+        assert last_run().losses[0] == pytest.approx(unfused[0], rel=1e-3), (last_run().losses, unfused)
+
+        decoded = pool.run(
+            "prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]\n"
+            "plain = mnb.generate(model, prompts, max_new_tokens=12, stream=False)\n"
+            "Real, refusals = decode_graphs.Graph, []\n"
+            "class RefusedOnce(Real):\n"
+            "    def __init__(self, step):\n"
+            "        if not refusals:\n"
+            "            refusals.append(1)\n"
+            "            raise RuntimeError('capture refused (test)')\n"
+            "        super().__init__(step)\n"
+            "decode_graphs.Graph = RefusedOnce\n"
+            "try:\n    compiled = mnb.generate(model, prompts, max_new_tokens=12, stream=False, compile=True)\n"
+            "finally:\n    decode_graphs.Graph = Real\n"
+            "(plain, compiled, repr(model.decoder.compile_failed),\n"
+            " sorted((key, graph.captured) for entry in model.decoder.entries.values()\n"
+            "        for key, graph in entry.graphs.items()))", quiet=True)
+        plain, compiled, failed, graphs = decoded[0]
+        assert compiled == plain and len(plain) == 2 and all(plain), decoded
+        assert "capture refused (test)" in failed, failed
+        assert graphs == [((0, True, False), True), ((0, True, True), True)], graphs  # both captured
+        pids = pool.pids()
+    finally:
+        pool.stop()
+    assert_no_orphans(pids)
