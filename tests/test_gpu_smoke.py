@@ -1,4 +1,5 @@
-"""GPU smoke test: a 1-rank pool on CUDA trains ``mnb.gpt('tiny')`` and measures it (device machine only).
+"""GPU smoke tests: a 1-rank pool on CUDA trains ``mnb.gpt('tiny')`` and measures it, and the GPU-only fast
+paths fail over when refused (device machine only).
 
     python -m pytest -m gpu tests/test_gpu_smoke.py
 
