@@ -395,19 +395,21 @@ class Repair:
                     targets: list[int]) -> str:
         """Why the new ranks did not take the layout, in words that say what to look at: the ranks'
         errors, how a rank died (its exit, its last words), or which ranks a timeout left where."""
-        if failed:
-            return "; ".join(f"{m.get('ename')}: {m.get('evalue')}" for m in failed)
         if outcome.cancelled:
             return outcome.cancelled
+        errors = "; ".join(f"{m.get('ename')}: {m.get('evalue')}" for m in failed)
         if outcome.died:
             deaths = generation.launcher.deaths(DEATH_REPORT_WAIT_S)
             for rank, message in sorted(generation.transport.last_words.items()):
                 deaths[rank] = f"{deaths.get(rank, 'exited')}; {last_words(message)}"
             labels = {rank: coords_label(rank, layout.coordinates(rank), layout.as_dict()) for rank in generation.ranks}
             how = "; ".join(death_lines(deaths, labels)[0]) or "torchrun ended"
-            return f"a new rank died while taking it ({how}; log {generation.launcher.spec.log_file})"
-
+            return (f"a new rank died while taking it ({how}; log {generation.launcher.spec.log_file})"
+                    + (f"; the others answered {errors}" if errors else ""))
         silent = sorted(outcome.waiting) or sorted(set(targets) - set(outcome.replies))
+        if not silent:
+            return errors
         where = "; ".join(f"rank {rank} at {at}" for rank, at in sorted(outcome.waiting.items()) if at)
-        return (f"rank(s) {silent} did not answer within {self.start_timeout_s:.0f} s (the start timeout, "
-                f"%mnb start --timeout)" + (f": {where}" if where else ""))
+        unanswered = (f"rank(s) {silent} did not answer within {self.start_timeout_s:.0f} s (the start timeout, "
+                      f"%mnb start --timeout)" + (f": {where}" if where else ""))
+        return f"{errors}; {unanswered}" if errors else unanswered
