@@ -215,6 +215,11 @@ class RankDiedError(PoolError):
         self.deaths = deaths or {}
 
 
+class LayoutRefused(PoolError):
+    """New ranks of an automatic restart answered that they cannot take the pool's layout: a second
+    launch would answer the same, so the restart fails at once with their errors."""
+
+
 class CellTimeoutError(PoolError, TimeoutError):
     """A cell ran past its timeout; carries each stuck rank's stack (``.stacks``, and in ``str()``)."""
 

@@ -121,5 +121,6 @@ def test_every_exception_class_mnb_defines_lives_in_mnb_errors_and_keeps_its_old
     for module, name in [("mnb.protocol", "ProtocolError"), ("mnb.protocol", "MessageTooLarge"),
                          ("mnb.values", "PushRefused"), ("mnb.values", "ValueDecodeError"),
                          ("mnb.worker.stdin", "NoStdinError"), ("mnb.megatron.checkpoint", "DamagedCheckpointError"),
-                         ("mnb.megatron.gpu_idioms", "CudaStreamError"), ("mnb.megatron.adopt", "ScriptGroupError")]:
+                         ("mnb.megatron.gpu_idioms", "CudaStreamError"), ("mnb.megatron.adopt", "ScriptGroupError"),
+                         ("mnb.controller.repair", "LayoutRefused")]:
         assert getattr(importlib.import_module(module), name) is getattr(mnb.errors, name), (module, name)

@@ -37,7 +37,7 @@ from mnb.controller.output import coords_label
 from mnb.controller.reports import death_lines, last_words
 from mnb.controller.standby import Standby, difference, settings
 from mnb.controller.transport import Transport
-from mnb.errors import PoolError, interrupted
+from mnb.errors import LayoutRefused, PoolError, interrupted
 from mnb.protocol import Message
 from mnb.timeouts import ASK_TIMEOUT_S, DEATH_REPORT_WAIT_S, DEFAULT_GRACE_S
 
@@ -49,10 +49,6 @@ STOPPED = "the pool was stopped"
 def layout_kept(layout: ParallelConfig) -> str:
     """What every restart (automatic, ``%mnb restart``, ``--isolated``) says it kept and lost."""
     return f"names defined in earlier cells are gone, the layout {layout.describe()} stays"
-
-
-class LayoutRefused(PoolError):
-    """New ranks answered that they cannot take the layout: a second launch would answer the same."""
 
 
 class Repair:

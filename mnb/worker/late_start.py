@@ -37,6 +37,7 @@ from mnb.worker.quiet_warnings import verbose_warnings
 
 IMPORTING = "importing Megatron-Core"
 LAYING_OUT = "building Megatron's default layout"
+AGREEING = "waiting for the other ranks' default layout"
 EXIT_CODE = 1
 """A rank whose start failed after its hello exits with this code (its ``fatal`` message says why)."""
 
@@ -106,6 +107,8 @@ class LateStart:
             self._hello_sent.wait()  # the process group exists once the hello is out
             self.doing_now = LAYING_OUT
             self._lay_out()
+            self.doing_now = AGREEING
+            self._agree()
         except BaseException as exc:  # reported: before the hello by the hello, after it as last words
             self._fail(exc)
             return
@@ -129,6 +132,20 @@ class LateStart:
             layout.apply_layout(ParallelConfig())
             autorecord.install()  # a cell's or script's own get_forward_backward_func calls are measured
         self.rank.namespace["ps"] = parallel_state
+
+    def _agree(self) -> None:
+        """Ready only once every rank built the default layout: a world barrier.
+
+        Why: nothing else holds the ranks together here (a cell's layout is agreed through the
+        replies the controller collects; this start is not).  A rank whose last group was made could
+        take a first cell's other layout and destroy Megatron's gloo groups while a slower rank still
+        shook hands on one of them, which then failed ("Gloo connectFullMesh failed ... Connection
+        closed by peer": a CI run's ``--pp 2`` first cell).  Before any cell: a cell's collective
+        numbers (``mnb.megatron.collectives``) do not count it."""
+        import torch.distributed as dist
+
+        with self.rank.clock.stage("mnb: every rank laid out"):
+            dist.barrier()
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from mnb.config import ParallelConfig
 from mnb.controller import Pool
 from mnb.controller import standby as standbys
 from mnb.errors import RankDiedError
@@ -38,14 +39,37 @@ HELD_MEGATRON = textwrap.dedent(f'''
 ''')
 
 
-def held_megatron(folder: Path, gate: Path, fails_on_rank: int | None = None) -> dict[str, str]:
-    """The ranks' extra environment: ``megatron`` imported through the gate ``gate`` (a file to create)."""
+HOLD_ENV, HELD_ENV, RELEASE_ENV = "MNB_TEST_LAYOUT_HELD_ON_RANK", "MNB_TEST_LAYOUT_HELD", "MNB_TEST_LAYOUT_RELEASE"
+HELD_LAYOUT = textwrap.dedent(f'''
+    if os.environ.get("{HOLD_ENV}") == os.environ["RANK"]:  # this rank stops once its default layout is built
+        from mnb.worker import late_start
+
+        _lay_out = late_start.LateStart._lay_out
+
+        def _held_lay_out(self):
+            _lay_out(self)
+            open(os.environ["{HELD_ENV}"], "w").close()
+            while not os.path.exists(os.environ["{RELEASE_ENV}"]):
+                time.sleep(0.05)
+
+        late_start.LateStart._lay_out = _held_lay_out
+''')
+
+
+def held_megatron(folder: Path, gate: Path, fails_on_rank: int | None = None,
+                  hold_layout: tuple[int, Path, Path] | None = None) -> dict[str, str]:
+    """The ranks' extra environment: ``megatron`` imported through the gate ``gate`` (a file to create);
+    ``hold_layout=(rank, held, release)``: that rank writes ``held`` once its default layout is built and
+    goes on once ``release`` exists."""
     (folder / "megatron").mkdir()
-    (folder / "megatron" / "__init__.py").write_text(HELD_MEGATRON)
+    (folder / "megatron" / "__init__.py").write_text(HELD_MEGATRON + (HELD_LAYOUT if hold_layout else ""))
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p),
            GATE_ENV: str(gate)}
     if fails_on_rank is not None:
         env[FAIL_ENV] = str(fails_on_rank)
+    if hold_layout is not None:
+        rank, held, release = hold_layout
+        env.update({HOLD_ENV: str(rank), HELD_ENV: str(held), RELEASE_ENV: str(release)})
     return env
 
 
@@ -128,5 +152,32 @@ def test_a_rank_whose_megatron_import_fails_after_its_hello_is_a_crashed_rank_na
                          r"hello: importing Megatron-Core raised ImportError: rank 1 cannot import megatron "
                          r"\(the test's gate failed it\)", message), message
         assert "rank 1's traceback" in message and "megatron/__init__.py" in message, message
+    finally:
+        pool.stop()
+
+
+def test_no_rank_is_ready_before_every_rank_built_the_default_layout(tmp_path):
+    """A CI run's first cell (``--pp 2``) found rank 1 dead: "Gloo connectFullMesh failed ... Connection
+    closed by peer". Rank 0 had finished its default layout, taken the cell's layout and destroyed
+    Megatron's gloo groups while rank 1 still shook hands on the last of them. Held here, exactly:
+    rank 1 stops once its default layout is built; rank 0 must not be ready before it goes on."""
+    gate, held, release = tmp_path / "open", tmp_path / "held", tmp_path / "release"
+    gate.touch()
+    pool = Pool.start(2, device="cpu", standby="off", timeout=180,
+                      extra_env=held_megatron(tmp_path, gate, hold_layout=(1, held, release)))
+    try:
+        deadline = time.monotonic() + 300
+        while not held.exists():
+            assert time.monotonic() < deadline, f"rank 1 never built its default layout: {pool.status()}"
+            time.sleep(0.05)
+        states = [row["state"] for row in pool.status()]
+        assert re.fullmatch(r"idle: waiting for the other ranks' default layout, \d+\.\d s so far", states[0]), states
+        assert re.fullmatch(r"idle: building Megatron's default layout, \d+\.\d s so far", states[1]), states
+        release.touch()
+        # the first cell takes another layout at once: the default's groups are complete on every rank
+        assert pool.run("ps.get_pipeline_model_parallel_world_size()", layout=ParallelConfig(pp=2),
+                        timeout=120) == {0: 2, 1: 2}
+        assert pool.restarts == 0
+        assert [row["state"] for row in pool.status()] == ["idle", "idle"]
     finally:
         pool.stop()
