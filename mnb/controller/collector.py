@@ -314,10 +314,11 @@ class Collector:
                 self._said_starting = True
                 self.folder.flush()
                 doing = str(payload.get("doing") or "starting")
-                what = doing.replace("importing ", "finish importing ", 1) if doing.startswith("importing ") \
-                    else f"finish {doing}"
-                print(f"mnb: waiting for the ranks to {what} (under way for {payload.get('elapsed_s', 0):.1f} s)...",
-                      flush=True)
+                if doing.startswith("waiting for "):  # a rank done with its part waits for the others
+                    what = doing
+                else:  # "importing X", "building X": the ranks are still at it
+                    what = f"waiting for the ranks to finish {doing}"
+                print(f"mnb: {what} (under way for {payload.get('elapsed_s', 0):.1f} s)...", flush=True)
             return
         self._starting.discard(rank)
         if not self._starting and self._paused_from is not None:

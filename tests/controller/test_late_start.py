@@ -156,7 +156,7 @@ def test_a_rank_whose_megatron_import_fails_after_its_hello_is_a_crashed_rank_na
         pool.stop()
 
 
-def test_no_rank_is_ready_before_every_rank_built_the_default_layout(tmp_path):
+def test_no_rank_is_ready_before_every_rank_built_the_default_layout(tmp_path, capsys):
     """A CI run's first cell (``--pp 2``) found rank 1 dead: "Gloo connectFullMesh failed ... Connection
     closed by peer". Rank 0 had finished its default layout, taken the cell's layout and destroyed
     Megatron's gloo groups while rank 1 still shook hands on the last of them. Held here, exactly:
@@ -173,10 +173,15 @@ def test_no_rank_is_ready_before_every_rank_built_the_default_layout(tmp_path):
         states = [row["state"] for row in pool.status()]
         assert re.fullmatch(r"idle: waiting for the other ranks' default layout, \d+\.\d s so far", states[0]), states
         assert re.fullmatch(r"idle: building Megatron's default layout, \d+\.\d s so far", states[1]), states
-        release.touch()
-        # the first cell takes another layout at once: the default's groups are complete on every rank
+        # the first cell, in another layout, arrives while rank 1 is held: it waits, says for what, and runs
+        # once rank 1 goes on, with the default's groups complete on every rank
+        on_event(pool, "starting", release.touch, ranks=2)
         assert pool.run("ps.get_pipeline_model_parallel_world_size()", layout=ParallelConfig(pp=2),
                         timeout=120) == {0: 2, 1: 2}
+        said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mnb: waiting")]
+        assert len(said) == 1 and re.fullmatch(  # the first rank's event: rank 0 waits, rank 1 builds
+            r"mnb: (waiting for the other ranks' default layout|waiting for the ranks to finish building "
+            r"Megatron's default layout) \(under way for \d+\.\d s\)\.\.\.", said[0]), said
         assert pool.restarts == 0
         assert [row["state"] for row in pool.status()] == ["idle", "idle"]
     finally:
