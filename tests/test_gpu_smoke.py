@@ -42,7 +42,8 @@ def test_a_one_rank_cuda_pool_trains_tiny_and_measures_memory_and_mfu(tmp_path):
 def test_refused_fast_paths_train_with_ddps_add_and_decode_uncompiled_with_the_same_results(tmp_path):
     """The GPU-only fast paths fail over, never fail the cell: a torch whose ``addmm(out_dtype=...)`` fails
     wgrad_fusion's probe trains with DDP's add (nothing counted in the fused kernel), and a compiled decode
-    step that does not capture is captured uncompiled, with the plain path's tokens."""
+    step that does not capture (twice: the first failure is tried again as it is) is captured uncompiled,
+    with the plain path's tokens, and says so."""
     if visible_gpu_count() < 1:
         pytest.skip("no GPU visible here (nvidia-smi found none)")
     pool = Pool.start(1, device="cuda", timeout=300, workdir=tmp_path)
@@ -69,19 +70,21 @@ def test_refused_fast_paths_train_with_ddps_add_and_decode_uncompiled_with_the_s
             "Real, refusals = decode_graphs.Graph, []\n"
             "class RefusedOnce(Real):\n"
             "    def __init__(self, step):\n"
-            "        if not refusals:\n"
+            "        if len(refusals) < 2:\n"
             "            refusals.append(1)\n"
             "            raise RuntimeError('capture refused (test)')\n"
             "        super().__init__(step)\n"
             "decode_graphs.Graph = RefusedOnce\n"
             "try:\n    compiled = mnb.generate(model, prompts, max_new_tokens=12, stream=False, compile=True)\n"
             "finally:\n    decode_graphs.Graph = Real\n"
-            "(plain, compiled, repr(model.decoder.compile_failed),\n"
+            "(plain, compiled, repr(model.decoder.compile_failed), model.decoder.capture_notes,\n"
             " sorted((key, graph.captured) for entry in model.decoder.entries.values()\n"
             "        for key, graph in entry.graphs.items()))", quiet=True)
-        plain, compiled, failed, graphs = decoded[0]
+        plain, compiled, failed, notes, graphs = decoded[0]
         assert compiled == plain and len(plain) == 2 and all(plain), decoded
         assert "capture refused (test)" in failed, failed
+        assert notes == ["the decode step did not capture with compiled layers (RuntimeError: capture refused "
+                         "(test)); captured it without"], notes
         assert graphs == [((0, True, False), True), ((0, True, True), True)], graphs  # both captured
         pids = pool.pids()
     finally:

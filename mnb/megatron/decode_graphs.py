@@ -49,6 +49,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from mnb.megatron import decode_kernels
+
 log = logging.getLogger(__name__)
 
 LENGTH_STEP = 256
@@ -80,6 +82,10 @@ cpu_standin = False
 """Tests only: run this path on CPU ranks, the graph replaced by :class:`Eager` (no CUDA capture)."""
 enabled = True
 """False: GPU ranks too take the per-token path (:func:`mnb.megatron.generate.decode`), for comparisons."""
+own_kernels = True
+"""True: where Triton runs (CUDA ranks; CPU ranks under ``TRITON_INTERPRET=1``, for tests) an uncompiled
+decode step's attention, RMSNorms and one-row linears are :mod:`mnb.megatron.decode_kernels`' kernels
+(the attention one kernel instead of eight a layer); False: torch's ops and cuBLAS, as before (comparisons)."""
 
 
 def batch_bucket(batch: int) -> int:
@@ -113,7 +119,14 @@ class Eager:
 
 
 class Graph:
-    """``step`` captured as one CUDA graph (after two warm-up runs on a side stream)."""
+    """``step`` captured as one CUDA graph (after two warm-up runs on a side stream).
+
+    ``capture_error_mode="thread_local"``: a rank's other threads may use the GPU meanwhile (the
+    ``mnb-fused-kernels`` thread compiles and runs the presets' kernels for minutes after a pool starts);
+    in torch's default mode ("global") their allocations and launches during the capture break it. On
+    an H200 (2026-12-04, global mode) one capture of a fresh pool's second bucket failed while that thread
+    was likely still at work (its error was not kept then; :attr:`GraphDecoder.capture_notes` keeps it
+    now), and the step fell back to torch's ops."""
 
     captured = True
 
@@ -125,7 +138,8 @@ class Graph:
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()):  # its own pool
+        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle(),  # its own pool
+                              capture_error_mode="thread_local"):
             self.output = step()
 
     def replay(self) -> None:
@@ -144,6 +158,7 @@ class Pass:
     attend: Callable | None = None  # decode_attention, compiled or not
     caches: dict = field(default_factory=dict)  # id(layer attention) -> (keys, values)
     rotation: torch.Tensor | None = None  # RoPE applied here (``[s, b, 1, 2, 2, rot/2]``), or None: by Megatron
+    kernels: bool = False  # this step's attention, RMSNorms and one-row linears through decode_kernels
 
 
 def rotation_table(angles: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -200,8 +215,10 @@ class CachedAttention(torch.nn.Module):
                 k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
-        return self.state.attend(query, key, value, keys, values, self.state.positions, self.state.bias,
-                                 self.scale, self.state.sdpa)
+        attend = (decode_kernels.decode_attention if self.state.kernels and not self.state.sdpa
+                  else self.state.attend)
+        return attend(query, key, value, keys, values, self.state.positions, self.state.bias, self.scale,
+                      self.state.sdpa)
 
 
 def decode_attention(query, key, value, keys, values, where, bias, scale: float, sdpa: bool = False):
@@ -262,6 +279,47 @@ def swapped_attention(chunks, state: Pass):
         for attention, original in originals:
             attention.core_attention = original
         config.apply_rope_fusion = rope_fusion
+
+
+@contextlib.contextmanager
+def swapped_kernels(chunks, state: Pass):
+    """While ``state.kernels`` (read when the step runs or is captured), every RMSNorm of ``chunks`` through
+    :func:`decode_kernels.rms_norm` and every parallel linear given one row through :func:`decode_kernels.linear`;
+    their own code otherwise (FP8 linears keep theirs); restored after."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from mnb.megatron.spec import LocalNorm
+
+    modules = [m for chunk in chunks for m in chunk.modules()]
+    norms = [m for m in modules if isinstance(m, LocalNorm) and m.rms]
+    linears = [m for m in modules if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+               and "_forward_impl" not in vars(m)]
+    try:
+        for norm in norms:
+            norm.forward = functools.partial(_norm_forward, norm, state)
+        for linear in linears:
+            linear._forward_impl = functools.partial(_linear_forward, linear, state)
+        yield
+    finally:
+        for norm in norms:
+            norm.__dict__.pop("forward", None)
+        for linear in linears:
+            linear.__dict__.pop("_forward_impl", None)
+
+
+def _norm_forward(norm, state: Pass, x: torch.Tensor) -> torch.Tensor:
+    if state.kernels:
+        return decode_kernels.rms_norm(x, norm.weight, norm.eps)
+    return type(norm).forward(norm, x)
+
+
+def _linear_forward(linear, state: Pass, *args, **kwargs):
+    """What Megatron's parallel linears call as ``self._forward_impl(input=, weight=, bias=, ...)``."""
+    given = dict(zip(("input", "weight", "bias"), args), **kwargs)
+    x, weight = given.get("input"), given.get("weight")
+    if state.kernels and not given.get("sequence_parallel") and decode_kernels.one_row(x, weight):
+        return decode_kernels.linear(x, weight, given.get("bias"))
+    return type(linear)._forward_impl(linear, *args, **kwargs)
 
 
 def _as_it_is(inp, requires_grad, keep_graph):
@@ -446,6 +504,11 @@ class GraphDecoder:
         """chunk index -> its layer stack through ``torch.compile`` (``generate(..., compile=True)``)."""
         self.compile_failed: BaseException | None = None
         """Why a compiled step did not capture: later steps of this decoder run the modules as they are."""
+        self.capture_notes: list[str] = []
+        """Each capture that failed and what was given up for it (also printed by rank 0)."""
+        self.kernels = own_kernels and decode_kernels.runs_on(device)
+        """Uncompiled steps' attention, RMSNorms and one-row linears through :mod:`decode_kernels` (False after a
+        capture with them failed)."""
 
     @staticmethod
     def params_signature(model) -> tuple:
@@ -514,6 +577,8 @@ class GraphDecoder:
     def step(self, stage: int, entry: Entry, state: Pass, sampling: Sampling, compiled: bool = False):
         """The decode step of ``stage`` (what is captured); ``compiled``: its layers through ``torch.compile``."""
         state.prefill = False
+        # a compiled step: Inductor fuses the norms itself; one whose compile did not capture runs as uncompiled
+        state.kernels = self.kernels and not (compiled and self.compile_failed is None)
         state.positions = entry.where
         state.sdpa = sdpa_decode
         state.bias = torch.where(entry.key_index <= entry.where, 0.0, float("-inf")).view(entry.rows, 1, 1, -1)
@@ -531,6 +596,7 @@ class GraphDecoder:
     def prefill_step(self, stage: int, entry: Entry, prefill: Prefill, state: Pass, sampling: Sampling):
         """The prefill of ``stage`` for one prompt bucket (what is captured when small enough)."""
         state.prefill = True
+        state.kernels = self.kernels
         hidden = self.stage_forward(stage, entry, state, prefill.tokens, prefill.where, prefill.hidden_in[stage])
         if stage < self.n_stages - 1:
             return hidden
@@ -558,34 +624,47 @@ class GraphDecoder:
         return graphs[key]
 
     def _capture(self, step: Callable[[], Any], compiled: bool = False):
-        """A :class:`Graph` of ``step``; if capture fails, again without what was compiled (the layers,
-        then the attention: the step reads :attr:`compile_failed` and :attr:`Pass.attend` when it
-        runs), and last the step run uncaptured (:class:`Eager`), with a warning saying why."""
-        try:
-            return Graph(step)
-        except Exception as error:  # noqa: BLE001 - any capture failure: the call still runs
-            first = error
+        """A :class:`Graph` of ``step``; if capture fails, once more as it is, then without what was compiled
+        (the layers), without mnb's kernels, without the compiled attention (the step reads
+        :attr:`compile_failed`, :attr:`kernels` and :attr:`Pass.attend` when it runs), and last the step run
+        uncaptured (:class:`Eager`); each failure in :attr:`capture_notes`, and rank 0 prints what was given up."""
+        first = None
+        for _ in range(2):
+            try:
+                graph = Graph(step)
+                if first is not None:
+                    self._note(f"captured at the second try; the first failed: {type(first).__name__}: {first}")
+                return graph
+            except Exception as error:  # noqa: BLE001 - any capture failure: the call still runs
+                first = first or error
+        dropped = []
         for what, applies, uncompile in (
-                ("layers", lambda: compiled and self.compile_failed is None,
+                ("compiled layers", lambda: compiled and self.compile_failed is None,
                  lambda: setattr(self, "compile_failed", first)),
-                ("attention", lambda: self.state.attend is not decode_attention,
+                ("mnb's Triton kernels", lambda: self.kernels, lambda: setattr(self, "kernels", False)),
+                ("compiled attention", lambda: self.state.attend is not decode_attention,
                  lambda: setattr(self.state, "attend", decode_attention))):
             if not applies():
                 continue
             uncompile()
+            dropped.append(what)
             try:
                 graph = Graph(step)
-                log.warning("mnb.generate: the decode step with compiled %s did not capture (%s); captured "
-                            "it uncompiled", what, first)
+                self._note(f"the decode step did not capture with {', '.join(dropped)} "
+                           f"({type(first).__name__}: {first}); captured it without")
                 return graph
             except Exception as error:  # noqa: BLE001
                 first = error
-        log.warning("mnb.generate: the decode step did not capture as a CUDA graph (%s); it runs "
-                    "uncaptured (slower)", first)
-        if torch.distributed.get_rank() == 0:
-            print(f"mnb.generate: CUDA graph capture failed ({type(first).__name__}: {first}); "
-                  "decoding without graphs", flush=True)
+        self._note(f"CUDA graph capture failed ({type(first).__name__}: {first}); decoding without graphs "
+                   "(slower)")
         return Eager(step)
+
+    def _note(self, text: str) -> None:
+        """A capture's fallback, kept in :attr:`capture_notes`, logged, and printed by rank 0 (the cell shows it)."""
+        self.capture_notes.append(text)
+        log.warning("mnb.generate: %s", text)
+        if torch.distributed.get_rank() == 0:
+            print(f"mnb.generate: {text}", flush=True)
 
     # ---- the call -----------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], max_new_tokens: int, sampling_args: dict, on_block,
@@ -607,7 +686,8 @@ class GraphDecoder:
         prefill = entry.prefills.get(length) or entry.prefills.setdefault(length, Prefill(self, rows, length))
         if state.attend is None:
             state.attend = compiled_attention() if self.capture and compile_attention else decode_attention
-        with swapped_attention(self.chunks, state):
+        kernels = swapped_kernels(self.chunks, state) if self.kernels else contextlib.nullcontext()
+        with swapped_attention(self.chunks, state), kernels:
             before, start = self.captures, time.perf_counter()
             greedy = sampling.greedy
             graphs = {v: self.graph(entry.graphs, (v, greedy, compile),

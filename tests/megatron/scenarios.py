@@ -699,3 +699,124 @@ def unfused_step_memory(block_share: int = 32) -> dict:
             "step_peak_bytes": live.peak_bytes,
             "estimate_step_bytes": stage.activations_bytes + stage.logits_bytes + stage.other_bytes,
             "estimate_logits_bytes": stage.logits_bytes, "estimate_activations_bytes": stage.activations_bytes}
+
+
+def decode_kernels_interpreted() -> dict:
+    """mnb's Triton decode kernels under Triton's interpreter (the launch sets TRITON_INTERPRET=1) on 2 CPU
+    ranks: each kernel against torch on cases of its own (rank 0), then ``mnb.generate``'s decode step with
+    them (graphs replaced by plain calls) against the per-token path, under dp2 and tp2."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron import decode_graphs, decode_kernels
+    from mnb.megatron.generate import generate
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+
+    results: dict = {"runs_on_cpu": decode_kernels.runs_on(torch.device("cpu"))}
+    cases = {  # name -> rows, heads, groups, dim, positions, each row's new position
+        "llama-groups-4-blocks": (1, 8, 2, 64, 256, [200]),
+        "one-head-a-group-dim-48-first-position": (3, 4, 4, 48, 256, [5, 63, 0]),
+        "last-position": (2, 6, 3, 32, 512, [130, 511]),
+    }
+
+    def attention_cases():
+        out = {}
+        for name, (rows, heads, groups, dim, positions, where) in cases.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                gen = torch.Generator().manual_seed(rows * 100 + dim)
+                keys = torch.randn(rows, groups, positions, dim, generator=gen).to(dtype)
+                values = torch.randn(rows, groups, positions, dim, generator=gen).to(dtype)
+                qk = torch.randn(1, rows, heads + groups, dim, generator=gen).to(dtype)  # strided, as after RoPE
+                query, key = qk[:, :, :heads], qk[:, :, heads:]
+                value = torch.randn(1, rows, groups, dim, generator=gen).to(dtype)
+                at = torch.tensor(where).view(rows, 1)
+                bias = torch.where(torch.arange(positions) <= at, 0.0, float("-inf")).view(rows, 1, 1, -1)
+                scale = 1 / math.sqrt(dim)
+                eager_keys, eager_values = keys.clone(), values.clone()
+                exact = decode_graphs.decode_attention(query.float(), key.float(), value.float(), keys.float(),
+                                                       values.float(), at, bias, scale)
+                decode_graphs.decode_attention(query, key, value, eager_keys, eager_values, at, bias, scale)
+                got = decode_kernels.decode_attention(query, key, value, keys, values, at, bias, scale)
+                out[f"{name}-{str(dtype)[6:]}"] = dict(
+                    shape=list(got.shape), dtype=str(got.dtype),
+                    error=float((got.float() - exact).abs().max()),
+                    relative=float(((got.float() - exact).abs() / (exact.abs() + 1e-6)).max()),
+                    cache_written=torch.equal(keys, eager_keys) and torch.equal(values, eager_values))
+        x = torch.randn(3, 2, 300, generator=torch.Generator().manual_seed(0))
+        w = torch.randn(300, generator=torch.Generator().manual_seed(1))
+        out["rms_norm-float32"] = dict(error=float((decode_kernels.rms_norm(x, w, 1e-5)
+                                                    - F.rms_norm(x, (300,), w, 1e-5)).abs().max()))
+        x16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        exact = F.rms_norm(x16.float(), (300,), w16.float(), 1e-5)
+        got = decode_kernels.rms_norm(x16, w16, 1e-5)
+        out["rms_norm-bfloat16"] = dict(dtype=str(got.dtype), relative=float(
+            ((got.float() - exact).abs() / (exact.abs() + 1e-6)).max()))
+        for rows, bias in ((37, True), (64, False)):  # a last block of 5 rows; no bias
+            gen = torch.Generator().manual_seed(rows)
+            x = torch.randn(1, 1, 300, generator=gen).to(torch.bfloat16)
+            w = torch.randn(rows, 300, generator=gen).to(torch.bfloat16)
+            b = torch.randn(rows, generator=gen).to(torch.bfloat16) if bias else None
+            exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+            got = decode_kernels.linear(x, w, b)
+            out[f"linear-{rows}"] = dict(shape=list(got.shape), dtype=str(got.dtype),
+                                         one_row=decode_kernels.one_row(x, w),
+                                         excess=float(((got.float() - exact).abs() - exact.abs() * 2 ** -7).max()))
+        out["one_row-refuses"] = [decode_kernels.one_row(torch.zeros(2, 300, dtype=torch.bfloat16),
+                                                         torch.zeros(8, 300, dtype=torch.bfloat16)),
+                                  decode_kernels.one_row(torch.zeros(1, 300), torch.zeros(8, 300))]
+        return out
+
+    if torch.distributed.get_rank() == 0:
+        _guard(results, "kernels", attention_cases)
+
+    calls = {"attention": 0, "rms_norm": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    decode_kernels.decode_attention = counted("attention", decode_kernels.decode_attention)
+    decode_kernels.rms_norm = counted("rms_norm", decode_kernels.rms_norm)
+    decode_kernels.linear = counted("linear", decode_kernels.linear)
+    calls["linear"] = 0
+    prompts = [[5, 17, 33, 2, 90, 41, 7], [300, 12], [64, 65, 66, 67]]
+
+    def layout_run(parallel):
+        def run():
+            apply_layout(parallel)
+            model = gpt("tiny")
+            decode_graphs.cpu_standin = False
+            per_token = generate(model, prompts, max_new_tokens=12, stream=False)
+            decode_graphs.cpu_standin = True
+            before = dict(calls)
+            try:
+                static = generate(model, prompts, max_new_tokens=12, stream=False)
+            finally:
+                decode_graphs.cpu_standin = False
+            return dict(equal=static == per_token, kernels=model.decoder.kernels,
+                        calls={k: calls[k] - before[k] for k in calls})
+        return run
+
+    for name, parallel in (("dp2", ParallelConfig()), ("tp2", ParallelConfig(tp=2))):
+        _guard(results, name, layout_run(parallel))
+
+    def one_row_bf16():  # batch 1 in bf16: the linears of every decode step through decode_kernels.linear
+        model = gpt("tiny")
+        for chunk in model.chunks:
+            chunk.bfloat16()
+        decode_graphs.cpu_standin = True
+        before = dict(calls)
+        try:
+            tokens = generate(model, [prompts[0]], max_new_tokens=6, stream=False)
+        finally:
+            decode_graphs.cpu_standin = False
+        return dict(tokens=len(tokens[0]), calls={k: calls[k] - before[k] for k in calls})
+
+    _guard(results, "tp2-bf16-batch1", one_row_bf16)
+    return results

@@ -1,0 +1,131 @@
+"""Triton kernels of the decode step (issue 40): the attention of one new position, RMSNorm of a few rows,
+and the linear layers of one row.
+
+Why: at batch 1 a llama-1b token is about 350 kernels, and each small one costs its launch
+(1.5–4 µs inside a CUDA graph) whatever it computes.  A layer's decode attention was eight of
+them (two cache writes, the scores GEMM, the mask add, softmax, a cast, the values GEMM, the
+output copy) reading the whole cache bucket; :func:`decode_attention` is one kernel that reads
+each row's keys only up to its own position.  Torch's RMSNorm of one 2,048-wide row took 3.6 µs
+(33 of them a token); :func:`rms_norm` is one kernel of about the launch's cost.  cuBLAS's one-row
+GEMMs read small weights at a third of the bandwidth; :func:`linear` reads them at most of it.
+
+Arithmetic: fp32 throughout (scores, an online softmax as in flash-decoding, the weighted sum of
+values), rounded once to the model's dtype at the end; where the eager path rounded the scores
+and probabilities to bf16 in between, this is closer to exact, not bit for bit the same.
+:func:`rms_norm` rounds once, as torch's ``F.rms_norm`` does (normalised and weighted in fp32).
+
+Used by :mod:`mnb.megatron.decode_graphs` on CUDA ranks when :func:`available` (Triton is part of
+torch's CUDA wheels); CPU ranks never call these.  ``TRITON_INTERPRET=1`` in a process's environment
+from its start runs them on CPU tensors (the tests do).  The kernels themselves are in
+:mod:`mnb.megatron.decode_triton`, imported on first use (it needs Triton).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BLOCK_KEYS = 64
+"""Cached keys and values read per loop step of the attention kernel."""
+GEMV_ROWS, GEMV_COLUMNS, GEMV_WARPS = 8, 1024, 8
+"""Weight rows per program of :func:`linear`, columns read per loop step, warps per program (the
+configuration bench/gemm_sweep.py measured at 4.8–17.9 µs where cuBLAS took 6.1–18.2, 2026-12-04)."""
+MAX_NORM_WIDTH = 16384
+"""Widest row :func:`rms_norm` takes in one program (wider rows go to ``F.rms_norm``)."""
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether Triton imports here (torch's CUDA wheels bring it; its CPU wheels do not)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure to import: the eager kernels serve
+        return False
+    return True
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether these kernels serve tensors on ``device``: CUDA with Triton, or any device with Triton's
+    interpreter on (``TRITON_INTERPRET=1``, how the CPU tests run them)."""
+    if not available():
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels():
+    """The Triton kernels (:mod:`mnb.megatron.decode_triton`, imported on first use: it needs Triton)."""
+    from mnb.megatron import decode_triton
+
+    return decode_triton.attention_kernel, decode_triton.rms_norm_kernel, decode_triton.gemv_kernel
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def decode_attention(query, key, value, keys, values, where, bias, scale: float, sdpa: bool = False):
+    """:func:`mnb.megatron.decode_graphs.decode_attention`'s contract in one kernel.
+
+    ``query [1, b, heads, dim]``, ``key/value [1, b, groups, dim]`` (rotated), ``keys/values
+    [b, groups, positions, dim]`` (the static cache), ``where [b, 1]`` each row's new position.
+    Writes the new key and value at ``where`` and returns ``[1, b, heads * dim]``.  ``bias`` and
+    ``sdpa`` are unused: the kernel masks by ``where`` itself."""
+    _, b, heads, dim = query.shape
+    groups = key.shape[2]
+    q, k, v = query[0], key[0], value[0]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if keys.stride(-1) != 1 or values.stride() != keys.stride():
+        raise ValueError("the decode cache must be contiguous in its last dimension, keys and values alike")
+    out = torch.empty(b, heads, dim, dtype=query.dtype, device=query.device)
+    attention_kernel = _kernels()[0]
+    attention_kernel[(b, heads)](
+        q, k, v, keys, values, where, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0), out.stride(1), float(scale),
+        REP=heads // groups, DIM=dim, BLOCK_D=_next_power_of_two(dim), BLOCK_N=BLOCK_KEYS, num_warps=4)
+    return out.view(1, b, heads * dim)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (width,), weight, eps)`` over the last dimension in one kernel (one program a row)."""
+    width = x.shape[-1]
+    if width > MAX_NORM_WIDTH:
+        return torch.nn.functional.rms_norm(x, (width,), weight, eps)
+    rows = x.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    rms_norm_kernel = _kernels()[1]
+    block = _next_power_of_two(width)
+    rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), width, float(eps),
+                                      BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out.view(x.shape)
+
+
+def one_row(x: torch.Tensor | None, weight: torch.Tensor | None) -> bool:
+    """Whether :func:`linear` takes ``x @ weight.T``: one row of bf16/fp16, a contiguous 2-D weight of its dtype."""
+    return (x is not None and weight is not None and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and x.numel() == x.shape[-1] == weight.shape[1]
+            and weight.stride(1) == 1 and x.is_contiguous())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for one row ``x`` (:func:`one_row`) in one kernel.
+
+    Why: cuBLAS's one-row kernels cost about 6 µs however small the weight (llama-1b's qkv, proj and
+    fc2 read at 1.4–2.4 TB/s of the GPU's 4.3); this one reads each weight row once, whole."""
+    n, k = weight.shape
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    gemv_kernel = _kernels()[2]
+    gemv_kernel[(-(-n // GEMV_ROWS),)](weight, x, bias if bias is not None else weight, out, n, k, weight.stride(0),
+                                       HAS_BIAS=bias is not None, BLOCK_N=GEMV_ROWS, BLOCK_K=GEMV_COLUMNS,
+                                       num_warps=GEMV_WARPS)
+    return out
