@@ -21,8 +21,8 @@ transformers the time its streamer receives the first new token (its static cach
 first model the kernels per decoded token (the step run uncaptured under the profiler) and the rows of
 ``decode_graphs.sdpa_decode``.  ``--baseline-decoder FILE`` (e.g. ``git show REV:mnb/megatron/decode_graphs.py``)
 measures that version of the decode path too, on the first model, in the same pool (``mnb-baseline`` rows);
-``--variants compile_step,...`` measures the path with each of those ``decode_graphs`` flags on
-(``mnb-<flag>`` rows), and ``--profile`` gives the GPU time per decoded token by kernel name.
+``--variants compile_step,own_kernels=0,...`` measures the path with each of those ``decode_graphs`` flags on
+(or off: ``=0``; ``mnb-<flag>`` rows), and ``--profile`` gives the GPU time per decoded token by kernel name.
 """
 
 from __future__ import annotations
@@ -126,7 +126,9 @@ def timed(batch, new={NEW}):
     runs = [once(new) for _ in range({REPEATS})]
     total = statistics.median(t for t, _, _ in runs)
     return dict(side="mnb", batch=batch, first_call_s=round(first, 3), ttft_s=round(ttft, 4), total_s=round(total, 3),
-                new_tokens=runs[0][1], tokens_per_s=round(runs[0][1] / total, 1), first_ids=runs[0][2][0][:8])
+                new_tokens=runs[0][1], tokens_per_s=round(runs[0][1] / total, 1), first_ids=runs[0][2][0][:8],
+                own_kernels=model.decoder.kernels if model.decoder is not None else None,
+                capture_notes=list(model.decoder.capture_notes) if model.decoder is not None else None)
 
 def kernels(batch, steps=16):
     # GPU work items (kernels, memsets, copies) per decoded token: the same step run uncaptured (a fresh
@@ -182,7 +184,11 @@ def kernel_table(batch, steps=16, top=40):
         model.decoder = None
 
 def variant(name, batch, value=True):
-    # timed() with decode_graphs.<name> set (a fresh decoder before and after); "default": no flag changed
+    # timed() with decode_graphs.<name> set (a fresh decoder before and after); "default": no flag changed;
+    # "<flag>=0": the flag set False (e.g. own_kernels=0: torch's ops and cuBLAS instead of mnb's kernels)
+    label = name
+    if "=" in name:
+        name, value = name.split("=")[0], bool(int(name.split("=")[1]))
     if name == "default":
         model.decoder = None
         return dict(timed(batch), side="mnb-default")
@@ -193,7 +199,8 @@ def variant(name, batch, value=True):
         row = timed(batch)
         row["captured"] = all(g.captured for e in model.decoder.entries.values() for g in e.graphs.values())
         row["compiled"] = bool(model.decoder.compiled_blocks) and model.decoder.compile_failed is None
-        return dict(row, side="mnb-" + name)
+        row["own_kernels"] = model.decoder.kernels
+        return dict(row, side="mnb-" + label)
     finally:
         setattr(decode_graphs, name, saved)
         model.decoder = None
