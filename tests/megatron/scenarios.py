@@ -704,7 +704,7 @@ def unfused_step_memory(block_share: int = 32) -> dict:
 def decode_kernels_interpreted() -> dict:
     """mnb's Triton decode kernels under Triton's interpreter (the launch sets TRITON_INTERPRET=1) on 2 CPU
     ranks: each kernel against torch on cases of its own (rank 0), then ``mnb.generate``'s decode step with
-    them (graphs replaced by plain calls) against the per-token path, under dp2 and tp2."""
+    them (graphs replaced by plain calls) against the per-token path, under dp2, tp2, pp2 and tp2 with LoRA."""
     import math
 
     import torch
@@ -787,10 +787,16 @@ def decode_kernels_interpreted() -> dict:
     calls["linear"] = 0
     prompts = [[5, 17, 33, 2, 90, 41, 7], [300, 12], [64, 65, 66, 67]]
 
-    def layout_run(parallel):
+    def layout_run(parallel, adapted=False):
         def run():
             apply_layout(parallel)
             model = gpt("tiny")
+            if adapted:  # LoRA on every linear, trained a little so that its B is not zero
+                from mnb.megatron.lora import lora
+                from mnb.megatron.train import train
+
+                lora(model, rank=4, alpha=8, targets="all-linear")
+                train(model, steps=2, micro_batch_size=1, global_batch_size=2, lr=1e-2)
             decode_graphs.cpu_standin = False
             per_token = generate(model, prompts, max_new_tokens=12, stream=False)
             decode_graphs.cpu_standin = True
@@ -803,8 +809,10 @@ def decode_kernels_interpreted() -> dict:
                         calls={k: calls[k] - before[k] for k in calls})
         return run
 
-    for name, parallel in (("dp2", ParallelConfig()), ("tp2", ParallelConfig(tp=2))):
+    for name, parallel in (("dp2", ParallelConfig()), ("tp2", ParallelConfig(tp=2)), ("pp2", ParallelConfig(pp=2))):
         _guard(results, name, layout_run(parallel))
+    _guard(results, "tp2-lora", layout_run(ParallelConfig(tp=2), adapted=True))
+    apply_layout(ParallelConfig(tp=2))
 
     def one_row_bf16():  # batch 1 in bf16: the linears of every decode step through decode_kernels.linear
         model = gpt("tiny")

@@ -9,7 +9,8 @@ One launch of 2 gloo ranks with ``TRITON_INTERPRET=1`` (tests/megatron/scenarios
   the new key and value written where the eager path writes them;
 - RMSNorm against ``F.rms_norm``, and a one-row linear against ``F.linear`` (with and without bias);
 - ``mnb.generate``'s decode step with these kernels (its graphs replaced by plain calls) gives the
-  per-token path's greedy tokens under dp2 and tp2, and the kernels did run; in bf16 at batch 1 every
+  per-token path's greedy tokens under dp2, tp2, pp2 and tp2 with LoRA adapters on every linear, and the
+  kernels did run; in bf16 at batch 1 every
   linear of a decode step goes through the one-row kernel.
 
 Triton comes with torch's CUDA wheels (CI's leg 2 installs one and runs it on the CPU); leg 1's CPU
@@ -71,16 +72,18 @@ def test_each_kernel_computes_what_torch_computes(interpreted):
     assert kernels["one_row-refuses"] == [False, False]  # two rows; fp32
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "tp2-lora"])
 def test_the_decode_step_with_the_kernels_chooses_the_per_token_paths_tokens(interpreted, layout):
-    for rank in interpreted:
-        run = rank[layout]
+    for rank, result in enumerate(interpreted):
+        run = result[layout]
         assert "error" not in run, run.get("error")
         assert run["kernels"] is True
         assert run["equal"] is True
-        # tiny: 4 layers of one attention and 2 RMSNorms, and a final norm; prefill and 11 decode steps
-        assert run["calls"]["attention"] == 4 * 11, run["calls"]
-        assert run["calls"]["rms_norm"] == 9 * 12, run["calls"]
+        # tiny: 4 layers of one attention and 2 RMSNorms, and a final norm; prefill and 11 decode steps;
+        # under pp2 each rank holds 2 of the layers, and the last stage the final norm
+        layers, final = (2, rank) if layout == "pp2" else (4, 1)
+        assert run["calls"]["attention"] == layers * 11, run["calls"]
+        assert run["calls"]["rms_norm"] == (2 * layers + final) * 12, run["calls"]
 
 
 def test_a_one_row_bf16_decode_runs_its_linears_through_the_kernel(interpreted):
