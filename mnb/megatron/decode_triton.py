@@ -16,7 +16,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, where_ptr, out_p
     """One program per (row, query head): an online softmax over its group's cached keys 0..p-1 (p: the
     row's new position, read from ``where``), then the new key itself, which the group's first head
     also writes into the cache (the others never read position p from it, so no program waits)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # offsets in int64: a cache can pass 2**31 elements
     head = tl.program_id(1)
     group = head // REP
     d = tl.arange(0, BLOCK_D)
@@ -60,7 +60,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, where_ptr, out_p
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row, o_row, width, eps, BLOCK: tl.constexpr):
     """One program per row: normalised and weighted in fp32, rounded once (as ``F.rms_norm``)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < width
     x = tl.load(x_ptr + row * x_row + cols, mask=inside, other=0.0).to(tl.float32)
@@ -74,7 +74,7 @@ def gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, N, K, w_row,
                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``y = W x (+ b)`` for one row ``x``: one program per BLOCK_N whole rows of ``W`` (no split over K),
     fp32 sums, rounded once."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: vocab x hidden can pass 2**31
     in_rows = rows < N
     acc = tl.full([BLOCK_N], 0.0, tl.float32)
     for start in range(0, K, BLOCK_K):
