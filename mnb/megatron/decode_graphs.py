@@ -13,8 +13,10 @@ call, for :class:`CachedAttention`:
   position, and decoding continues each prompt at its own position, so padding is never
   attended to and nothing is recomputed.
 - **decode step**: one new token per prompt at per-prompt positions (a device tensor); attention
-  is two batched matmuls over the whole cache with a ``key <= position`` mask, so no kernel
-  plan depends on the key length. Query and key are rotated together (RoPE: three kernels a
+  is one of :mod:`mnb.megatron.decode_kernels`' Triton kernels where Triton runs (each row's keys up
+  to its own position, the loop bound read on the device; RMSNorm and one-row linears are its kernels
+  too: :data:`own_kernels`), else two batched matmuls over the whole cache with a ``key <= position``
+  mask; either way no kernel plan depends on the key length. Query and key are rotated together (RoPE: three kernels a
   layer, bit for bit Megatron's unfused ten), the sampled tokens are written where the next step
   reads them, and one add advances every position: fewer kernels per token, the same results.
   The step (embedding .. sampling, and with pp = 1 the advance of tokens, positions and the
