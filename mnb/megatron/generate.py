@@ -158,11 +158,12 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
             keeps it): a checkpoint's ``eos_token_id``, else the tokenizer's end of document.
         stream: show each prompt's text growing in the notebook (plain text outside one).
         compile: on GPU ranks, fuse each layer's small operations (norms, RoPE, attention arithmetic,
-            SwiGLU, residual adds) with ``torch.compile`` before the decode step is captured: faster
-            decoding (llama-1b at batch 1 on an H200: BENCHMARKS.md), for a compile of seconds the first
-            time a batch and length bucket is decoded (Inductor's cache shortens it in later processes).
-            Worth it for long or repeated generation; CPU ranks, MoE and Megatron-FSDP models (their
-            steps run uncaptured) decode as they do without it.
+            SwiGLU, residual adds) with ``torch.compile`` before the decode step is captured, for a
+            compile of seconds the first time a batch and length bucket is decoded (Inductor's cache
+            shortens it in later processes).  Faster than torch's own ops, but where Triton runs (torch's
+            CUDA wheels) the default step's own kernels are faster still (llama-1b on an H200: 754 against
+            677 tokens/s at batch 1; BENCHMARKS.md).  CPU ranks, MoE and Megatron-FSDP models (their steps
+            run uncaptured) decode as they do without it.
 
     Must run on every rank of the pool (a ``%%megatron`` cell).  Kernel -> Interrupt stops
     every rank after the same token (KeyboardInterrupt); the pool stays usable.
