@@ -83,8 +83,8 @@ def test_refused_fast_paths_train_with_ddps_add_and_decode_uncompiled_with_the_s
         plain, compiled, failed, notes, graphs = decoded[0]
         assert compiled == plain and len(plain) == 2 and all(plain), decoded
         assert "capture refused (test)" in failed, failed
-        assert notes == ["the decode step did not capture with compiled layers (RuntimeError: capture refused "
-                         "(test)); captured it without"], notes
+        assert notes == ["the decode step did not capture with compiled layers (rank 0: RuntimeError: capture "
+                         "refused (test)); captured it without"], notes
         assert graphs == [((0, True, False), True), ((0, True, True), True)], graphs  # both captured
         pids = pool.pids()
     finally:

@@ -85,9 +85,10 @@ cpu_standin = False
 enabled = True
 """False: GPU ranks too take the per-token path (:func:`mnb.megatron.generate.decode`), for comparisons."""
 own_kernels = True
-"""True: where Triton runs (CUDA ranks; CPU ranks under ``TRITON_INTERPRET=1``, for tests) an uncompiled
-decode step's attention, RMSNorms and one-row linears are :mod:`mnb.megatron.decode_kernels`' kernels
-(the attention one kernel instead of eight a layer); False: torch's ops and cuBLAS, as before (comparisons)."""
+"""True: where Triton runs (CUDA ranks; CPU ranks under ``TRITON_INTERPRET=1``, for tests) the decode
+attention, RMSNorms and one-row linears of uncompiled decode steps (captured or not) and of the prefill are
+:mod:`mnb.megatron.decode_kernels`' kernels (the attention one kernel instead of eight a layer); False:
+torch's ops and cuBLAS, as before (comparisons)."""
 
 
 def batch_bucket(batch: int) -> int:
@@ -125,24 +126,31 @@ class Graph:
 
     ``capture_error_mode="thread_local"``: a rank's other threads may use the GPU meanwhile (the
     ``mnb-fused-kernels`` thread compiles and runs the presets' kernels for minutes after a pool starts);
-    in torch's default mode ("global") their allocations and launches during the capture break it. On
-    an H200 (2026-12-04, global mode) one capture of a fresh pool's second bucket failed while that thread
-    was likely still at work (its error was not kept then; :attr:`GraphDecoder.capture_notes` keeps it
-    now), and the step fell back to torch's ops."""
+    in torch's default mode ("global") their calls that are unsafe during a capture (allocations,
+    synchronisations) break it. On an H200 (2026-12-04, global mode) one capture of a fresh pool's second
+    bucket failed while that thread was likely still at work (its error was not kept then;
+    :attr:`GraphDecoder.capture_notes` keeps it now), and the step fell back to torch's ops.  A capture
+    that fails leaves the thread on the stream it was on (torch's ``graph`` exits its stream context only
+    after a capture that ended well)."""
 
     captured = True
 
     def __init__(self, step: Callable[[], Any]):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle(),  # its own pool
-                              capture_error_mode="thread_local"):
-            self.output = step()
+        before = torch.cuda.current_stream()
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(before)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    step()
+            before.wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle(),  # its own pool
+                                  capture_error_mode="thread_local"):
+                self.output = step()
+        except BaseException:
+            torch.cuda.set_stream(before)
+            raise
 
     def replay(self) -> None:
         self.graph.replay()
@@ -319,7 +327,8 @@ def _linear_forward(linear, state: Pass, *args, **kwargs):
     """What Megatron's parallel linears call as ``self._forward_impl(input=, weight=, bias=, ...)``."""
     given = dict(zip(("input", "weight", "bias"), args), **kwargs)
     x, weight = given.get("input"), given.get("weight")
-    if state.kernels and not given.get("sequence_parallel") and decode_kernels.one_row(x, weight):
+    if (state.kernels and not given.get("sequence_parallel") and given.get("gtp_remat_size", 1) in (None, 1)
+            and decode_kernels.one_row(x, weight, given.get("bias"))):  # gtp > 1: Megatron gathers the weight
         return decode_kernels.linear(x, weight, given.get("bias"))
     return type(linear)._forward_impl(linear, *args, **kwargs)
 
@@ -611,7 +620,7 @@ class GraphDecoder:
         return None
 
     def graph(self, graphs: dict, key, step: Callable[[], Any], entry: Entry, capture: bool,
-              compiled: bool = False):
+              compiled: bool = False, what: str = "the decode step"):
         """``graphs[key]``, captured now if missing (``capture`` False: the step run as it is).
 
         A compiled step compiles in the capture's warm-up runs, before the capture."""
@@ -621,45 +630,67 @@ class GraphDecoder:
             if not capture:
                 graphs[key] = Eager(step)
             else:
-                graphs[key] = self._capture(step, compiled)
+                graphs[key] = self._capture(step, compiled, what)
             self.captures += 1
         return graphs[key]
 
-    def _capture(self, step: Callable[[], Any], compiled: bool = False):
-        """A :class:`Graph` of ``step``; if capture fails, once more as it is, then without what was compiled
-        (the layers), without mnb's kernels, without the compiled attention (the step reads
+    def _capture(self, step: Callable[[], Any], compiled: bool = False, what: str = "the decode step"):
+        """A :class:`Graph` of ``step``; if capture fails on any rank, once more as it is, then without what
+        was compiled (the layers), without mnb's kernels, without the compiled attention (the step reads
         :attr:`compile_failed`, :attr:`kernels` and :attr:`Pass.attend` when it runs), and last the step run
-        uncaptured (:class:`Eager`); each failure in :attr:`capture_notes`, and rank 0 prints what was given up."""
-        first = None
-        for _ in range(2):
+        uncaptured (:class:`Eager`).
+
+        Every rank takes the same branch: each attempt runs the step (tp collectives included) in its
+        warm-ups, so a rank that tried again alone would pair its collectives with the others' next
+        capture.  After each attempt the ranks agree (one all-reduce) whether every one of them captured.
+        What was given up, with every error seen, goes to :attr:`capture_notes`; rank 0 prints it."""
+        errors: list[str] = []
+
+        def attempt():
             try:
                 graph = Graph(step)
-                if first is not None:
-                    self._note(f"captured at the second try; the first failed: {type(first).__name__}: {first}")
-                return graph
             except Exception as error:  # noqa: BLE001 - any capture failure: the call still runs
-                first = first or error
+                graph = None
+                errors.append(f"rank {torch.distributed.get_rank()}: {type(error).__name__}: {error}")
+            return graph if self._every_rank(graph is not None) else None
+
+        for tries in (1, 2):
+            graph = attempt()
+            if graph is not None:
+                if tries == 2:
+                    self._note(f"{what} captured at the second try; the first failed: {self._errors(errors)}")
+                return graph
         dropped = []
-        for what, applies, uncompile in (
+        for name, applies, drop in (
                 ("compiled layers", lambda: compiled and self.compile_failed is None,
-                 lambda: setattr(self, "compile_failed", first)),
+                 lambda: setattr(self, "compile_failed", RuntimeError(errors[-1] if errors else "capture failed"))),
                 ("mnb's Triton kernels", lambda: self.kernels, lambda: setattr(self, "kernels", False)),
-                ("compiled attention", lambda: self.state.attend is not decode_attention,
+                ("compiled attention", lambda: what == "the decode step" and self.state.attend is not decode_attention,
                  lambda: setattr(self.state, "attend", decode_attention))):
             if not applies():
                 continue
-            uncompile()
-            dropped.append(what)
-            try:
-                graph = Graph(step)
-                self._note(f"the decode step did not capture with {', '.join(dropped)} "
-                           f"({type(first).__name__}: {first}); captured it without")
+            drop()
+            dropped.append(name)
+            graph = attempt()
+            if graph is not None:
+                self._note(f"{what} did not capture with {', '.join(dropped)} ({self._errors(errors)}); "
+                           "captured it without")
                 return graph
-            except Exception as error:  # noqa: BLE001
-                first = error
-        self._note(f"CUDA graph capture failed ({type(first).__name__}: {first}); decoding without graphs "
+        self._note(f"CUDA graph capture of {what} failed ({self._errors(errors)}); decoding without graphs "
                    "(slower)")
         return Eager(step)
+
+    def _every_rank(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (one all-reduce over the pool's world)."""
+        flag = torch.tensor([int(ok)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
+
+    @staticmethod
+    def _errors(errors: list[str]) -> str:
+        """The errors seen, each once (ranks and attempts often fail alike), or where none was this rank's."""
+        seen = list(dict.fromkeys(errors))
+        return "; ".join(seen) if seen else "another rank's capture failed"
 
     def _note(self, text: str) -> None:
         """A capture's fallback, kept in :attr:`capture_notes`, logged, and printed by rank 0 (the cell shows it)."""
@@ -697,7 +728,8 @@ class GraphDecoder:
                                     entry, self.capture, compile) for v in self.stages}
             prefills = {v: self.graph(prefill.graphs, (v, greedy),
                                       lambda v=v: self.prefill_step(v, entry, prefill, state, sampling), entry,
-                                      self.capture and rows * length <= PREFILL_GRAPH_TOKENS) for v in self.stages}
+                                      self.capture and rows * length <= PREFILL_GRAPH_TOKENS, what="the prefill")
+                        for v in self.stages}
             if self.captures > before and self.capture:
                 self._announce(rows, positions, length, time.perf_counter() - start,
                                compile and self.compile_failed is None)

@@ -24,9 +24,12 @@ from its start runs them on CPU tensors (the tests do).  The kernels themselves 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
 
 BLOCK_KEYS = 64
 """Cached keys and values read per loop step of the attention kernel."""
@@ -51,10 +54,33 @@ def available() -> bool:
 
 def runs_on(device: torch.device) -> bool:
     """Whether these kernels serve tensors on ``device``: CUDA with Triton, or any device with Triton's
-    interpreter on (``TRITON_INTERPRET=1``, how the CPU tests run them)."""
+    interpreter on (``TRITON_INTERPRET=1``, how the CPU tests run them); and each kernel, run once here on
+    tiny tensors, worked (Triton imports without a C compiler or a supported GPU, then fails to build)."""
     if not available():
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return _probe(str(device), os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device: str, interpreted: bool) -> bool:
+    """Each kernel once on tiny tensors (once per device and process); False, with a warning, if one fails."""
+    try:
+        at = torch.device(device)
+        x = torch.ones(1, 1, 2, 16, device=at)
+        cache = torch.zeros(1, 1, 4, 16, device=at)
+        where = torch.ones(1, 1, dtype=torch.long, device=at)
+        decode_attention(x, x[:, :, :1], x[:, :, :1], cache, cache.clone(), where, None, 0.25)
+        rms_norm(x, torch.ones(16, device=at), 1e-5)
+        linear(torch.ones(1, 16, dtype=torch.bfloat16, device=at), torch.ones(8, 16, dtype=torch.bfloat16, device=at))
+        if at.type == "cuda":
+            torch.cuda.synchronize(at)
+        return True
+    except Exception as error:  # noqa: BLE001 - any failure: torch's ops serve instead
+        log.warning("mnb's decode kernels do not run on %s (%s: %s); decoding with torch's ops", device,
+                    type(error).__name__, error)
+        return False
 
 
 def _kernels():
@@ -86,6 +112,8 @@ def decode_attention(query, key, value, keys, values, where, bias, scale: float,
         v = v.contiguous()
     if keys.stride(-1) != 1 or values.stride() != keys.stride():
         raise ValueError("the decode cache must be contiguous in its last dimension, keys and values alike")
+    if where.dim() != 2 or where.shape[1] != 1 or where.stride(0) != 1:
+        where = where.reshape(-1, 1).contiguous()
     out = torch.empty(b, heads, dim, dtype=query.dtype, device=query.device)
     attention_kernel = _kernels()[0]
     attention_kernel[(b, heads)](
@@ -112,11 +140,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def one_row(x: torch.Tensor | None, weight: torch.Tensor | None) -> bool:
-    """Whether :func:`linear` takes ``x @ weight.T``: one row of bf16/fp16, a contiguous 2-D weight of its dtype."""
+def one_row(x: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`linear` takes ``x @ weight.T (+ bias)``: one contiguous row of bf16/fp16, a 2-D weight of
+    its dtype whose rows are contiguous, a contiguous bias (or none)."""
     return (x is not None and weight is not None and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.dim() == 2 and x.numel() == x.shape[-1] == weight.shape[1]
-            and weight.stride(1) == 1 and x.is_contiguous())
+            and weight.stride(1) == 1 and x.is_contiguous()
+            and (bias is None or bias.dim() == 1 and bias.is_contiguous()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, where_ptr, out_p
     row's new position, read from ``where``), then the new key itself, which the group's first head
     also writes into the cache (the others never read position p from it, so no program waits)."""
     row = tl.program_id(0).to(tl.int64)  # offsets in int64: a cache can pass 2**31 elements
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)
     group = head // REP
     d = tl.arange(0, BLOCK_D)
     in_dim = d < DIM

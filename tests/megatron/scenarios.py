@@ -755,19 +755,30 @@ def decode_kernels_interpreted() -> dict:
         got = decode_kernels.rms_norm(x16, w16, 1e-5)
         out["rms_norm-bfloat16"] = dict(dtype=str(got.dtype), relative=float(
             ((got.float() - exact).abs() / (exact.abs() + 1e-6)).max()))
-        for rows, bias in ((37, True), (64, False)):  # a last block of 5 rows; no bias
+        # a last block of 5 rows; no bias; 2,500 columns (three loop steps) of a weight whose rows are 3,000 apart
+        for rows, bias, width, stride in ((37, True, 300, 300), (64, False, 300, 300), (24, True, 2500, 3000)):
             gen = torch.Generator().manual_seed(rows)
-            x = torch.randn(1, 1, 300, generator=gen).to(torch.bfloat16)
-            w = torch.randn(rows, 300, generator=gen).to(torch.bfloat16)
+            x = torch.randn(1, 1, width, generator=gen).to(torch.bfloat16)
+            w = torch.randn(rows, stride, generator=gen).to(torch.bfloat16)[:, :width]
             b = torch.randn(rows, generator=gen).to(torch.bfloat16) if bias else None
             exact = F.linear(x.float(), w.float(), None if b is None else b.float())
             got = decode_kernels.linear(x, w, b)
             out[f"linear-{rows}"] = dict(shape=list(got.shape), dtype=str(got.dtype),
-                                         one_row=decode_kernels.one_row(x, w),
+                                         one_row=decode_kernels.one_row(x, w, b),
                                          excess=float(((got.float() - exact).abs() - exact.abs() * 2 ** -7).max()))
         out["one_row-refuses"] = [decode_kernels.one_row(torch.zeros(2, 300, dtype=torch.bfloat16),
                                                          torch.zeros(8, 300, dtype=torch.bfloat16)),
                                   decode_kernels.one_row(torch.zeros(1, 300), torch.zeros(8, 300))]
+        # a kernel that fails its probe (Triton without a C compiler, an unsupported GPU): torch's ops serve
+        kept = decode_kernels.linear
+        decode_kernels.linear = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cannot build (test)"))
+        decode_kernels._probe.cache_clear()
+        try:
+            out["probe_refuses"] = decode_kernels.runs_on(torch.device("cpu"))
+        finally:
+            decode_kernels.linear = kept
+            decode_kernels._probe.cache_clear()
+        out["probe_passes"] = decode_kernels.runs_on(torch.device("cpu"))
         return out
 
     if torch.distributed.get_rank() == 0:
