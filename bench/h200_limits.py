@@ -17,6 +17,8 @@
 6. ``--sections wgrad``: llama-1b (mbs 16) and llama-3b (mbs 8) with the weight gradients added into
    ``main_grad`` inside the GEMM (``mnb.megatron.wgrad_fusion``, the default on GPUs) and without
    (DDP's hook adds them), the same initial weights and data: MFU and losses side by side.
+7. ``--sections norm``: the same with each RMSNorm in mnb's Triton kernels (``mnb.megatron.norm_kernels``,
+   the default of fused models on GPUs) and as torch's ``F.rms_norm``.
 
 Uses the pool API (the device machine has no IPython; ``%mnb`` calls the same methods).
 """
@@ -99,12 +101,32 @@ WAIT_FOR_KERNELS = ("from mnb.megatron import background_compile\npending = back
                     "pending.wait(600) if pending is not None else True\n")
 
 
+SWITCHES = {  # section: (module, what a row says with its switch on, and off)
+    "wgrad": ("mnb.megatron.wgrad_fusion", "wgrad fused into the GEMM", "wgrad added by DDP's hook"),
+    "norm": ("mnb.megatron.norm_kernels", "RMSNorm in mnb's Triton kernels", "RMSNorm as torch's F.rms_norm"),
+}
+
+
+def switch_rows(bench: "Bench", pool, section: str, models: str, order: str) -> None:
+    """Rows of each ``preset:mbs`` in ``models`` with the section's ``enabled`` switch as ``order`` says (on/off),
+    in one pool whose presets' kernels compiled first; the switch is left on."""
+    module, on_note, off_note = SWITCHES[section]
+    pool.run(WAIT_FOR_KERNELS)
+    switch = f"import {module} as _switch\n_switch.enabled = {{}}\n"
+    for preset, mbs in ((m.split(":")[0], int(m.split(":")[1])) for m in models.split(",")):
+        for on in (o == "on" for o in order.split(",")):
+            bench.train_row(pool, section, preset, mbs, before=switch.format(on), note=on_note if on else off_note)
+    pool.run(switch.format(True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="h200-out")
     parser.add_argument("--sections", default="start,think,mfu,profile,plain")
     parser.add_argument("--wgrad-models", default="llama-1b:16,llama-3b:8", help="wgrad section: preset:mbs,...")
     parser.add_argument("--wgrad-order", default="on,off", help="wgrad section: the rows of each model, on/off")
+    parser.add_argument("--norm-models", default="llama-1b:16,llama-3b:8", help="norm section: preset:mbs,...")
+    parser.add_argument("--norm-order", default="on,off,on,off", help="norm section: the rows of each model")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,15 +157,10 @@ def main() -> None:
             bench.train_row(pool, "mfu", preset, mbs)
         for preset, mbs in (("llama-1b", 8), ("llama-3b", 4)):  # llama-3b unfused at mbs 8: out of memory
             bench.train_row(pool, "mfu", preset, mbs, model_kw="fusions=False")
-    if "wgrad" in sections:  # weight gradients added into main_grad by the GEMM (mnb.megatron.wgrad_fusion)
-        pool.run("from mnb.megatron import background_compile\npending = background_compile.pending()\n"
-                 "pending.wait(600) if pending is not None else True")  # the presets' kernels compiled first
-        switch = "from mnb.megatron import wgrad_fusion as _w\n_w.enabled = {}\n"
-        for preset, mbs in ((m.split(":")[0], int(m.split(":")[1])) for m in args.wgrad_models.split(",")):
-            for on in (o == "on" for o in args.wgrad_order.split(",")):
-                bench.train_row(pool, "wgrad", preset, mbs, before=switch.format(on),
-                                note="wgrad fused into the GEMM" if on else "wgrad added by DDP's hook")
-        pool.run(switch.format(True))
+    for section, models, order in (("wgrad", args.wgrad_models, args.wgrad_order),
+                                   ("norm", args.norm_models, args.norm_order)):
+        if section in sections:
+            switch_rows(bench, pool, section, models, order)
     if "adam" in sections:
         bench.train_row(pool, "mfu", "llama-1b", 8, note="mnb's fused Adam step")
         bench.train_row(pool, "mfu", "llama-1b", 8, note="Megatron's foreach Adam step",

@@ -1,5 +1,5 @@
-"""GPU smoke tests: a 1-rank pool on CUDA trains ``mnb.gpt('tiny')`` and measures it, and the GPU-only fast
-paths fail over when refused (device machine only).
+"""GPU smoke tests: a 1-rank pool on CUDA trains ``mnb.gpt('tiny')`` (its norms in mnb's Triton kernels) and
+measures it, and the GPU-only fast paths fail over when refused (device machine only).
 
     python -m pytest -m gpu tests/test_gpu_smoke.py
 
@@ -33,6 +33,9 @@ def test_a_one_rank_cuda_pool_trains_tiny_and_measures_memory_and_mfu(tmp_path):
         assert run.memory_source == "cuda" and run.peak_memory_bytes[0] > 0
         assert run.capacity_bytes and run.peak_memory_bytes[0] < run.capacity_bytes
         assert all(mfu is not None and 0 < mfu < 1 for mfu in run.mfu), run.mfu  # a datasheet peak: an H200
+        # tiny's 9 RMSNorms a micro batch, 2 micro batches, 3 steps, through mnb's kernels each way (and their probe)
+        calls = pool.run("from mnb.megatron import norm_kernels\ndict(norm_kernels.calls)")[0]
+        assert calls["forward"] == calls["backward"] >= 9 * 2 * 3, calls
         pids = pool.pids()
     finally:
         pool.stop()

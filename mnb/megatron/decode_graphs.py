@@ -295,7 +295,8 @@ def swapped_attention(chunks, state: Pass):
 def swapped_kernels(chunks, state: Pass):
     """While ``state.kernels`` (read when the step runs or is captured), every RMSNorm of ``chunks`` through
     :func:`decode_kernels.rms_norm` and every parallel linear given one row through :func:`decode_kernels.linear`;
-    their own code otherwise (FP8 linears keep theirs); restored after."""
+    otherwise torch's norm (``torch_forward``, also in a model built with mnb's norm kernels: the step without
+    own kernels is torch's ops throughout) and the linears' own code (FP8 linears keep theirs); restored after."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from mnb.megatron.spec import LocalNorm
@@ -320,7 +321,7 @@ def swapped_kernels(chunks, state: Pass):
 def _norm_forward(norm, state: Pass, x: torch.Tensor) -> torch.Tensor:
     if state.kernels:
         return decode_kernels.rms_norm(x, norm.weight, norm.eps)
-    return type(norm).forward(norm, x)
+    return norm.torch_forward(x)
 
 
 def _linear_forward(linear, state: Pass, *args, **kwargs):

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
+
+from mnb.megatron import norm_kernels
+from mnb.megatron.triton_support import available  # noqa: F401 - decode_kernels.available(), as before
+from mnb.megatron.triton_support import interpreted, next_power_of_two, serves
 
 log = logging.getLogger(__name__)
 
@@ -37,30 +40,13 @@ GEMV_ROWS, GEMV_COLUMNS, GEMV_WARPS = 8, 1024, 8
 """Weight rows per program of :func:`linear`, columns read per loop step, warps per program: the
 configuration bench/gemm_sweep.py measured on llama-1b's weights at 4.8–117.5 µs where cuBLAS took
 6.1–126 (2026-12-04)."""
-MAX_NORM_WIDTH = 16384
-"""Widest row :func:`rms_norm` takes in one program (wider rows go to ``F.rms_norm``)."""
-
-
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-    """Whether Triton imports here (torch's CUDA wheels bring it; its CPU wheels do not)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure to import: the eager kernels serve
-        return False
-    return True
 
 
 def runs_on(device: torch.device) -> bool:
     """Whether these kernels serve tensors on ``device``: CUDA with Triton, or any device with Triton's
     interpreter on (``TRITON_INTERPRET=1``, how the CPU tests run them); and each kernel, run once here on
     tiny tensors, worked (Triton imports without a C compiler or a supported GPU, then fails to build)."""
-    if not available():
-        return False
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return _probe(str(device), os.environ.get("TRITON_INTERPRET") == "1")
+    return serves(device) and _probe(str(device), interpreted())
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,11 +73,7 @@ def _kernels():
     """The Triton kernels (:mod:`mnb.megatron.decode_triton`, imported on first use: it needs Triton)."""
     from mnb.megatron import decode_triton
 
-    return decode_triton.attention_kernel, decode_triton.rms_norm_kernel, decode_triton.gemv_kernel
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return decode_triton.attention_kernel, decode_triton.gemv_kernel
 
 
 def decode_attention(query, key, value, keys, values, where, bias, scale: float, sdpa: bool = False):
@@ -120,24 +102,14 @@ def decode_attention(query, key, value, keys, values, where, bias, scale: float,
         q, k, v, keys, values, where, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0), out.stride(1), float(scale),
-        REP=heads // groups, DIM=dim, BLOCK_D=_next_power_of_two(dim), BLOCK_N=BLOCK_KEYS, num_warps=4)
+        REP=heads // groups, DIM=dim, BLOCK_D=next_power_of_two(dim), BLOCK_N=BLOCK_KEYS, num_warps=4)
     return out.view(1, b, heads * dim)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x, (width,), weight, eps)`` over the last dimension in one kernel (one program a row)."""
-    width = x.shape[-1]
-    if width > MAX_NORM_WIDTH:
-        return torch.nn.functional.rms_norm(x, (width,), weight, eps)
-    rows = x.reshape(-1, width)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    rms_norm_kernel = _kernels()[1]
-    block = _next_power_of_two(width)
-    rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), width, float(eps),
-                                      BLOCK=block, num_warps=min(16, max(1, block // 256)))
-    return out.view(x.shape)
+    """``F.rms_norm(x, (width,), weight, eps)`` over the last dimension in one kernel (one program a row):
+    :mod:`mnb.megatron.norm_kernels`' forward, which keeps nothing for a backward here."""
+    return norm_kernels.forward(x, weight, eps)
 
 
 def one_row(x: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> bool:
@@ -156,7 +128,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fc2 read at 1.4–2.4 TB/s of the GPU's 4.3); this one reads each weight row once, whole."""
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    gemv_kernel = _kernels()[2]
+    gemv_kernel = _kernels()[1]
     gemv_kernel[(-(-n // GEMV_ROWS),)](weight, x, bias if bias is not None else weight, out, n, k, weight.stride(0),
                                        HAS_BIAS=bias is not None, BLOCK_N=GEMV_ROWS, BLOCK_K=GEMV_COLUMNS,
                                        num_warps=GEMV_WARPS)

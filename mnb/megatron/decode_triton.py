@@ -58,18 +58,6 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, where_ptr, out_p
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row, o_row, width, eps, BLOCK: tl.constexpr):
-    """One program per row: normalised and weighted in fp32, rounded once (as ``F.rms_norm``)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < width
-    x = tl.load(x_ptr + row * x_row + cols, mask=inside, other=0.0).to(tl.float32)
-    scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * o_row + cols, (x * scale * w).to(out_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
 def gemv_kernel(w_ptr, x_ptr, b_ptr, y_ptr, N, K, w_row,
                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``y = W x (+ b)`` for one row ``x``: one program per BLOCK_N whole rows of ``W`` (no split over K),

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from mnb.config import ModelConfig
+from mnb.megatron import norm_kernels
 
 
 @functools.lru_cache(maxsize=1)
@@ -147,6 +148,9 @@ class LocalNorm(torch.nn.Module):
     with Megatron's ``WrappedTorchNorm``.
     """
 
+    own_kernels = False
+    """RMSNorm through :mod:`mnb.megatron.norm_kernels` where they apply (:class:`FusedLocalNorm`)."""
+
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         super().__init__()
         if getattr(config, "layernorm_zero_centered_gamma", False):
@@ -161,9 +165,22 @@ class LocalNorm(torch.nn.Module):
             p.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_kernels and self.rms and norm_kernels.applies(x, self.weight):
+            return norm_kernels.rms_norm(x, self.weight, self.eps)
+        return self.torch_forward(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm through torch's own ops."""
         if self.rms:
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+
+class FusedLocalNorm(LocalNorm):
+    """:class:`LocalNorm` of a model built with fused kernels: its RMSNorm is one Triton kernel each way
+    on GPU ranks (:mod:`mnb.megatron.norm_kernels`), torch's norm elsewhere.  The same parameters."""
+
+    own_kernels = True
 
 
 @functools.lru_cache(maxsize=1)
@@ -218,7 +235,8 @@ def layer_spec(model: ModelConfig, transformer_config, *, use_te: bool | None = 
                fused: bool = False):
     """The ModuleSpec of one transformer layer (TE when available, else local).
 
-    ``fused``: the local spec's dense SwiGLU MLP runs mnb's compiled SwiGLU.
+    ``fused``: the local spec's dense SwiGLU MLP runs mnb's compiled SwiGLU, and its norms are
+    :class:`FusedLocalNorm`.
     """
     use_te = have_te() if use_te is None else use_te
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -242,6 +260,7 @@ def layer_spec(model: ModelConfig, transformer_config, *, use_te: bool | None = 
 
         if swiglu_applies(transformer_config):
             mlp = _with_mlp_class(mlp, _fused_mlp_class())
+    norm = FusedLocalNorm if fused else LocalNorm
     attention = dataclasses.replace(
         sub.self_attention,
         submodules=dataclasses.replace(sub.self_attention.submodules, core_attention=SDPAttention),
@@ -249,7 +268,7 @@ def layer_spec(model: ModelConfig, transformer_config, *, use_te: bool | None = 
     return dataclasses.replace(
         spec,
         submodules=dataclasses.replace(
-            sub, input_layernorm=LocalNorm, pre_mlp_layernorm=LocalNorm, self_attention=attention,
+            sub, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attention,
             mlp=mlp,
         ),
     )
@@ -267,4 +286,5 @@ def block_spec(model: ModelConfig, transformer_config, *, vp_stage: int | None =
 
     layer = layer_spec(model, transformer_config, use_te=False, fused=fused)
     num_layers = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=FusedLocalNorm if fused else LocalNorm)

@@ -27,6 +27,23 @@ def world2(tmp_path_factory):
     return run_ranks(scenarios.world2, 2, tmp_path_factory.mktemp("world2"))
 
 
+@pytest.fixture(scope="session")
+def triton_interpreted(tmp_path_factory):
+    """mnb's Triton kernels (decode and norms) on 2 gloo ranks under Triton's interpreter: one launch for
+    test_decode_kernels.py and test_norm_kernels.py (both skip where Triton is missing)."""
+    import os
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # the ranks' environment from their start
+    try:
+        return run_ranks(scenarios.triton_interpreted, 2, tmp_path_factory.mktemp("triton"), timeout_s=900)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
 def ok(result):
     """The result of a guarded check, or a failure showing the rank's traceback."""
     if isinstance(result, dict) and "error" in result and len(result) == 1:

@@ -330,6 +330,12 @@ def fusions_vs_megatron() -> dict:
 
     out["fused_mlp"] = mlp_class(layer_spec(tiny, tconfig, use_te=False, fused=True))
     out["plain_mlp"] = mlp_class(layer_spec(tiny, tconfig, use_te=False))
+    from mnb.megatron.spec import block_spec
+
+    for name, fused in (("fused", True), ("plain", False)):
+        sub = layer_spec(tiny, tconfig, use_te=False, fused=fused).submodules
+        out[f"{name}_norms"] = [sub.input_layernorm.__name__, sub.pre_mlp_layernorm.__name__,
+                                block_spec(tiny, tconfig, fused=fused).layer_norm.__name__]
     gelu = model_config("tiny", **GPT_STYLE)
     out["gelu_mlp"] = mlp_class(layer_spec(gelu, transformer_config(gelu, current_layout()), use_te=False,
                                            fused=True))
@@ -839,3 +845,117 @@ def decode_kernels_interpreted() -> dict:
 
     _guard(results, "tp2-bf16-batch1", one_row_bf16)
     return results
+
+
+def norm_kernels_interpreted() -> dict:
+    """mnb's RMSNorm kernels (mnb.megatron.norm_kernels) under Triton's interpreter on 2 CPU ranks: forward and
+    backward against ``F.rms_norm``'s autograd on cases of their own, and the rule for when they apply (rank 0);
+    then tiny trained under tp2 + sp with every norm through them against the same run with torch's norms."""
+    import torch
+    import torch.nn.functional as F
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron import norm_kernels
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.spec import LocalNorm
+    from mnb.megatron.train import train
+
+    results: dict = {}
+
+    def cases():
+        out = {}
+        # rows, width, the input's layout: rows 3 rows apart (a strided view), 2,500 columns (not a power of
+        # two, a block of 4,096), and a 3-D [s, b, h] input as Megatron's layers pass it
+        for rows, width, shape in ((37, 48, "strided"), (5, 2500, "rows"), (64, 16, "sbh")):
+            for dtype in (torch.float32, torch.bfloat16):
+                gen = torch.Generator().manual_seed(rows)
+                if shape == "strided":
+                    x = torch.randn(rows, 3, width, generator=gen).to(dtype)[:, 1]
+                elif shape == "sbh":
+                    x = torch.randn(rows // 4, 4, width, generator=gen).to(dtype)
+                else:
+                    x = torch.randn(rows, width, generator=gen).to(dtype)
+                w = (1 + 0.3 * torch.randn(width, generator=gen)).to(dtype)
+                dy = torch.randn(x.shape, generator=gen).to(dtype)
+                exact_x = x.detach().float().clone().requires_grad_()
+                exact_w = w.detach().float().clone().requires_grad_()
+                F.rms_norm(exact_x, (width,), exact_w, 1e-5).backward(dy.float())
+                exact_y = F.rms_norm(x.float(), (width,), w.float(), 1e-5)
+                got_x, got_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+                before = dict(norm_kernels.calls)
+                got_y = norm_kernels.rms_norm(got_x, got_w, 1e-5)
+                got_y.backward(dy)
+
+                def relative(got, exact):  # against the largest value: bf16 rounds each to 8 bits
+                    return float((got.float() - exact).abs().max() / exact.abs().max())
+
+                out[f"{shape}-{rows}x{width}-{str(dtype)[6:]}"] = dict(
+                    y=relative(got_y, exact_y), dx=relative(got_x.grad, exact_x.grad),
+                    dw=relative(got_w.grad, exact_w.grad),
+                    dtypes=[str(t.dtype)[6:] for t in (got_y, got_x.grad, got_w.grad)],
+                    shape=list(got_y.shape) == list(x.shape),
+                    calls={k: norm_kernels.calls[k] - before[k] for k in before})
+        # the weight frozen (an adapter run): no weight gradient, the input's still exact
+        x = torch.randn(6, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        w = torch.rand(32, generator=torch.Generator().manual_seed(4)) + 0.5
+        norm_kernels.rms_norm(x, w, 1e-6).sum().backward()
+        exact = x.detach().clone().requires_grad_()
+        F.rms_norm(exact, (32,), w, 1e-6).sum().backward()
+        out["frozen-weight"] = dict(dx=float((x.grad - exact.grad).abs().max()))
+        cpu = torch.zeros(4, 32)
+        weight = torch.ones(32)
+        out["applies"] = norm_kernels.applies(cpu, weight)
+        out["refuses"] = {
+            "no weight": norm_kernels.applies(cpu, None),
+            "wider than MAX_WIDTH": norm_kernels.applies(torch.zeros(2, norm_kernels.MAX_WIDTH + 1),
+                                                         torch.ones(norm_kernels.MAX_WIDTH + 1)),
+            "integers": norm_kernels.applies(cpu.long(), weight),
+            "weight of another width": norm_kernels.applies(cpu, torch.ones(16)),
+            "empty": norm_kernels.applies(torch.zeros(0, 32), weight),
+        }
+        norm_kernels.enabled = False
+        try:
+            out["refuses"]["enabled = False"] = norm_kernels.applies(cpu, weight)
+        finally:
+            norm_kernels.enabled = True
+        # a kernel that fails its probe (Triton without a C compiler, an unsupported GPU): torch's norm serves
+        kept = norm_kernels._kernels
+        norm_kernels._kernels = lambda: (_ for _ in ()).throw(RuntimeError("cannot build (test)"))
+        norm_kernels._probe.cache_clear()
+        try:
+            out["refuses"]["probe fails"] = norm_kernels.applies(cpu, weight)
+        finally:
+            norm_kernels._kernels = kept
+            norm_kernels._probe.cache_clear()
+        out["applies_after_probe"] = norm_kernels.applies(cpu, weight)
+        return out
+
+    if torch.distributed.get_rank() == 0:
+        _guard(results, "kernels", cases)
+
+    def train_with(own_kernels: bool):
+        def run():
+            LocalNorm.own_kernels = own_kernels  # every norm of the model, as FusedLocalNorm on a GPU rank
+            try:
+                apply_layout(ParallelConfig(tp=2, sequence_parallel=True))
+                torch.manual_seed(0)
+                model = gpt("tiny")
+                norm_kernels.runs_on(torch.device("cpu"))  # its one probe, before the count
+                before = dict(norm_kernels.calls)
+                record = train(model, steps=3, **PARITY_BATCH)
+            finally:
+                LocalNorm.own_kernels = False
+            return dict(losses=_losses(record), grad_norms=[row["grad_norm"] for row in record["steps"]],
+                        calls={k: norm_kernels.calls[k] - before[k] for k in before})
+        return run
+
+    _guard(results, "tp2-sp-torch", train_with(False))
+    _guard(results, "tp2-sp-kernels", train_with(True))
+    return results
+
+
+def triton_interpreted() -> dict:
+    """The launch of test_decode_kernels.py and test_norm_kernels.py: mnb's Triton kernels under Triton's
+    interpreter (the launch sets TRITON_INTERPRET=1), on 2 CPU ranks, once for both files."""
+    return {"decode": decode_kernels_interpreted(), "norm": norm_kernels_interpreted()}

@@ -1,7 +1,7 @@
 """mnb's Triton kernels of the decode step (mnb.megatron.decode_kernels) on CPU, under Triton's interpreter.
 
 One launch of 2 gloo ranks with ``TRITON_INTERPRET=1`` (tests/megatron/scenarios.py,
-``decode_kernels_interpreted``):
+``decode_kernels_interpreted``, in the launch test_norm_kernels.py shares: conftest's ``triton_interpreted``):
 
 - the attention of one new position against the eager decode attention: grouped queries, rows at
   different positions, the first and the last position of the cache, a cache of several key blocks,
@@ -33,21 +33,8 @@ BF16_STEP = 2 ** -7
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    import os
-
-    from ranks import run_ranks
-    from scenarios import decode_kernels_interpreted
-
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # the ranks' environment from their start
-    try:
-        return run_ranks(decode_kernels_interpreted, 2, tmp_path_factory.mktemp("decode_kernels"), timeout_s=600)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+def interpreted(triton_interpreted):
+    return [rank["decode"] for rank in triton_interpreted]
 
 
 def test_each_kernel_computes_what_torch_computes(interpreted):

@@ -51,11 +51,14 @@ def test_swiglu_matches_megatrons_glu(world1):
     assert result["swiglu_grad_diff"] < 1e-5
 
 
-def test_fused_spec_swaps_only_the_swiglu_mlp(world1):
+def test_fused_spec_swaps_the_swiglu_mlp_and_the_norms(world1):
     result = ok(world1["fusions"])
     assert result["fused_mlp"] == "FusedSwiGLUMLP"
     assert result["plain_mlp"] == "MLP"
     assert result["gelu_mlp"] == "MLP"  # GeLU MLPs keep Megatron's
+    # the layer's two norms and the final one: mnb's RMSNorm kernels where they run (tests/megatron/test_norm_kernels.py)
+    assert result["fused_norms"] == ["FusedLocalNorm"] * 3
+    assert result["plain_norms"] == ["LocalNorm"] * 3
     assert result["fused_mlp_diff"] < 1e-5
 
 

@@ -1,0 +1,160 @@
+"""RMSNorm in one Triton kernel each way, for training and for the decode step.
+
+Why: a norm is a pass over memory, and torch's took about three times its bandwidth time in a
+llama-3b training step on an H200 (0.19 s of a 4.9 s step for 57 norms a micro batch, where reading
+and writing each tensor once takes about 0.06 s; BENCHMARKS.md, issue 18's profile), the largest
+item after the GEMMs, flash attention and mnb's compiled loss, RoPE and SwiGLU.  Here:
+
+- forward: one program a row reads ``x`` once and writes ``y`` once, keeping ``rstd`` (4 bytes a
+  row) for the backward;
+- backward: one program a block of rows reads ``x`` and the output gradient once for both
+  gradients: the input gradient row by row, and the block's share of the weight gradient summed in
+  fp32 registers (the blocks' shares then summed by torch, a few MB).  Computing the weight gradient
+  in a kernel of its own (a column reduction, as torch's and Inductor's norms do) reads both again.
+
+Arithmetic: fp32 throughout, rounded once to the input's dtype (the weight gradient to the weight's),
+as torch's ``F.rms_norm`` and its backward; not bit for bit the same (the sums run in another order).
+What the backward keeps is what torch's fused norm keeps: the input and ``rstd``.
+
+Used by :class:`mnb.megatron.spec.LocalNorm` on the GPU ranks of models built with fused kernels
+(``mnb.gpt(fusions="auto")``, the default) and by the decode step (:mod:`mnb.megatron.decode_kernels`);
+:data:`enabled` off, or a width above :data:`MAX_WIDTH`, leaves torch's norm in charge.  The kernels
+are in :mod:`mnb.megatron.norm_triton`, imported on first use (it needs Triton).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from mnb.megatron.triton_support import interpreted, next_power_of_two, serves
+
+log = logging.getLogger(__name__)
+
+enabled = True
+"""Off: models that would use these kernels use torch's ``F.rms_norm`` instead (benchmarks compare both
+in one pool; the decode step's own switch is :data:`mnb.megatron.decode_graphs.own_kernels`)."""
+MAX_WIDTH = 16384
+"""Widest row a program takes whole (wider rows go to torch's norm)."""
+PROGRAMS_PER_SM = 4
+"""Backward programs per streaming multiprocessor: each keeps one block's weight-gradient share."""
+calls = {"forward": 0, "backward": 0}
+"""Kernel launches in this process (tests and diagnostics)."""
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types a kernel takes by pointer: a DTensor (Megatron-FSDP's sharded weights) or another
+subclass goes to torch's norm."""
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether :func:`rms_norm` takes ``x`` (and ``weight``) here: on, a weighted norm of a float dtype
+    no wider than :data:`MAX_WIDTH`, on a device where the kernels run."""
+    return (enabled and weight is not None and type(x) in PLAIN and type(weight) in PLAIN
+            and x.dtype in DTYPES and weight.dtype in DTYPES and weight.shape == x.shape[-1:]
+            and x.shape[-1] <= MAX_WIDTH and x.numel() > 0 and runs_on(x.device))
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether these kernels serve tensors on ``device`` (:func:`mnb.megatron.triton_support.serves`), and
+    ran once there on tiny tensors, forward and backward."""
+    return serves(device) and _probe(str(device), interpreted())
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device: str, interpreted: bool) -> bool:
+    """Both kernels once on tiny tensors (once per device and process); False, with a warning, if one fails."""
+    try:
+        at = torch.device(device)
+        x = torch.ones(3, 16, device=at, requires_grad=True)
+        rms_norm(x, torch.ones(16, device=at, requires_grad=True), 1e-5).sum().backward()
+        if at.type == "cuda":
+            torch.cuda.synchronize(at)
+        return True
+    except Exception as error:  # noqa: BLE001 - any failure: torch's norm serves instead
+        log.warning("mnb's RMSNorm kernels do not run on %s (%s: %s); norms run as torch's", device,
+                    type(error).__name__, error)
+        return False
+
+
+def _kernels():
+    from mnb.megatron import norm_triton
+
+    return norm_triton.rms_norm_forward_kernel, norm_triton.rms_norm_backward_kernel
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, width]`` with contiguous rows (a copy only when its last dimension is strided
+    or its rows cannot be flattened without one)."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, *, keep_rstd: bool = False):
+    """``F.rms_norm(x, (width,), weight, eps)`` in one kernel; with ``keep_rstd``, ``(y, x as rows, rstd)``
+    for a backward."""
+    width = x.shape[-1]
+    if width > MAX_WIDTH:
+        return torch.nn.functional.rms_norm(x, (width,), weight, eps)
+    rows = _rows(x)
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(rows.shape[0] if keep_rstd else 1, dtype=torch.float32, device=x.device)
+    block = next_power_of_two(width)
+    _kernels()[0][(rows.shape[0],)](rows, weight, y, rstd, rows.stride(0), y.stride(0), width, float(eps),
+                                    BLOCK=block, SAVE_RSTD=keep_rstd, num_warps=_warps(block))
+    calls["forward"] += 1
+    y = y.view(x.shape)
+    return (y, rows, rstd) if keep_rstd else y
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_on(device: str) -> int:
+    at = torch.device(device)
+    if at.type != "cuda":
+        return 4  # the interpreter: a few blocks, so that the weight gradient sums several
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(at).multi_processor_count
+
+
+def backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """``(dx, dw)`` of :func:`forward` for the output gradient ``grad``, from what it kept."""
+    count, width = rows.shape
+    g = _rows(grad)
+    dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    per_program = -(-count // min(count, _programs_on(str(rows.device))))
+    programs = -(-count // per_program)
+    shares = torch.empty(programs, width, dtype=torch.float32, device=rows.device)
+    block = next_power_of_two(width)
+    _kernels()[1][(programs,)](g, rows, weight, rstd, dx, shares, count, per_program,
+                               g.stride(0), rows.stride(0), dx.stride(0), width,
+                               BLOCK=block, num_warps=_warps(block))
+    calls["backward"] += 1
+    return dx.view(grad.shape), shares.sum(dim=0).to(weight.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rows, rstd = forward(x, weight, eps, keep_rstd=True)
+        ctx.save_for_backward(rows, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dw = backward(grad, rows, weight, rstd)
+        return dx, dw if ctx.needs_input_grad[1] else None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (x.shape[-1],), weight, eps)`` with autograd, one kernel each way (where
+    :func:`applies`; the caller checks)."""
+    if x.shape[-1] > MAX_WIDTH:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return forward(x, weight, eps)
