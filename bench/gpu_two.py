@@ -615,9 +615,8 @@ def hang_fields(named, text: str, sources: dict | None) -> dict:
 
 def collective_sources(pool) -> dict[int, str]:
     """Which source each rank's collective read-out came from ('flight recorder' on NCCL, 'mnb' on gloo):
-    the ``stacks`` answers ``Pool.stacks_report`` reads (``_ask_stacks``: the pool has no public getter)."""
-    answers = pool._ask_stacks(None)
-    return {r: (m.get("collectives") or {}).get("source", "none") for r, m in answers.items()}
+    ``Pool.collectives``, what ``%mnb stacks`` reads."""
+    return {r: (read_out or {}).get("source", "none") for r, read_out in pool.collectives().items()}
 
 
 # ------------------------------------------------------------------------------ 5a. generate

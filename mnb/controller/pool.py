@@ -403,6 +403,15 @@ class Pool:
         """
         return {r: m.get("stacks", "") for r, m in self._ask_stacks(ranks).items()}
 
+    def collectives(self, ranks: Iterable[int] | None = None) -> dict[int, dict | None]:
+        """Each rank's read-out of its collectives, what ``%mnb stacks`` diagnoses hangs from:
+        ``{"source": "flight recorder" | "mnb", "groups": [{"name": "tp", "ranks": [0, 1], "calls": 43,
+        "pending": [{"op": "all_reduce", "seq": 43, ...}], ...}]}`` (NCCL ranks read torch's Flight
+        Recorder, gloo ranks mnb's own count; calls count from the start of the rank's current cell), or
+        None from a rank that has none yet.  Answered like :meth:`stacks`, also while another request runs.
+        """
+        return {r: m.get("collectives") for r, m in self._ask_stacks(ranks).items()}
+
     def stacks_report(self, ranks: Iterable[int] | None = None) -> Text:
         """What ``%mnb stacks`` prints: each rank's stack and the collective it is in, then the diagnosis
         across every rank (``rank 1 is at all_reduce #42 of tp group [0,1]; rank 0 is at #43 — ...``)."""

@@ -593,9 +593,11 @@ class GraphDecoder:
         state.kernels = self.kernels and not (compiled and self.compile_failed is None)
         state.positions = entry.where
         state.sdpa = sdpa_decode
-        state.bias = torch.where(entry.key_index <= entry.where, 0.0, float("-inf")).view(entry.rows, 1, 1, -1)
-        if state.sdpa:
-            state.bias = state.bias.to(self.dtype)
+        state.bias = None  # mnb's attention kernel masks by each row's position itself: no mask to build
+        if not state.kernels or state.sdpa:
+            state.bias = torch.where(entry.key_index <= entry.where, 0.0, float("-inf")).view(entry.rows, 1, 1, -1)
+            if state.sdpa:
+                state.bias = state.bias.to(self.dtype)
         hidden = self.stage_forward(stage, entry, state, entry.tokens, entry.where, entry.hidden_in[stage],
                                     compiled=compiled)
         if stage < self.n_stages - 1:

@@ -94,12 +94,17 @@ def test_skipped_all_reduce_is_named_in_stacks_and_in_the_timeout_report(cpu_poo
     capsys.readouterr()
     shell.run_line_magic("mnb", "stacks")
     shown = capsys.readouterr().out
+    read_out = cpu_pool.collectives()  # what the report is made of, as data
     release.touch()
     hang.join(120)
     assert outcome, "the cell did not finish once rank 1 made its skipped all-reduce"
     assert expected in shown, shown
     assert "in all_reduce #5 of tp group [0,1], tensor [4] float32" in shown, shown
     assert "--- rank 1 (r1 tp1 pp0 dp0) ---" in shown and "time.sleep(0.01)" in shown, shown
+    tp = {rank: next(g for g in read_out[rank]["groups"] if g["name"] == "tp") for rank in (0, 1)}
+    assert {read_out[rank]["source"] for rank in (0, 1)} == {"mnb"}  # gloo ranks: mnb's own count
+    assert [(call["op"], call["seq"]) for call in tp[0]["pending"]] == [("all_reduce", 5)], tp[0]
+    assert tp[1]["pending"] == [] and tp[1]["calls"] == 4 and tp[0]["ranks"] == [0, 1], tp[1]
 
     base += 5  # rank 1 made its skipped call: both at base + 5 in the process's count
     with pytest.raises(CellTimeoutError) as timed_out:
