@@ -12,6 +12,10 @@
 4. ``speed``: tokens/s of llama-1b, llama-3b and a 20-layer llama-8b shape (seq 2048), bf16 against
    each recipe: 1 warm-up step (the casts compile), then 3 measured steps (mean of the last 2), with
    mnb's fused kernels compiled first.
+5. ``profile`` (not in the default sections): one llama-3b step (mbs 4, 4 microbatches) in bf16 and in
+   tensorwise FP8 under torch's profiler after a warm-up step: GPU time by kernel group and the top
+   kernels (bench/kernel_profile.py), ``OUTDIR/fp8_profile_<recipe>.json``: where the FP8 step's time goes
+   beside the GEMMs it speeds up.
 
 Uses the pool API (the device machine has no IPython; ``%mnb`` calls the same methods).
 """
@@ -153,6 +157,24 @@ def speed_row(bench: Rows, pool, shape: tuple, recipe: str | None, base: dict) -
         bench.add("speed", {"model": label, "error": traceback.format_exc()[-1500:]})
 
 
+def profile_row(bench: Rows, pool, shape: tuple, recipe: str | None) -> None:
+    preset, model_kw, mbs, gbs = shape
+    label = f"{preset}{' ' + model_kw if model_kw else ''} mbs {mbs} gbs {gbs} {recipe or 'bf16'}"
+    try:
+        pool.run(train_cell(preset, model_kw, recipe, 2048)
+                 + f"mnb.train(model, steps=1, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)\n"
+                 f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom kernel_profile import profile_step\n"
+                 f"profile = profile_step(model, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)",
+                 timeout=600)
+        profile = pool.pull("profile")[0]
+        (bench.out / f"fp8_profile_{recipe or 'bf16'}.json").write_text(json.dumps(profile, indent=1))
+        bench.add("profile", {"model": label, "step_wall_s": profile["wall_s"], "busy_share": profile["busy_share"],
+                              **{f"{k}_s": v for k, v in profile["groups_s"].items()},
+                              "top_kernels": profile["top_kernels"][:12]})
+    except Exception:
+        bench.add("profile", {"model": label, "error": traceback.format_exc()[-1500:]})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="fp8-out")
@@ -192,6 +214,9 @@ def main() -> None:
                 loss_row(bench, pool, what, curves)
             else:
                 speed_row(bench, pool, what[0], what[1], base)
+        if "profile" in sections:
+            for recipe in ("tensorwise", None):
+                profile_row(bench, pool, three, recipe)
     finally:
         pool.stop()
     lines = []

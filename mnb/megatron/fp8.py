@@ -21,7 +21,9 @@ Recipes (torchao's names and scalings, ``torchao.float8.config.Float8LinearRecip
 Scales are computed from the tensor in hand at every call ("current" or "dynamic" scaling, as
 torchao does), not from a history of earlier steps (TE's delayed scaling).  The casts use torchao's
 primitives (``tensor_to_scale``, ``to_fp8_saturated``, ``addmm_float8_unwrapped``) and are compiled
-(one fused amax + scale + cast per operand: the eager casts cost as much as the FP8 GEMM saves).
+(one fused amax + scale + cast per operand: the eager casts cost as much as the FP8 GEMM saves); a
+cast whose data a backward GEMM takes contracted over the tokens writes that transposed layout
+itself (:func:`cast_layouts`), as Transformer Engine's cast-transpose does.
 Inside a training step (:func:`weight_cache`) each weight is cast once per step, not per microbatch.
 
 The output layer (logits) and the core attention stay bf16, as in torchao's and TE's recipes.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +44,8 @@ import torch
 
 from mnb.config import ModelConfig
 from mnb.fields import choices
+
+log = logging.getLogger(__name__)
 
 RECIPES = choices(ModelConfig, "fp8")
 E4M3 = torch.float8_e4m3fn
@@ -81,11 +86,13 @@ def _make_cast():
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
-    def cast_fn(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool):
+    def cast_fn(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool, rows: bool = True,
+                transposed: bool = False):
         granularity = ScalingGranularity.TENSORWISE if axis is None else ScalingGranularity.AXISWISE
         scale = tensor_to_scale(x, dtype, scaling_granularity=granularity, axiswise_dim=axis,
                                 round_scales_to_power_of_2=pow2)
-        return to_fp8_saturated(x.to(torch.float32) * scale, dtype), scale
+        data = to_fp8_saturated(x.to(torch.float32) * scale, dtype)
+        return data if rows else None, data.t().contiguous() if transposed else None, scale
 
     return cast_fn
 
@@ -93,12 +100,13 @@ def _make_cast():
 def _cast_eager(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool):
     """``(fp8 data, scale)`` of ``x`` with ``data = saturate(x * scale)``: one scale for the whole
     tensor (``axis=None``) or one per slice along ``axis`` (the amax over ``axis``, kept as a dim)."""
-    return _make_cast()(x, dtype, axis, pow2)
+    data, _, scale = _make_cast()(x, dtype, axis, pow2)
+    return data, scale
 
 
 @functools.lru_cache(maxsize=1)
 def _cast_compiled():
-    # one compiled graph per (width, dtype, axis): a handful per model
+    # one compiled graph per (width, dtype, axis, layouts): a handful per model
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):
@@ -106,15 +114,40 @@ def _cast_compiled():
     return torch.compile(_make_cast(), dynamic=False)
 
 
-def cast(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool):
-    """:func:`_cast_eager` of an activation or gradient ``[tokens, width]``, compiled on CUDA (a fused
-    amax and cast): one graph per width, dtype and axis; the token count is symbolic, so every micro
-    batch size and sequence length shares it (widths stay static: symbolic widths ran far below
-    bandwidth)."""
-    if x.is_cuda:
+COMPILE_ON_CPU = False
+"""Tests only: compile the casts of CPU tensors too (Inductor's C++ backend), to check what GPUs compile."""
+_compile_failed: list[str] = []
+"""Why the compiled cast failed in this process, if it did (the eager cast serves from then on)."""
+
+
+def cast_layouts(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool, *, rows: bool = True,
+                 transposed: bool = False):
+    """``(data, data_t, scale)`` of an activation or gradient ``x [tokens, width]``: the fp8 data as
+    :func:`_cast_eager` makes it (``rows``, else None) and its transpose laid out row by row,
+    ``data.t().contiguous()`` (``transposed``, else None), both written by the one cast.
+
+    Why: a backward GEMM wants an operand contracted over the tokens; as a separate copy of the
+    1-byte data (``.t().contiguous()``) that took a pass of its own, reading across rows.  Compiled on
+    CUDA (a fused amax, then one kernel writing both layouts), one graph per width, dtype, axis and
+    layouts; the token count is symbolic, so every micro batch size and sequence length shares it
+    (widths stay static: symbolic widths ran far below bandwidth).  A compile that fails is said once
+    and the eager cast serves."""
+    if (x.is_cuda or COMPILE_ON_CPU) and not _compile_failed:
         torch._dynamo.mark_dynamic(x, 0)
-        return _cast_compiled()(x, dtype, axis, pow2)
-    return _cast_eager(x, dtype, axis, pow2)
+        try:
+            return _cast_compiled()(x, dtype, axis, pow2, rows, transposed)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001 - Inductor could not build it: the same arithmetic eagerly
+            _compile_failed.append(f"{type(error).__name__}: {error}")
+            log.warning("mnb's compiled FP8 cast failed (%s); casting eagerly from now on", _compile_failed[0])
+    return _make_cast()(x, dtype, axis, pow2, rows, transposed)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bool):
+    """``(fp8 data, scale)`` of ``x`` by :func:`cast_layouts` (the data row by row only)."""
+    data, _, scale = cast_layouts(x, dtype, axis, pow2)
+    return data, scale
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -227,13 +260,14 @@ class FP8Linear(torch.autograd.Function):
         x = total.reshape(-1, k)
         _check_tokens(x.shape[0])
         w_data, w_scale = _weight(weight, rc, for_dgrad=False, owner=weight)
-        x_data, x_scale = cast(x, E4M3, rc.axis(-1), rc.pow2)
+        # tensorwise: the wgrad GEMM reuses the forward's cast (half the input's bytes), in the layout it takes
+        ctx.fp8_input = not rc.rowwise and not sequence_parallel
+        x_data, x_t, x_scale = cast_layouts(x, E4M3, rc.axis(-1), rc.pow2, transposed=ctx.fp8_input)
         out = scaled_mm(x_data, x_scale, w_data.t(), w_scale.t(), total.dtype, fast_accum=True)
         if bias is not None:
             out = out + bias
-        ctx.fp8_input = not rc.rowwise and not sequence_parallel
-        if ctx.fp8_input:  # tensorwise: the wgrad GEMM reuses the forward's cast (and it is half the bytes)
-            ctx.save_for_backward(x_data, x_scale, weight)
+        if ctx.fp8_input:
+            ctx.save_for_backward(x_t, x_scale, weight)
         else:
             ctx.save_for_backward(input, weight)
         ctx.rc, ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = rc, allreduce_dgrad, sequence_parallel, tp_group
@@ -245,7 +279,7 @@ class FP8Linear(torch.autograd.Function):
     def backward(ctx, grad_output):
         rc = ctx.rc
         if ctx.fp8_input:
-            x_data, x_scale, weight = ctx.saved_tensors
+            x_t, x_scale, weight = ctx.saved_tensors
         else:
             input, weight = ctx.saved_tensors
         n = grad_output.shape[-1]
@@ -253,7 +287,8 @@ class FP8Linear(torch.autograd.Function):
         if not g.is_contiguous():
             g = g.contiguous()
         # input gradient: g [t, n] @ W [n, k]
-        g_data, g_scale = cast(g, rc.grad_dtype, rc.axis(-1), rc.pow2)
+        # tensorwise: the gradient's one cast also gives the wgrad GEMM its transposed layout
+        g_data, g_t, g_scale = cast_layouts(g, rc.grad_dtype, rc.axis(-1), rc.pow2, transposed=not rc.rowwise)
         w_data, w_scale = _weight(weight, rc, for_dgrad=True, owner=ctx.owner)
         grad_input = scaled_mm(g_data, g_scale, w_data, w_scale, grad_output.dtype, fast_accum=False)
         handle = None
@@ -266,16 +301,17 @@ class FP8Linear(torch.autograd.Function):
             sub = torch.empty(ctx.input_shape, dtype=grad_input.dtype, device=grad_input.device)
             handle = layers.dist_reduce_scatter_func(sub, grad_input.view(-1, *ctx.input_shape[1:]),
                                                      group=group, async_op=True)
-        # weight gradient: g.T [n, t] @ x [t, k], both scaled along t
+        # weight gradient: g.T [n, t] @ x [t, k], both scaled along t; x column-major, as x_t.t() is
         if not ctx.fp8_input:
             total = _all_gather(input, group) if ctx.sequence_parallel else input
-            x_data, x_scale = cast(total.reshape(-1, total.shape[-1]), E4M3, rc.axis(0), rc.pow2)
+            _, x_t, x_scale = cast_layouts(total.reshape(-1, total.shape[-1]), E4M3, rc.axis(0), rc.pow2,
+                                           rows=False, transposed=True)
         if rc.rowwise:
-            gw_data, gw_scale = cast(g, rc.grad_dtype, 0, rc.pow2)
-            gw_data, gw_scale = gw_data.t().contiguous(), gw_scale.t()
+            _, gw_data, gw_scale = cast_layouts(g, rc.grad_dtype, 0, rc.pow2, rows=False, transposed=True)
+            gw_scale = gw_scale.t()
         else:
-            gw_data, gw_scale = g_data.t().contiguous(), g_scale
-        grad_weight = scaled_mm(gw_data, gw_scale, column_major(x_data), x_scale, weight.dtype, fast_accum=False)
+            gw_data, gw_scale = g_t, g_scale
+        grad_weight = scaled_mm(gw_data, gw_scale, x_t.t(), x_scale, weight.dtype, fast_accum=False)
         grad_bias = g.sum(dim=0) if ctx.use_bias else None
         if handle is not None:
             handle.wait()

@@ -65,6 +65,28 @@ def test_scales_follow_torchaos_recipe(name):
     assert torch.isfinite(clipped.float()).all()
 
 
+def test_the_compiled_cast_writes_both_layouts_as_the_eager_cast_does():
+    """What CUDA ranks run: the cast through torch.compile (here Inductor's C++ backend) gives the eager cast's
+    data, its transpose laid out row by row, and its scale, bit for bit, for each token count one graph serves."""
+    torch._dynamo.reset()
+    fp8.COMPILE_ON_CPU = True
+    try:
+        for tokens in (48, 80):  # the token count is symbolic: one graph
+            x = torch.randn(tokens, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(tokens)) * 5
+            data, data_t, scale = fp8.cast_layouts(x, fp8.E5M2, None, False, transposed=True)
+            none, only_t, row_scale = fp8.cast_layouts(x, fp8.E4M3, 0, True, rows=False, transposed=True)
+            eager, eager_scale = fp8._cast_eager(x, fp8.E5M2, None, False)
+            eager_rows, eager_row_scale = fp8._cast_eager(x, fp8.E4M3, 0, True)
+            assert torch.equal(data.view(torch.uint8), eager.view(torch.uint8)) and torch.equal(scale, eager_scale)
+            assert data_t.is_contiguous()
+            assert torch.equal(data_t.view(torch.uint8), eager.t().contiguous().view(torch.uint8))
+            assert none is None and torch.equal(row_scale, eager_row_scale)
+            assert torch.equal(only_t.view(torch.uint8), eager_rows.t().contiguous().view(torch.uint8))
+        assert not fp8._compile_failed, fp8._compile_failed
+    finally:
+        fp8.COMPILE_ON_CPU = False
+
+
 @pytest.mark.parametrize("name", fp8.RECIPES)
 def test_the_function_is_scaled_mm_of_the_quantised_operands(name):
     """FP8Linear's forward, input gradient and weight gradient equal the fp32 emulation of the recipe's
