@@ -64,11 +64,15 @@ def runs_on(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _probe(device: str, interpreted: bool) -> bool:
-    """Both kernels once on tiny tensors (once per device and process); False, with a warning, if one fails."""
+    """Both kernels once on tiny tensors (once per device and process); False, with a warning, if one fails.
+
+    With autograd on whatever the caller's mode: the first norm may run under ``torch.no_grad()``
+    (``mnb.generate``, ``mnb.evaluate``, Megatron's activation recompute), and the backward is probed too."""
     try:
         at = torch.device(device)
-        x = torch.ones(3, 16, device=at, requires_grad=True)
-        rms_norm(x, torch.ones(16, device=at, requires_grad=True), 1e-5).sum().backward()
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.ones(3, 16, device=at, requires_grad=True)
+            rms_norm(x, torch.ones(16, device=at, requires_grad=True), 1e-5).sum().backward()
         if at.type == "cuda":
             torch.cuda.synchronize(at)
         return True

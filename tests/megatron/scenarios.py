@@ -928,7 +928,8 @@ def norm_kernels_interpreted() -> dict:
         finally:
             norm_kernels._kernels = kept
             norm_kernels._probe.cache_clear()
-        out["applies_after_probe"] = norm_kernels.applies(cpu, weight)
+        with torch.no_grad():  # a first norm under no_grad (mnb.generate, activation recompute) probes the backward too
+            out["applies_after_probe"] = norm_kernels.applies(cpu, weight)
         return out
 
     if torch.distributed.get_rank() == 0:
