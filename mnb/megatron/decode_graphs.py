@@ -722,8 +722,9 @@ class GraphDecoder:
         prefill = entry.prefills.get(length) or entry.prefills.setdefault(length, Prefill(self, rows, length))
         if state.attend is None:
             state.attend = compiled_attention() if self.capture and compile_attention else decode_attention
-        kernels = swapped_kernels(self.chunks, state) if self.kernels else contextlib.nullcontext()
-        with swapped_attention(self.chunks, state), kernels:
+        # swapped whether or not mnb's kernels run: without them the norms are torch's (a model built with mnb's
+        # norm kernels included), so a comparison or a capture that dropped the kernels runs torch's ops throughout
+        with swapped_attention(self.chunks, state), swapped_kernels(self.chunks, state):
             before, start = self.captures, time.perf_counter()
             greedy = sampling.greedy
             graphs = {v: self.graph(entry.graphs, (v, greedy, compile),

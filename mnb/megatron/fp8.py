@@ -139,8 +139,10 @@ def cast_layouts(x: torch.Tensor, dtype: torch.dtype, axis: int | None, pow2: bo
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # noqa: BLE001 - Inductor could not build it: the same arithmetic eagerly
+            result = _make_cast()(x, dtype, axis, pow2, rows, transposed)  # raises where the input is the fault
             _compile_failed.append(f"{type(error).__name__}: {error}")
             log.warning("mnb's compiled FP8 cast failed (%s); casting eagerly from now on", _compile_failed[0])
+            return result
     return _make_cast()(x, dtype, axis, pow2, rows, transposed)
 
 

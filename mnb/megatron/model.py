@@ -373,6 +373,9 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
 
         _fp8.install(chunks, cfg.fp8)
     if fused:
+        from mnb.megatron import norm_kernels
+
+        norm_kernels.runs_on(device)  # the RMSNorm kernels' one probe here, not inside a first forward
         # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own), compiled in
         # the background: the first steps run the same arithmetic unfused meanwhile (background_compile)
         from mnb.megatron import background_compile

@@ -28,6 +28,7 @@ import functools
 import logging
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from mnb.megatron.triton_support import interpreted, next_power_of_two, serves
 
@@ -53,6 +54,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     no wider than :data:`MAX_WIDTH`, on a device where the kernels run."""
     return (enabled and weight is not None and type(x) in PLAIN and type(weight) in PLAIN
             and x.dtype in DTYPES and weight.dtype in DTYPES and weight.shape == x.shape[-1:]
+            and weight.is_contiguous() and weight.device == x.device
             and x.shape[-1] <= MAX_WIDTH and x.numel() > 0 and runs_on(x.device))
 
 
@@ -66,11 +68,15 @@ def runs_on(device: torch.device) -> bool:
 def _probe(device: str, interpreted: bool) -> bool:
     """Both kernels once on tiny tensors (once per device and process); False, with a warning, if one fails.
 
-    With autograd on whatever the caller's mode: the first norm may run under ``torch.no_grad()``
-    (``mnb.generate``, ``mnb.evaluate``, Megatron's activation recompute), and the backward is probed too."""
+    :func:`mnb.megatron.model.gpt` probes when it builds a model that uses them; a first call elsewhere may
+    come inside a forward, so the probe sets its own autograd state: grad on whatever the caller's mode
+    (``mnb.generate``, ``mnb.evaluate`` and Megatron's recompute run under ``torch.no_grad()``, and the
+    backward is probed too) and saved tensors kept as they are (the caller's saved-tensor hooks, e.g.
+    non-reentrant checkpointing or mnb's activation meter, must not see the probe's tensors)."""
     try:
         at = torch.device(device)
-        with torch.inference_mode(False), torch.enable_grad():
+        keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with torch.inference_mode(False), torch.enable_grad(), keep:
             x = torch.ones(3, 16, device=at, requires_grad=True)
             rms_norm(x, torch.ones(16, device=at, requires_grad=True), 1e-5).sum().backward()
         if at.type == "cuda":
@@ -106,13 +112,12 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, *, keep_rstd: boo
     if width > MAX_WIDTH:
         return torch.nn.functional.rms_norm(x, (width,), weight, eps)
     rows = _rows(x)
-    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # itself, not a view: callers may write into it
     rstd = torch.empty(rows.shape[0] if keep_rstd else 1, dtype=torch.float32, device=x.device)
     block = next_power_of_two(width)
-    _kernels()[0][(rows.shape[0],)](rows, weight, y, rstd, rows.stride(0), y.stride(0), width, float(eps),
+    _kernels()[0][(rows.shape[0],)](rows, weight, y, rstd, rows.stride(0), width, width, float(eps),
                                     BLOCK=block, SAVE_RSTD=keep_rstd, num_warps=_warps(block))
     calls["forward"] += 1
-    y = y.view(x.shape)
     return (y, rows, rstd) if keep_rstd else y
 
 
@@ -124,20 +129,22 @@ def _programs_on(device: str) -> int:
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(at).multi_processor_count
 
 
-def backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
-    """``(dx, dw)`` of :func:`forward` for the output gradient ``grad``, from what it kept."""
+def backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+             weight_grad: bool = True):
+    """``(dx, dw)`` of :func:`forward` for the output gradient ``grad``, from what it kept; ``dw`` None
+    without ``weight_grad`` (a frozen weight: no blocks summed)."""
     count, width = rows.shape
     g = _rows(grad)
-    dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    dx = torch.empty(grad.shape, dtype=rows.dtype, device=rows.device)
     per_program = -(-count // min(count, _programs_on(str(rows.device))))
     programs = -(-count // per_program)
-    shares = torch.empty(programs, width, dtype=torch.float32, device=rows.device)
+    shares = torch.empty(programs if weight_grad else 1, width, dtype=torch.float32, device=rows.device)
     block = next_power_of_two(width)
     _kernels()[1][(programs,)](g, rows, weight, rstd, dx, shares, count, per_program,
-                               g.stride(0), rows.stride(0), dx.stride(0), width,
-                               BLOCK=block, num_warps=_warps(block))
+                               g.stride(0), rows.stride(0), width, width,
+                               BLOCK=block, WEIGHT_GRAD=weight_grad, num_warps=_warps(block))
     calls["backward"] += 1
-    return dx.view(grad.shape), shares.sum(dim=0).to(weight.dtype)
+    return dx, shares.sum(dim=0).to(weight.dtype) if weight_grad else None
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -148,10 +155,11 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # no double backward: a second-order gradient is refused, not silently wrong
     def backward(ctx, grad):
         rows, weight, rstd = ctx.saved_tensors
-        dx, dw = backward(grad, rows, weight, rstd)
-        return dx, dw if ctx.needs_input_grad[1] else None, None
+        dx, dw = backward(grad, rows, weight, rstd, weight_grad=ctx.needs_input_grad[1])
+        return dx, dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -26,10 +26,11 @@ def rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, x_row, y_row, width, 
 
 @triton.jit
 def rms_norm_backward_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, rows, per_program,
-                             g_row, x_row, dx_row, width, BLOCK: tl.constexpr):
+                             g_row, x_row, dx_row, width, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
     """One program per block of ``per_program`` consecutive rows, in one pass over them: each row's input
     gradient ``dx = rstd * (w*g - x̂ * mean(x̂ * w*g))`` (x̂ = x * rstd), and the weight gradient of the
-    block, ``Σ g * x̂`` over its rows in fp32, into row ``program`` of ``dw`` (the caller sums the blocks).
+    block, ``Σ g * x̂`` over its rows in fp32, into row ``program`` of ``dw`` (the caller sums the blocks;
+    nothing of it without ``WEIGHT_GRAD``, for a frozen weight).
 
     Reading ``x`` and ``g`` once for both gradients is the point: a norm's backward is a pass over
     memory, and computing ``dw`` in a second kernel (a column reduction) reads both again."""
@@ -49,5 +50,7 @@ def rms_norm_backward_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, rows
         mean = tl.sum(x_hat * wg, axis=0) / width
         tl.store(dx_ptr + row * dx_row + cols, ((wg - x_hat * mean) * rstd).to(dx_ptr.dtype.element_ty),
                  mask=inside)
-        dw += g * x_hat
-    tl.store(dw_ptr + program.to(tl.int64) * width + cols, dw, mask=inside)
+        if WEIGHT_GRAD:
+            dw += g * x_hat
+    if WEIGHT_GRAD:
+        tl.store(dw_ptr + program.to(tl.int64) * width + cols, dw, mask=inside)

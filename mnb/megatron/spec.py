@@ -165,7 +165,9 @@ class LocalNorm(torch.nn.Module):
             p.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own_kernels and self.rms and norm_kernels.applies(x, self.weight):
+        # under torch.compile Inductor fuses the norm itself (and a probe must not be traced)
+        if (self.own_kernels and self.rms and not torch.compiler.is_compiling()
+                and norm_kernels.applies(x, self.weight)):
             return norm_kernels.rms_norm(x, self.weight, self.eps)
         return self.torch_forward(x)
 

@@ -270,21 +270,30 @@ def test_a_rank_of_another_protocol_version_is_refused_by_name(wire, tmp_path):
     assert f"speaks protocol version {PROTOCOL_VERSION}, this side" in hello["evalue"]
     assert "ProtocolError" in newer.stderr
 
-    import mnb.protocol
+    # An older rank, signed by hand: patching mnb.protocol.PROTOCOL_VERSION here instead would also change what
+    # the transport's I/O thread decodes against (it reads the same global), and a hello decoded in that
+    # window arrived as this version's (CI, 2026-12-04)
+    older = zmq.Context.instance().socket(zmq.DEALER)
+    older.setsockopt(zmq.IDENTITY, b"r0-older")
+    older.setsockopt(zmq.LINGER, 0)
+    older.connect(transport.address)
+    signer = Signer(key)
 
-    older = channel(0)
-    saved = mnb.protocol.PROTOCOL_VERSION
-    mnb.protocol.PROTOCOL_VERSION = saved - 1  # the channel signs as an older mnb would
+    def send(kind: str, version: int, **header) -> None:
+        header_bytes = json.dumps(dict(header, type=kind, id="", v=version, rank=0, identity="r0-older")).encode()
+        older.send_multipart([signer.sign(header_bytes, b""), header_bytes, b""])
+
     try:
-        older.send(Message("hello", header={"pid": os.getpid(), "host": "node-b"}))
-        older.send(Message("event", header={"text": "from an older rank"}))
+        send("hello", PROTOCOL_VERSION - 1, pid=os.getpid(), host="node-b")
+        send("event", PROTOCOL_VERSION - 1, text="from an older rank")
+        send("event", PROTOCOL_VERSION, text="this version's")  # arrives after the older one
+        hello = transport.get(timeout=30)
+        assert hello_refusal(hello).startswith(
+            f"rank 0 on node-b speaks protocol version {PROTOCOL_VERSION - 1}, this side")
+        # the older event was dropped, not delivered: the next message the notebook sees is this version's
+        assert transport.get(timeout=30)["text"] == "this version's"
     finally:
-        mnb.protocol.PROTOCOL_VERSION = saved
-    older.send(Message("event", header={"text": "this version's"}))  # arrives after the older one
-    hello = transport.get(timeout=30)
-    assert hello_refusal(hello).startswith(f"rank 0 on node-b speaks protocol version {saved - 1}, this side")
-    # the older event was dropped, not delivered: the next message the notebook sees is this version's
-    assert transport.get(timeout=30)["text"] == "this version's"
+        older.close()
     assert hello_refusal(Message("hello", header={"rank": 0})) is None  # this version joins
 
 

@@ -930,6 +930,20 @@ def norm_kernels_interpreted() -> dict:
             norm_kernels._probe.cache_clear()
         with torch.no_grad():  # a first norm under no_grad (mnb.generate, activation recompute) probes the backward too
             out["applies_after_probe"] = norm_kernels.applies(cpu, weight)
+        # a first norm inside non-reentrant checkpointing: the probe's tensors stay out of its saved-tensor hooks
+        norm_kernels._probe.cache_clear()
+        x = torch.randn(4, 32, requires_grad=True)
+
+        def checkpointed(t):
+            if not norm_kernels.applies(t, weight):
+                raise AssertionError("the probe failed inside checkpointing")
+            return norm_kernels.rms_norm(t, weight, 1e-5)
+
+        torch.utils.checkpoint.checkpoint(checkpointed, x, use_reentrant=False).sum().backward()
+        out["checkpointed"] = x.grad is not None and norm_kernels.applies(cpu, weight)
+        y = norm_kernels.rms_norm(x, weight, 1e-5)
+        y.mul_(2)  # its own tensor, not a view: written in place as torch's norm's output can be
+        out["written_in_place"] = y._base is None
         return out
 
     if torch.distributed.get_rank() == 0:
@@ -953,6 +967,29 @@ def norm_kernels_interpreted() -> dict:
 
     _guard(results, "tp2-sp-torch", train_with(False))
     _guard(results, "tp2-sp-kernels", train_with(True))
+
+    def decode_without_own_kernels():
+        """mnb.generate with decode_graphs.own_kernels off: torch's ops throughout, the norms of a model built
+        with mnb's norm kernels included (graphs replaced by plain calls on CPU)."""
+        from mnb.megatron import decode_graphs
+        from mnb.megatron.generate import generate
+
+        LocalNorm.own_kernels, decode_graphs.own_kernels = True, False
+        try:
+            apply_layout(ParallelConfig())
+            model = gpt("tiny")
+            decode_graphs.cpu_standin = True
+            before = dict(norm_kernels.calls)
+            try:
+                tokens = generate(model, [[5, 17, 33, 2]], max_new_tokens=4, stream=False)
+            finally:
+                decode_graphs.cpu_standin = False
+            return dict(tokens=len(tokens[0]), kernels=model.decoder.kernels,
+                        calls={k: norm_kernels.calls[k] - before[k] for k in before})
+        finally:
+            LocalNorm.own_kernels, decode_graphs.own_kernels = False, True
+
+    _guard(results, "decode-without-own-kernels", decode_without_own_kernels)
     return results
 
 

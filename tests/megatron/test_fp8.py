@@ -83,6 +83,10 @@ def test_the_compiled_cast_writes_both_layouts_as_the_eager_cast_does():
             assert none is None and torch.equal(row_scale, eager_row_scale)
             assert torch.equal(only_t.view(torch.uint8), eager_rows.t().contiguous().view(torch.uint8))
         assert not fp8._compile_failed, fp8._compile_failed
+        # an input the eager cast refuses too (no tokens: no amax) raises, and leaves the compiled cast in charge
+        with pytest.raises(Exception):  # noqa: B017 - whichever error the amax of nothing gives
+            fp8.cast_layouts(torch.zeros(0, 32, dtype=torch.bfloat16), fp8.E4M3, None, False)
+        assert not fp8._compile_failed, fp8._compile_failed
     finally:
         fp8.COMPILE_ON_CPU = False
 

@@ -7,7 +7,9 @@ In the launch test_decode_kernels.py shares (conftest's ``triton_interpreted``, 
   not a power of two, a 3-D ``[s, b, h]`` input; the weight gradient summed over several programs' blocks,
   one of them partial; a frozen weight;
 - when they apply, and when torch's norm serves instead (no weight, too wide, integers, a weight of another
-  width, an empty input, switched off, a kernel that fails its one probe);
+  width, an empty input, switched off, a kernel that fails its one probe); the probe under ``no_grad`` and
+  inside non-reentrant checkpointing; the output its own tensor (written in place as torch's can be);
+- a decode step without mnb's own kernels (``decode_graphs.own_kernels = False``) runs torch's norms;
 - tiny trained under tp2 + sequence parallelism with every RMSNorm through the kernels gives the losses and
   gradient norms of the same run with torch's norms (the norms' weight gradients are all-reduced over tp by
   Megatron, as for torch's), and the kernels ran for every norm of every micro batch, each way.
@@ -56,6 +58,16 @@ def test_torchs_norm_serves_where_the_kernels_do_not_apply(norms):
         "no weight", "wider than MAX_WIDTH", "integers", "weight of another width", "empty", "enabled = False",
         "probe fails")}
     assert kernels["applies_after_probe"] is True
+    assert kernels["checkpointed"] is True  # the probe inside non-reentrant checkpointing
+    assert kernels["written_in_place"] is True
+
+
+def test_a_decode_without_mnbs_kernels_runs_torchs_norms(norms):
+    for rank in norms:
+        run = rank["decode-without-own-kernels"]
+        assert "error" not in run, run.get("error")
+        assert run["tokens"] == 4 and run["kernels"] is False
+        assert run["calls"] == {"forward": 0, "backward": 0}, run["calls"]
 
 
 def test_training_under_tp2_sp_with_the_kernels_matches_torchs_norms(norms):
