@@ -9,7 +9,8 @@ events, median of 20 calls after 5), with a fresh output gradient each call as i
 must move at least (forward: read x, write y; backward: read x and the output gradient, write the input
 gradient) over the time is its bandwidth, beside ``x.clone()``'s.  Every side's output and gradients are
 checked against fp32 (largest error relative to the largest value).  ``PROGRAMS_PER_SM`` of the backward
-is swept for mnb's side.
+is swept for mnb's side.  ``--device cpu`` (with ``TRITON_INTERPRET=1``, tiny shapes, wall-clock timing)
+is a dry run of the script itself.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -34,8 +36,15 @@ SHAPES = {"llama-1b mbs 8": (16384, 2048), "llama-1b mbs 16": (32768, 2048), "ll
 EPS = 1e-5
 
 
+DEVICE = "cuda"
+
+
 def timed(fn, repeats: int = 20, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` on the GPU."""
+    """Median milliseconds of ``fn()`` on the GPU (wall clock for a CPU dry run)."""
+    if DEVICE != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -76,10 +85,10 @@ def errors(norm, x, w, dy) -> dict:
 
 
 def measure(label: str, rows: int, width: int) -> list[dict]:
-    gen = torch.Generator(device="cuda").manual_seed(rows + width)
-    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = (1 + 0.1 * torch.randn(width, device="cuda", generator=gen)).to(torch.bfloat16)
-    dy = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(rows + width)
+    x = torch.randn(rows, width, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    w = (1 + 0.1 * torch.randn(width, device=DEVICE, generator=gen)).to(torch.bfloat16)
+    dy = torch.randn(rows, width, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     size = x.numel() * x.element_size()
     copy_ms = timed(lambda: x.clone())
     out = [{"shape": label, "side": "x.clone() (copy bandwidth)", "forward_ms": round(copy_ms, 4),
@@ -121,12 +130,16 @@ def measure(label: str, rows: int, width: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="norm-out")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [{"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-             "runs_on": norm_kernels.runs_on(torch.device("cuda"))}]
-    for label, (tokens, width) in SHAPES.items():
+    shapes = SHAPES if DEVICE == "cuda" else {"dry run": (64, 96)}
+    rows = [{"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+             "runs_on": norm_kernels.runs_on(torch.device(DEVICE))}]
+    for label, (tokens, width) in shapes.items():
         rows += measure(label, tokens, width)
         (out / "norm_kernels.json").write_text(json.dumps(rows, indent=1))
     columns = ("shape", "side", "forward_ms", "forward_GBps", "forward_backward_ms", "forward_backward_GBps",
