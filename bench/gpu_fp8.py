@@ -204,6 +204,7 @@ def main() -> None:
         curves, base = {}, {}
         one, three, eight = SPEED
         plan = [("loss", None), ("loss", "tensorwise"), ("speed", (three, None)), ("speed", (three, "tensorwise")),
+                ("profile", (three, "tensorwise")), ("profile", (three, None)),
                 ("speed", (eight, None)), ("speed", (eight, "tensorwise")), ("speed", (one, None)),
                 ("speed", (one, "tensorwise")), ("loss", "rowwise"), ("speed", (three, "rowwise")),
                 ("speed", (eight, "rowwise")), ("speed", (one, "rowwise"))]
@@ -212,11 +213,10 @@ def main() -> None:
                 continue
             if section == "loss":
                 loss_row(bench, pool, what, curves)
+            elif section == "profile":
+                profile_row(bench, pool, what[0], what[1])
             else:
                 speed_row(bench, pool, what[0], what[1], base)
-        if "profile" in sections:
-            for recipe in ("tensorwise", None):
-                profile_row(bench, pool, three, recipe)
     finally:
         pool.stop()
     lines = []
