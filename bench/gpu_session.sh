@@ -37,10 +37,11 @@ has probe && step import_time 60 bash bench/gpu_import_time.sh
 has profile && step h200_profile 200 python3 bench/h200_limits.py --sections profile,adam --out "$OUT/h200_profile"
 has cp_attention && step cp_attention 150 python3 bench/gpu_cp_attention.py --json "$OUT/cp_attention.json"
 # issue 39's open rows (2026-12-04): the start in three orders from a cold page cache (first, while the machine
-# is cold), RMSNorm's kernels alone and in whole steps, FP8 after the cast-transpose, the all-unfused first run
+# is cold), the RMSNorm and SwiGLU kernels alone and in whole steps, FP8 after the cast-transpose, the
+# all-unfused first run
 has start_orders && step start_orders 300 python3 bench/start_orders.py --drop-page-cache --out "$OUT/start"
-has norms && step norm_kernels 120 python3 bench/norm_kernels.py --out "$OUT/norms"
-has norm_mfu && step norm_mfu 420 python3 bench/h200_limits.py --sections norm --out "$OUT/norm_mfu"
+has kernels && step train_kernels 180 python3 bench/train_kernels.py --out "$OUT/kernels"
+has kernel_mfu && step kernel_mfu 560 python3 bench/h200_limits.py --sections norm,swiglu --out "$OUT/kernel_mfu"
 has fp8 && step fp8_speed 560 python3 bench/gpu_fp8.py --sections speed,profile --out "$OUT/fp8"
 has first_run && step first_run_1b 300 python3 bench/h200_first_run.py --llama-1b --out "$OUT/first_run"
 

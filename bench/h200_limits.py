@@ -17,8 +17,10 @@
 6. ``--sections wgrad``: llama-1b (mbs 16) and llama-3b (mbs 8) with the weight gradients added into
    ``main_grad`` inside the GEMM (``mnb.megatron.wgrad_fusion``, the default on GPUs) and without
    (DDP's hook adds them), the same initial weights and data: MFU and losses side by side.
-7. ``--sections norm``: the same with each RMSNorm in mnb's Triton kernels (``mnb.megatron.norm_kernels``,
-   the default of fused models on GPUs) and as torch's ``F.rms_norm``.
+7. ``--sections norm`` / ``swiglu``: the same with each RMSNorm in mnb's Triton kernels
+   (``mnb.megatron.norm_kernels``) and as torch's ``F.rms_norm``; with SwiGLU in mnb's Triton kernels
+   (``mnb.megatron.swiglu_kernels``) and compiled by Inductor; mnb's kernels are the default of fused
+   models on GPUs.
 
 Uses the pool API (the device machine has no IPython; ``%mnb`` calls the same methods).
 """
@@ -104,6 +106,7 @@ WAIT_FOR_KERNELS = ("from mnb.megatron import background_compile\npending = back
 SWITCHES = {  # section: (module, what a row says with its switch on, and off)
     "wgrad": ("mnb.megatron.wgrad_fusion", "wgrad fused into the GEMM", "wgrad added by DDP's hook"),
     "norm": ("mnb.megatron.norm_kernels", "RMSNorm in mnb's Triton kernels", "RMSNorm as torch's F.rms_norm"),
+    "swiglu": ("mnb.megatron.swiglu_kernels", "SwiGLU in mnb's Triton kernels", "SwiGLU compiled by Inductor"),
 }
 
 
@@ -126,7 +129,9 @@ def main() -> None:
     parser.add_argument("--wgrad-models", default="llama-1b:16,llama-3b:8", help="wgrad section: preset:mbs,...")
     parser.add_argument("--wgrad-order", default="on,off", help="wgrad section: the rows of each model, on/off")
     parser.add_argument("--norm-models", default="llama-1b:16,llama-3b:8", help="norm section: preset:mbs,...")
-    parser.add_argument("--norm-order", default="on,off,on,off", help="norm section: the rows of each model")
+    parser.add_argument("--norm-order", default="on,off", help="norm section: the rows of each model")
+    parser.add_argument("--swiglu-models", default="llama-1b:16,llama-3b:8", help="swiglu section: preset:mbs,...")
+    parser.add_argument("--swiglu-order", default="on,off", help="swiglu section: the rows of each model")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +163,8 @@ def main() -> None:
         for preset, mbs in (("llama-1b", 8), ("llama-3b", 4)):  # llama-3b unfused at mbs 8: out of memory
             bench.train_row(pool, "mfu", preset, mbs, model_kw="fusions=False")
     for section, models, order in (("wgrad", args.wgrad_models, args.wgrad_order),
-                                   ("norm", args.norm_models, args.norm_order)):
+                                   ("norm", args.norm_models, args.norm_order),
+                                   ("swiglu", args.swiglu_models, args.swiglu_order)):
         if section in sections:
             switch_rows(bench, pool, section, models, order)
     if "adam" in sections:

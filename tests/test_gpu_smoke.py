@@ -1,4 +1,4 @@
-"""GPU smoke tests: a 1-rank pool on CUDA trains ``mnb.gpt('tiny')`` (its norms in mnb's Triton kernels) and
+"""GPU smoke tests: a 1-rank pool on CUDA trains ``mnb.gpt('tiny')`` (its norms and SwiGLUs in mnb's Triton kernels) and
 measures it, and the GPU-only fast paths fail over when refused (device machine only).
 
     python -m pytest -m gpu tests/test_gpu_smoke.py
@@ -33,9 +33,12 @@ def test_a_one_rank_cuda_pool_trains_tiny_and_measures_memory_and_mfu(tmp_path):
         assert run.memory_source == "cuda" and run.peak_memory_bytes[0] > 0
         assert run.capacity_bytes and run.peak_memory_bytes[0] < run.capacity_bytes
         assert all(mfu is not None and 0 < mfu < 1 for mfu in run.mfu), run.mfu  # a datasheet peak: an H200
-        # tiny's 9 RMSNorms a micro batch, 2 micro batches, 3 steps, through mnb's kernels each way (and their probe)
-        calls = pool.run("from mnb.megatron import norm_kernels\ndict(norm_kernels.calls)")[0]
-        assert calls["forward"] == calls["backward"] >= 9 * 2 * 3, calls
+        # tiny's 9 RMSNorms and 4 SwiGLUs a micro batch, 2 micro batches, 3 steps, through mnb's kernels each way
+        # (and their probes)
+        norms, swiglus = pool.run("from mnb.megatron import norm_kernels, swiglu_kernels\n"
+                                  "dict(norm_kernels.calls), dict(swiglu_kernels.calls)")[0]
+        assert norms["forward"] == norms["backward"] >= 9 * 2 * 3, norms
+        assert swiglus["forward"] == swiglus["backward"] >= 4 * 2 * 3, swiglus
         pids = pool.pids()
     finally:
         pool.stop()

@@ -24,15 +24,12 @@ from its start runs them on CPU tensors (the tests do).  The kernels themselves 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 from mnb.megatron import norm_kernels
 from mnb.megatron.triton_support import available  # noqa: F401 - decode_kernels.available(), as before
-from mnb.megatron.triton_support import interpreted, next_power_of_two, serves
-
-log = logging.getLogger(__name__)
+from mnb.megatron.triton_support import interpreted, next_power_of_two, probe, serves
 
 BLOCK_KEYS = 64
 """Cached keys and values read per loop step of the attention kernel."""
@@ -51,22 +48,16 @@ def runs_on(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _probe(device: str, interpreted: bool) -> bool:
-    """Each kernel once on tiny tensors (once per device and process); False, with a warning, if one fails."""
-    try:
-        at = torch.device(device)
+    """Each kernel once on tiny tensors, once per device and process (:func:`triton_support.probe`)."""
+    def check(at: torch.device) -> None:
         x = torch.ones(1, 1, 2, 16, device=at)
         cache = torch.zeros(1, 1, 4, 16, device=at)
         where = torch.ones(1, 1, dtype=torch.long, device=at)
         decode_attention(x, x[:, :, :1], x[:, :, :1], cache, cache.clone(), where, None, 0.25)
         rms_norm(x, torch.ones(16, device=at), 1e-5)
         linear(torch.ones(1, 16, dtype=torch.bfloat16, device=at), torch.ones(8, 16, dtype=torch.bfloat16, device=at))
-        if at.type == "cuda":
-            torch.cuda.synchronize(at)
-        return True
-    except Exception as error:  # noqa: BLE001 - any failure: torch's ops serve instead
-        log.warning("mnb's decode kernels do not run on %s (%s: %s); decoding with torch's ops", device,
-                    type(error).__name__, error)
-        return False
+
+    return probe("decode kernels", device, check, "decoding with torch's ops")
 
 
 def _kernels():

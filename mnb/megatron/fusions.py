@@ -14,7 +14,8 @@ shape the costly ones are memory-bound passes over large tensors:
   TE's) used when ``apply_rope_fusion`` is set.  Without TE :func:`install_rope`
   fills that slot with a compiled equivalent.
 - SwiGLU.  :func:`swiglu`, one kernel each way, used by the local spec's dense
-  MLP (:class:`mnb.megatron.spec.FusedSwiGLUMLP`).
+  MLP (:class:`mnb.megatron.spec.FusedSwiGLUMLP`); on GPU ranks with Triton it is mnb's own
+  Triton kernel (:mod:`mnb.megatron.swiglu_kernels`: no compile), Inductor's elsewhere.
 
 ``fusions="auto"`` (the default of ``mnb.gpt``) turns these on for CUDA ranks
 with Triton, and off on CPU ranks (where ``torch.compile`` would need a C++
@@ -37,6 +38,8 @@ import time
 from typing import Any, Callable
 
 import torch
+
+from mnb.megatron import swiglu_kernels
 
 AUTO = "auto"
 COMPILE_ON_CPU = False
@@ -442,8 +445,12 @@ def swiglu(x: torch.Tensor, *, compiled: bool | None = None) -> torch.Tensor:
     recompiles it with a symbolic width, and its backward then ran 3x slower
     (measured on an H200).  Here the token count is symbolic and the width
     fixed: one compile per width, full speed.  ``compiled`` defaults to
-    whether ``x`` is on a GPU.
+    whether ``x`` is on a GPU.  By default, where mnb's Triton SwiGLU runs
+    (:mod:`mnb.megatron.swiglu_kernels`: GPU ranks with Triton), that is what runs, from the first
+    step and compiling nothing; under ``torch.compile`` (a compiled decode step) Inductor's.
     """
+    if compiled is None and not torch.compiler.is_compiling() and swiglu_kernels.applies(x):
+        return swiglu_kernels.swiglu(x)
     shape = x.shape
     compiled = _compile_by_default(x) if compiled is None else compiled
     out = _SwiGLU.apply(x.reshape(-1, shape[-1]), compiled)

@@ -39,7 +39,8 @@ MNB_DEFAULTS: dict[str, Any] = TRANSFORMER_DEFAULTS
 
 
 def fused_shapes(cfg: ModelConfig, ceiling: int, *, swiglu: bool) -> dict:
-    """The widths :func:`mnb.megatron.fusions.warm_up` compiles for ``cfg`` under every tp dividing ``ceiling``."""
+    """The widths :func:`mnb.megatron.fusions.warm_up` compiles for ``cfg`` under every tp dividing ``ceiling``;
+    ``swiglu``: its SwiGLU's too (not where mnb's Triton SwiGLU runs it: ``swiglu_kernels.serves_models_on``)."""
     from mnb.megatron import fusions
 
     heads = cfg.num_attention_heads
@@ -381,7 +382,10 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
         from mnb.megatron import background_compile
         from mnb.megatron.spec import uses_fused_swiglu
 
-        shapes = fused_shapes(cfg, _fusions.tp_ceiling(), swiglu=uses_fused_swiglu(chunks))
+        from mnb.megatron import swiglu_kernels
+
+        shapes = fused_shapes(cfg, _fusions.tp_ceiling(),
+                              swiglu=uses_fused_swiglu(chunks) and not swiglu_kernels.serves_models_on(device))
         if background_compile.start(device, shapes) is not None and torch.distributed.get_rank() == 0:
             print("mnb: compiling the fused loss, RoPE and SwiGLU kernels in the background; the first "
                   "training steps run unfused until they are ready (mnb.gpt(..., fusions=False) skips them)",

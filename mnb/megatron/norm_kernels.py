@@ -25,14 +25,11 @@ are in :mod:`mnb.megatron.norm_triton`, imported on first use (it needs Triton).
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from mnb.megatron.triton_support import interpreted, next_power_of_two, serves
-
-log = logging.getLogger(__name__)
+from mnb.megatron.triton_support import interpreted, next_power_of_two, probe, serves
 
 enabled = True
 """Off: models that would use these kernels use torch's ``F.rms_norm`` instead (benchmarks compare both
@@ -66,26 +63,13 @@ def runs_on(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _probe(device: str, interpreted: bool) -> bool:
-    """Both kernels once on tiny tensors (once per device and process); False, with a warning, if one fails.
+    """Both kernels once on tiny tensors, once per device and process (:func:`triton_support.probe`);
+    :func:`mnb.megatron.model.gpt` probes when it builds a model that uses them, outside any forward."""
+    def check(at: torch.device) -> None:
+        x = torch.ones(3, 16, device=at, requires_grad=True)
+        rms_norm(x, torch.ones(16, device=at, requires_grad=True), 1e-5).sum().backward()
 
-    :func:`mnb.megatron.model.gpt` probes when it builds a model that uses them; a first call elsewhere may
-    come inside a forward, so the probe sets its own autograd state: grad on whatever the caller's mode
-    (``mnb.generate``, ``mnb.evaluate`` and Megatron's recompute run under ``torch.no_grad()``, and the
-    backward is probed too) and saved tensors kept as they are (the caller's saved-tensor hooks, e.g.
-    non-reentrant checkpointing or mnb's activation meter, must not see the probe's tensors)."""
-    try:
-        at = torch.device(device)
-        keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with torch.inference_mode(False), torch.enable_grad(), keep:
-            x = torch.ones(3, 16, device=at, requires_grad=True)
-            rms_norm(x, torch.ones(16, device=at, requires_grad=True), 1e-5).sum().backward()
-        if at.type == "cuda":
-            torch.cuda.synchronize(at)
-        return True
-    except Exception as error:  # noqa: BLE001 - any failure: torch's norm serves instead
-        log.warning("mnb's RMSNorm kernels do not run on %s (%s: %s); norms run as torch's", device,
-                    type(error).__name__, error)
-        return False
+    return probe("RMSNorm kernels", device, check, "norms run as torch's")
 
 
 def _kernels():

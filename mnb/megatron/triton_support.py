@@ -9,9 +9,13 @@ to build) is each kernel module's own probe.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from typing import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,3 +42,24 @@ def serves(device: torch.device) -> bool:
 
 def next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def probe(what: str, device: str, check: Callable[[torch.device], object], instead: str) -> bool:
+    """Whether ``check(device)`` (a kernel module's kernels on tiny tensors) ran; False, with a warning that
+    names ``what`` and what serves ``instead``, if it raised.  Each module caches its answer per device.
+
+    A first use may come inside a forward, so the check sets its own autograd state: grad on whatever the
+    caller's mode (``mnb.generate``, ``mnb.evaluate`` and Megatron's recompute run under ``torch.no_grad()``,
+    and backward kernels are probed too) and saved tensors kept as they are (the caller's saved-tensor hooks,
+    e.g. non-reentrant checkpointing or mnb's activation meter, must not see the probe's tensors)."""
+    try:
+        at = torch.device(device)
+        keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with torch.inference_mode(False), torch.enable_grad(), keep:
+            check(at)
+        if at.type == "cuda":
+            torch.cuda.synchronize(at)
+        return True
+    except Exception as error:  # noqa: BLE001 - any failure: torch's ops serve instead
+        log.warning("mnb's %s do not run on %s (%s: %s); %s", what, device, type(error).__name__, error, instead)
+        return False

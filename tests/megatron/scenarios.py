@@ -847,6 +847,25 @@ def decode_kernels_interpreted() -> dict:
     return results
 
 
+def _tp2_sp_training(kernels, build) -> dict:
+    """``build()``'s model (tiny, seeded) trained 3 parity steps under tp2 + sequence parallelism: its losses,
+    gradient norms and the calls of the kernel module ``kernels`` (its one probe run first, outside the count)."""
+    import torch
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.train import train
+
+    apply_layout(ParallelConfig(tp=2, sequence_parallel=True))
+    torch.manual_seed(0)
+    model = build()
+    kernels.runs_on(torch.device("cpu"))
+    before = dict(kernels.calls)
+    record = train(model, steps=3, **PARITY_BATCH)
+    return dict(losses=_losses(record), grad_norms=[row["grad_norm"] for row in record["steps"]],
+                calls={k: kernels.calls[k] - before[k] for k in before})
+
+
 def norm_kernels_interpreted() -> dict:
     """mnb's RMSNorm kernels (mnb.megatron.norm_kernels) under Triton's interpreter on 2 CPU ranks: forward and
     backward against ``F.rms_norm``'s autograd on cases of their own, and the rule for when they apply (rank 0);
@@ -859,7 +878,6 @@ def norm_kernels_interpreted() -> dict:
     from mnb.megatron.layout import apply_layout
     from mnb.megatron.model import gpt
     from mnb.megatron.spec import LocalNorm
-    from mnb.megatron.train import train
 
     results: dict = {}
 
@@ -953,16 +971,9 @@ def norm_kernels_interpreted() -> dict:
         def run():
             LocalNorm.own_kernels = own_kernels  # every norm of the model, as FusedLocalNorm on a GPU rank
             try:
-                apply_layout(ParallelConfig(tp=2, sequence_parallel=True))
-                torch.manual_seed(0)
-                model = gpt("tiny")
-                norm_kernels.runs_on(torch.device("cpu"))  # its one probe, before the count
-                before = dict(norm_kernels.calls)
-                record = train(model, steps=3, **PARITY_BATCH)
+                return _tp2_sp_training(norm_kernels, lambda: gpt("tiny"))
             finally:
                 LocalNorm.own_kernels = False
-            return dict(losses=_losses(record), grad_norms=[row["grad_norm"] for row in record["steps"]],
-                        calls={k: norm_kernels.calls[k] - before[k] for k in before})
         return run
 
     _guard(results, "tp2-sp-torch", train_with(False))
@@ -993,7 +1004,100 @@ def norm_kernels_interpreted() -> dict:
     return results
 
 
+def swiglu_kernels_interpreted() -> dict:
+    """mnb's SwiGLU kernels (mnb.megatron.swiglu_kernels) under Triton's interpreter on 2 CPU ranks: forward and
+    backward against the compiled kernel's arithmetic (``fusions._swiglu`` / ``_swiglu_grad`` in fp32) on cases
+    of their own, the rule for when they apply and ``fusions.swiglu``'s routing (rank 0); then tiny trained
+    under tp2 + sp with its MLPs fused, the SwiGLU in the kernels against the same run without them."""
+    import torch
+
+    from mnb.megatron import fusions, swiglu_kernels
+    from mnb.megatron.model import gpt
+    from mnb.megatron.spec import _fused_mlp_class
+
+    results: dict = {}
+
+    def cases():
+        out = {}
+        # rows, width of each half, layout: 1,500 columns (a full block and a partial one), rows 3 apart, [s, b, 2f]
+        for rows, width, shape in ((37, 88, "rows"), (5, 1500, "strided"), (12, 64, "sbh")):
+            for dtype in (torch.float32, torch.bfloat16):
+                gen = torch.Generator().manual_seed(rows + width)
+                if shape == "strided":
+                    x = (torch.randn(rows, 3, 2 * width, generator=gen) * 3).to(dtype)[:, 1]
+                elif shape == "sbh":
+                    x = (torch.randn(rows // 4, 4, 2 * width, generator=gen) * 3).to(dtype)
+                else:
+                    x = (torch.randn(rows, 2 * width, generator=gen) * 3).to(dtype)
+                g = torch.randn(*x.shape[:-1], width, generator=gen).to(dtype)
+                exact = fusions._swiglu(x.float())
+                exact_grad = fusions._swiglu_grad(g.float(), x.float())
+                got_x = x.detach().clone().requires_grad_()
+                before = dict(swiglu_kernels.calls)
+                got = swiglu_kernels.swiglu(got_x)
+                got.backward(g)
+
+                def relative(a, b):
+                    return float((a.float() - b).abs().max() / b.abs().max())
+
+                out[f"{shape}-{rows}x{width}-{str(dtype)[6:]}"] = dict(
+                    out=relative(got, exact), grad=relative(got_x.grad, exact_grad),
+                    dtypes=[str(t.dtype)[6:] for t in (got, got_x.grad)],
+                    shapes=[list(got.shape) == list(exact.shape), list(got_x.grad.shape) == list(x.shape)],
+                    calls={k: swiglu_kernels.calls[k] - before[k] for k in before})
+        x = torch.randn(6, 32)
+        out["applies"] = swiglu_kernels.applies(x)
+        out["refuses"] = {"odd width": swiglu_kernels.applies(torch.randn(6, 31)),
+                          "integers": swiglu_kernels.applies(x.long()),
+                          "empty": swiglu_kernels.applies(torch.zeros(0, 32))}
+        swiglu_kernels.enabled = False
+        try:
+            out["refuses"]["enabled = False"] = swiglu_kernels.applies(x)
+        finally:
+            swiglu_kernels.enabled = True
+        kept = swiglu_kernels._kernels
+        swiglu_kernels._kernels = lambda: (_ for _ in ()).throw(RuntimeError("cannot build (test)"))
+        swiglu_kernels._probe.cache_clear()
+        try:
+            out["refuses"]["probe fails"] = swiglu_kernels.applies(x)
+        finally:
+            swiglu_kernels._kernels = kept
+            swiglu_kernels._probe.cache_clear()
+        # fusions.swiglu: the kernels by default; an explicit compiled= (the warm-up's, a test's) keeps its own path
+        swiglu_kernels.runs_on(torch.device("cpu"))  # probed again (its cache was cleared), before the count
+        before = (dict(swiglu_kernels.calls), dict(fusions.calls))
+        fusions.swiglu(x)
+        fusions.swiglu(x, compiled=False)
+        out["routed"] = [swiglu_kernels.calls["forward"] - before[0]["forward"],
+                         fusions.calls["eager"] - before[1]["eager"]]
+        return out
+
+    if torch.distributed.get_rank() == 0:
+        _guard(results, "kernels", cases)
+
+    def with_fused_mlps():
+        model = gpt("tiny")
+        for chunk in model.chunks:  # the MLP a GPU rank builds (FusedSwiGLUMLP: only its forward differs)
+            for layer in chunk.decoder.layers:
+                layer.mlp.__class__ = _fused_mlp_class()
+        return model
+
+    def train_with(kernels: bool):
+        def run():
+            swiglu_kernels.enabled = kernels
+            try:
+                return _tp2_sp_training(swiglu_kernels, with_fused_mlps)
+            finally:
+                swiglu_kernels.enabled = True
+        return run
+
+    _guard(results, "tp2-sp-eager", train_with(False))
+    _guard(results, "tp2-sp-kernels", train_with(True))
+    return results
+
+
 def triton_interpreted() -> dict:
-    """The launch of test_decode_kernels.py and test_norm_kernels.py: mnb's Triton kernels under Triton's
-    interpreter (the launch sets TRITON_INTERPRET=1), on 2 CPU ranks, once for both files."""
-    return {"decode": decode_kernels_interpreted(), "norm": norm_kernels_interpreted()}
+    """The launch of test_decode_kernels.py, test_norm_kernels.py and test_swiglu_kernels.py: mnb's Triton
+    kernels under Triton's interpreter (the launch sets TRITON_INTERPRET=1), on 2 CPU ranks, once for all."""
+    return {"decode": decode_kernels_interpreted(), "norm": norm_kernels_interpreted(),
+            "swiglu": swiglu_kernels_interpreted()}

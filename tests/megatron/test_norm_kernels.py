@@ -15,7 +15,7 @@ In the launch test_decode_kernels.py shares (conftest's ``triton_interpreted``, 
   Megatron, as for torch's), and the kernels ran for every norm of every micro batch, each way.
 
 Leg 1's CPU torch has no Triton, so there this file is skipped; on GPUs the kernels run in
-bench/norm_kernels.py and in every fused model's training (mnb.gpt's default on GPU ranks).  The
+bench/train_kernels.py and in every fused model's training (mnb.gpt's default on GPU ranks).  The
 interpreter rounds fp32 to bf16 by truncation where a GPU rounds to nearest: bf16 results are compared
 within two bf16 steps of the largest value.
 """
