@@ -294,34 +294,48 @@ def swapped_attention(chunks, state: Pass):
 @contextlib.contextmanager
 def swapped_kernels(chunks, state: Pass):
     """While ``state.kernels`` (read when the step runs or is captured), every RMSNorm of ``chunks`` through
-    :func:`decode_kernels.rms_norm` and every parallel linear given one row through :func:`decode_kernels.linear`;
-    otherwise torch's norm (``torch_forward``, also in a model built with mnb's norm kernels: the step without
-    own kernels is torch's ops throughout) and the linears' own code (FP8 linears keep theirs); restored after."""
+    :func:`decode_kernels.rms_norm`, every parallel linear given one row through :func:`decode_kernels.linear`
+    and each fused MLP's SwiGLU through mnb's Triton kernel; otherwise torch's norm (``torch_forward``, also in a
+    model built with mnb's norm kernels), Inductor's SwiGLU and the linears' own code (FP8 linears keep theirs):
+    a step without mnb's kernels runs none of them.  Restored after."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from mnb.megatron.spec import LocalNorm
+    from mnb.megatron.spec import LocalNorm, _fused_mlp_class
 
     modules = [m for chunk in chunks for m in chunk.modules()]
     norms = [m for m in modules if isinstance(m, LocalNorm) and m.rms]
     linears = [m for m in modules if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
                and "_forward_impl" not in vars(m)]
+    mlps = [m for m in modules if isinstance(m, _fused_mlp_class())]
     try:
         for norm in norms:
             norm.forward = functools.partial(_norm_forward, norm, state)
         for linear in linears:
             linear._forward_impl = functools.partial(_linear_forward, linear, state)
+        for mlp in mlps:
+            mlp.forward = functools.partial(_mlp_forward, mlp, state)
         yield
     finally:
         for norm in norms:
             norm.__dict__.pop("forward", None)
         for linear in linears:
             linear.__dict__.pop("_forward_impl", None)
+        for mlp in mlps:
+            mlp.__dict__.pop("forward", None)
+            mlp.__dict__.pop("own_kernels", None)
 
 
 def _norm_forward(norm, state: Pass, x: torch.Tensor) -> torch.Tensor:
     if state.kernels:
         return decode_kernels.rms_norm(x, norm.weight, norm.eps)
     return norm.torch_forward(x)
+
+
+def _mlp_forward(mlp, state: Pass, *args, **kwargs):
+    """A fused MLP's forward whose SwiGLU is mnb's Triton kernel only while ``state.kernels`` (read when the
+    step runs or is captured), Inductor's otherwise."""
+    mlp.own_kernels = state.kernels
+    return type(mlp).forward(mlp, *args, **kwargs)
 
 
 def _linear_forward(linear, state: Pass, *args, **kwargs):

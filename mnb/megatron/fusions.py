@@ -56,9 +56,12 @@ calls = {"compiled": 0, "eager": 0}
 """How many fused-op calls ran compiled and how many eagerly (tests and diagnostics)."""
 
 
-def _compile_by_default(t: torch.Tensor) -> bool:
+def compiled_by_default(t: torch.Tensor) -> bool:
+    """Whether a fused op given ``t`` runs its compiled kernel now: on a GPU (or ``COMPILE_ON_CPU``), unless
+    the kernels still compile in the background (:data:`run_eager`)."""
     eager = run_eager
     return (t.is_cuda or COMPILE_ON_CPU) and not (eager is not None and eager())
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,6 +181,12 @@ def warm_keys(dtype: torch.dtype = torch.bfloat16, *, swiglu_widths=(), vocab_wi
             + [("rope", tuple(layout), dtype) for layout in dict.fromkeys(map(tuple, rope_layouts))])
 
 
+def compiled_kinds(keys) -> str:
+    """What ``keys`` (of :func:`warm_keys`) compile, in words: ``"loss, RoPE and SwiGLU"``."""
+    names = list(dict.fromkeys({"loss": "loss", "rope": "RoPE", "swiglu": "SwiGLU"}[key[0]] for key in keys))
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def is_warm(keys) -> bool:
     """Whether every kernel ``keys`` names was compiled in this process (by any thread)."""
     return all(key in _warm for key in keys)
@@ -190,7 +199,7 @@ def _warm_up(device: torch.device, dtype: torch.dtype, swiglu_widths, vocab_widt
     if not todo:
         return
     if announce and _is_first_rank():
-        print("mnb: compiling the fused loss, RoPE and SwiGLU kernels for this model's shapes (once per "
+        print(f"mnb: compiling the fused {compiled_kinds(todo)} kernels for this model's shapes (once per "
               "pool process; mnb.gpt(..., fusions=False) skips them)", flush=True)
     # A private generator: the warm-up may run beside a model's initialisation (the pool's
     # background compile) and must not move the seeded RNG streams training uses.
@@ -365,7 +374,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     fp32 copy of the logits.  Returns fp32 ``[s, b]``; the gradient has the
     logits' dtype.  ``compiled`` defaults to whether the logits are on a GPU.
     """
-    compiled = _compile_by_default(logits) if compiled is None else compiled
+    compiled = compiled_by_default(logits) if compiled is None else compiled
     flat = logits.reshape(-1, logits.shape[-1])
     loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), tp_group, compiled)
     return loss.view(target.shape)
@@ -452,7 +461,7 @@ def swiglu(x: torch.Tensor, *, compiled: bool | None = None) -> torch.Tensor:
     if compiled is None and not torch.compiler.is_compiling() and swiglu_kernels.applies(x):
         return swiglu_kernels.swiglu(x)
     shape = x.shape
-    compiled = _compile_by_default(x) if compiled is None else compiled
+    compiled = compiled_by_default(x) if compiled is None else compiled
     out = _SwiGLU.apply(x.reshape(-1, shape[-1]), compiled)
     return out.view(*shape[:-1], shape[-1] // 2)
 
@@ -537,7 +546,7 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = Fals
 
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
     s, b, n, d = t.shape
-    compiled = _compile_by_default(t) if compiled is None else compiled
+    compiled = compiled_by_default(t) if compiled is None else compiled
     cos, sin = _cos_sin(freqs, t.dtype)
     flat = (freqs.shape[0], 1, freqs.shape[-1])
     return _RoPE.apply(t.reshape(s, b * n, d), cos.reshape(flat), sin.reshape(flat), compiled).view(s, b, n, d)

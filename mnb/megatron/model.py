@@ -387,9 +387,9 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
         shapes = fused_shapes(cfg, _fusions.tp_ceiling(),
                               swiglu=uses_fused_swiglu(chunks) and not swiglu_kernels.serves_models_on(device))
         if background_compile.start(device, shapes) is not None and torch.distributed.get_rank() == 0:
-            print("mnb: compiling the fused loss, RoPE and SwiGLU kernels in the background; the first "
-                  "training steps run unfused until they are ready (mnb.gpt(..., fusions=False) skips them)",
-                  flush=True)
+            kinds = _fusions.compiled_kinds(_fusions.warm_keys(**shapes))
+            print(f"mnb: compiling the fused {kinds} kernels in the background; the first training steps run "
+                  "them unfused until they are ready (mnb.gpt(..., fusions=False) skips them)", flush=True)
     global _last_model
     model = MegatronModel(
         chunks=chunks,

@@ -66,8 +66,9 @@ def _probe(device: str, interpreted: bool) -> bool:
     """Both kernels once on tiny tensors, once per device and process (:func:`triton_support.probe`);
     :func:`mnb.megatron.model.gpt` probes when it builds a model that uses them, outside any forward."""
     def check(at: torch.device) -> None:
-        x = torch.ones(3, 16, device=at, requires_grad=True)
-        rms_norm(x, torch.ones(16, device=at, requires_grad=True), 1e-5).sum().backward()
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(3, 16, device=at, dtype=dtype, requires_grad=True)
+            rms_norm(x, torch.ones(16, device=at, dtype=dtype, requires_grad=True), 1e-5).sum().backward()
 
     return probe("RMSNorm kernels", device, check, "norms run as torch's")
 
@@ -139,7 +140,7 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # no double backward: a second-order gradient is refused, not silently wrong
+    @once_differentiable  # first order only: the gradient carries no graph (torch's norm has a double backward)
     def backward(ctx, grad):
         rows, weight, rstd = ctx.saved_tensors
         dx, dw = backward(grad, rows, weight, rstd, weight_grad=ctx.needs_input_grad[1])

@@ -189,7 +189,7 @@ class FusedLocalNorm(LocalNorm):
 def _fused_mlp_class():
     from megatron.core.transformer.mlp import MLP
 
-    from mnb.megatron.fusions import swiglu
+    from mnb.megatron.fusions import compiled_by_default, swiglu
 
     class FusedSwiGLUMLP(MLP):
         """Megatron's MLP with its SwiGLU as one compiled kernel each way (mnb.megatron.fusions).
@@ -197,13 +197,18 @@ def _fused_mlp_class():
         Built only where ``swiglu_applies`` (a plain bias-free SwiGLU); per-token
         scales go through Megatron's own forward.  Other keyword arguments (0.19
         passes ``padding_mask``) are unused by Megatron's dense MLP too.
+        ``own_kernels`` False (a decode step without mnb's kernels sets it on the
+        instance) keeps the SwiGLU compiled by Inductor where it would be mnb's Triton one.
         """
+
+        own_kernels = True
 
         def forward(self, hidden_states, per_token_scale=None, **kwargs):
             if per_token_scale is not None:
                 return super().forward(hidden_states, per_token_scale, **kwargs)
             intermediate, _ = self.linear_fc1(hidden_states)
-            return self.linear_fc2(swiglu(intermediate))
+            compiled = None if self.own_kernels else compiled_by_default(intermediate)
+            return self.linear_fc2(swiglu(intermediate, compiled=compiled))
 
     return FusedSwiGLUMLP
 

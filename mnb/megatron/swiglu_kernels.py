@@ -26,7 +26,9 @@ from torch.autograd.function import once_differentiable
 from mnb.megatron.triton_support import interpreted, probe, serves
 
 enabled = True
-"""Off: SwiGLU through the compiled kernel of :mod:`mnb.megatron.fusions` instead."""
+"""Off: SwiGLU through the compiled kernel of :mod:`mnb.megatron.fusions` instead.  Set it before ``mnb.gpt``:
+a model built while it is on leaves its SwiGLU out of the background compile (switched off later, the
+compiled SwiGLU compiles at its first use, on the training thread)."""
 BLOCK = 1024
 """Columns of one half (gate or up) a program takes."""
 WARPS = 4
@@ -56,7 +58,8 @@ def serves_models_on(device: torch.device) -> bool:
 def _probe(device: str, interpreted: bool) -> bool:
     """Both kernels once on tiny tensors, once per device and process (:func:`triton_support.probe`)."""
     def check(at: torch.device) -> None:
-        swiglu(torch.ones(3, 32, device=at, requires_grad=True)).sum().backward()
+        for dtype in (torch.float32, torch.bfloat16):
+            swiglu(torch.ones(3, 32, device=at, dtype=dtype, requires_grad=True)).sum().backward()
 
     return probe("SwiGLU kernels", device, check, "SwiGLU runs compiled by Inductor")
 
@@ -89,7 +92,7 @@ class _SwiGLU(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # no double backward: a second-order gradient is refused, not silently wrong
+    @once_differentiable  # first order only: the gradient carries no graph, as the compiled kernel's
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
         width = y.shape[-1] // 2

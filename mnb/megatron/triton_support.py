@@ -11,11 +11,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from typing import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
+_probing = threading.Lock()
+"""One probe at a time: the pool's background compile thread and a model's build can probe together."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,8 +48,9 @@ def next_power_of_two(n: int) -> int:
 
 
 def probe(what: str, device: str, check: Callable[[torch.device], object], instead: str) -> bool:
-    """Whether ``check(device)`` (a kernel module's kernels on tiny tensors) ran; False, with a warning that
-    names ``what`` and what serves ``instead``, if it raised.  Each module caches its answer per device.
+    """Whether ``check(device)`` (a kernel module's kernels on tiny tensors, in each dtype training uses) ran;
+    False, with a warning that names ``what`` and what serves ``instead``, if it raised.  Each module caches
+    its answer per device; probes run one at a time.
 
     A first use may come inside a forward, so the check sets its own autograd state: grad on whatever the
     caller's mode (``mnb.generate``, ``mnb.evaluate`` and Megatron's recompute run under ``torch.no_grad()``,
@@ -55,7 +59,7 @@ def probe(what: str, device: str, check: Callable[[torch.device], object], inste
     try:
         at = torch.device(device)
         keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with torch.inference_mode(False), torch.enable_grad(), keep:
+        with _probing, torch.inference_mode(False), torch.enable_grad(), keep:
             check(at)
         if at.type == "cuda":
             torch.cuda.synchronize(at)

@@ -979,28 +979,39 @@ def norm_kernels_interpreted() -> dict:
     _guard(results, "tp2-sp-torch", train_with(False))
     _guard(results, "tp2-sp-kernels", train_with(True))
 
-    def decode_without_own_kernels():
-        """mnb.generate with decode_graphs.own_kernels off: torch's ops throughout, the norms of a model built
-        with mnb's norm kernels included (graphs replaced by plain calls on CPU)."""
-        from mnb.megatron import decode_graphs
+    def decode_with_and_without_own_kernels():
+        """mnb.generate of a model built as a GPU rank builds it (norms with mnb's kernels, fused MLPs), with
+        decode_graphs.own_kernels off (no mnb kernel at all: torch's norms, the eager fused SwiGLU) and on
+        (graphs replaced by plain calls on CPU)."""
+        from mnb.megatron import decode_graphs, swiglu_kernels
         from mnb.megatron.generate import generate
+        from mnb.megatron.spec import _fused_mlp_class
 
-        LocalNorm.own_kernels, decode_graphs.own_kernels = True, False
+        out = {}
+        LocalNorm.own_kernels = True
         try:
             apply_layout(ParallelConfig())
             model = gpt("tiny")
-            decode_graphs.cpu_standin = True
-            before = dict(norm_kernels.calls)
-            try:
-                tokens = generate(model, [[5, 17, 33, 2]], max_new_tokens=4, stream=False)
-            finally:
-                decode_graphs.cpu_standin = False
-            return dict(tokens=len(tokens[0]), kernels=model.decoder.kernels,
-                        calls={k: norm_kernels.calls[k] - before[k] for k in before})
+            for chunk in model.chunks:
+                for layer in chunk.decoder.layers:
+                    layer.mlp.__class__ = _fused_mlp_class()
+            for own in (False, True):
+                decode_graphs.own_kernels, decode_graphs.cpu_standin = own, True
+                before = (dict(norm_kernels.calls), dict(swiglu_kernels.calls))
+                try:
+                    tokens = generate(model, [[5, 17, 33, 2]], max_new_tokens=4, stream=False)
+                finally:
+                    decode_graphs.own_kernels, decode_graphs.cpu_standin = True, False
+                out["on" if own else "off"] = dict(
+                    tokens=tokens, kernels=model.decoder.kernels,
+                    norm_calls=norm_kernels.calls["forward"] - before[0]["forward"],
+                    swiglu_calls=swiglu_kernels.calls["forward"] - before[1]["forward"])
+                model.decoder = None  # the next generate builds its decoder anew, with the other setting
         finally:
-            LocalNorm.own_kernels, decode_graphs.own_kernels = False, True
+            LocalNorm.own_kernels = False
+        return out
 
-    _guard(results, "decode-without-own-kernels", decode_without_own_kernels)
+    _guard(results, "decode-own-kernels", decode_with_and_without_own_kernels)
     return results
 
 
