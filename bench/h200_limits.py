@@ -100,7 +100,10 @@ class Bench(Rows):
 
 
 WAIT_FOR_KERNELS = ("from mnb.megatron import background_compile\npending = background_compile.pending()\n"
-                    "pending.wait(600) if pending is not None else True\n")
+                    "pending.wait(600) if pending is not None else True\n"
+                    # the pool's own warm-up of the presets' kernels (mnb/worker/boot.py): the rows that
+                    # follow have the GPU and the GIL to themselves
+                    "import threading\n[t.join(600) for t in threading.enumerate() if t.name == 'mnb-fused-kernels']\n")
 
 
 SWITCHES = {  # section: (module, what a row says with its switch on, and off)

@@ -15,7 +15,7 @@ values), rounded once to the model's dtype at the end; where the eager path roun
 and probabilities to bf16 in between, this is closer to exact, not bit for bit the same.
 :func:`rms_norm` rounds once, as torch's ``F.rms_norm`` does (normalised and weighted in fp32).
 
-Used by :mod:`mnb.megatron.decode_graphs` on CUDA ranks when :func:`available` (Triton is part of
+Used by :mod:`mnb.megatron.decode_graphs` on CUDA ranks where :func:`runs_on` (Triton is part of
 torch's CUDA wheels); CPU ranks never call these.  ``TRITON_INTERPRET=1`` in a process's environment
 from its start runs them on CPU tensors (the tests do).  The kernels themselves are in
 :mod:`mnb.megatron.decode_triton`, imported on first use (it needs Triton).
@@ -28,7 +28,6 @@ import functools
 import torch
 
 from mnb.megatron import norm_kernels
-from mnb.megatron.triton_support import available  # noqa: F401 - decode_kernels.available(), as before
 from mnb.megatron.triton_support import interpreted, next_power_of_two, probe, serves
 
 BLOCK_KEYS = 64

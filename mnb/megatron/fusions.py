@@ -63,7 +63,6 @@ def compiled_by_default(t: torch.Tensor) -> bool:
     return (t.is_cuda or COMPILE_ON_CPU) and not (eager is not None and eager())
 
 
-
 @functools.lru_cache(maxsize=None)
 def _compiled(fn, dynamic: bool | None):
     _inline_while_another_thread_traces()
@@ -184,7 +183,7 @@ def warm_keys(dtype: torch.dtype = torch.bfloat16, *, swiglu_widths=(), vocab_wi
 def compiled_kinds(keys) -> str:
     """What ``keys`` (of :func:`warm_keys`) compile, in words: ``"loss, RoPE and SwiGLU"``."""
     names = list(dict.fromkeys({"loss": "loss", "rope": "RoPE", "swiglu": "SwiGLU"}[key[0]] for key in keys))
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return " and ".join(filter(None, (", ".join(names[:-1]), names[-1] if names else "")))
 
 
 def is_warm(keys) -> bool:

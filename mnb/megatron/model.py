@@ -38,12 +38,14 @@ MNB_DEFAULTS: dict[str, Any] = TRANSFORMER_DEFAULTS
 """TransformerConfig values mnb changes from Megatron's defaults (overridable; kept in mnb.config)."""
 
 
-def fused_shapes(cfg: ModelConfig, ceiling: int, *, swiglu: bool) -> dict:
+def fused_shapes(cfg: ModelConfig, ceiling: int, *, swiglu: bool, device: torch.device | None = None) -> dict:
     """The widths :func:`mnb.megatron.fusions.warm_up` compiles for ``cfg`` under every tp dividing ``ceiling``;
-    ``swiglu``: its SwiGLU's too (not where mnb's Triton SwiGLU runs it: ``swiglu_kernels.serves_models_on``)."""
-    from mnb.megatron import fusions
+    ``swiglu``: its SwiGLU's too, unless mnb's Triton SwiGLU runs it on ``device`` (it compiles nothing:
+    ``swiglu_kernels.serves_models_on``)."""
+    from mnb.megatron import fusions, swiglu_kernels
 
     heads = cfg.num_attention_heads
+    swiglu = swiglu and not (device is not None and swiglu_kernels.serves_models_on(device))
     return fusions.model_shapes(
         (cfg.ffn_hidden_size or 4 * cfg.hidden_size) if swiglu else None,
         lambda tp: padded_vocab_size(cfg.vocab_size, tp),
@@ -374,18 +376,13 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
 
         _fp8.install(chunks, cfg.fp8)
     if fused:
-        from mnb.megatron import norm_kernels
+        from mnb.megatron import background_compile, norm_kernels
+        from mnb.megatron.spec import uses_fused_swiglu
 
         norm_kernels.runs_on(device)  # the RMSNorm kernels' one probe here, not inside a first forward
         # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own), compiled in
         # the background: the first steps run the same arithmetic unfused meanwhile (background_compile)
-        from mnb.megatron import background_compile
-        from mnb.megatron.spec import uses_fused_swiglu
-
-        from mnb.megatron import swiglu_kernels
-
-        shapes = fused_shapes(cfg, _fusions.tp_ceiling(),
-                              swiglu=uses_fused_swiglu(chunks) and not swiglu_kernels.serves_models_on(device))
+        shapes = fused_shapes(cfg, _fusions.tp_ceiling(), swiglu=uses_fused_swiglu(chunks), device=device)
         if background_compile.start(device, shapes) is not None and torch.distributed.get_rank() == 0:
             kinds = _fusions.compiled_kinds(_fusions.warm_keys(**shapes))
             print(f"mnb: compiling the fused {kinds} kernels in the background; the first training steps run "

@@ -29,7 +29,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from mnb.megatron.triton_support import interpreted, next_power_of_two, probe, serves
+from mnb.megatron.triton_support import as_rows, by_pointer, interpreted, next_power_of_two, probe, serves
 
 enabled = True
 """Off: models that would use these kernels use torch's ``F.rms_norm`` instead (benchmarks compare both
@@ -40,17 +40,12 @@ PROGRAMS_PER_SM = 4
 """Backward programs per streaming multiprocessor: each keeps one block's weight-gradient share."""
 calls = {"forward": 0, "backward": 0}
 """Kernel launches in this process (tests and diagnostics)."""
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-PLAIN = (torch.Tensor, torch.nn.Parameter)
-"""Tensor types a kernel takes by pointer: a DTensor (Megatron-FSDP's sharded weights) or another
-subclass goes to torch's norm."""
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether :func:`rms_norm` takes ``x`` (and ``weight``) here: on, a weighted norm of a float dtype
     no wider than :data:`MAX_WIDTH`, on a device where the kernels run."""
-    return (enabled and weight is not None and type(x) in PLAIN and type(weight) in PLAIN
-            and x.dtype in DTYPES and weight.dtype in DTYPES and weight.shape == x.shape[-1:]
+    return (enabled and weight is not None and by_pointer(x, weight) and weight.shape == x.shape[-1:]
             and weight.is_contiguous() and weight.device == x.device
             and x.shape[-1] <= MAX_WIDTH and x.numel() > 0 and runs_on(x.device))
 
@@ -83,20 +78,13 @@ def _warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[rows, width]`` with contiguous rows (a copy only when its last dimension is strided
-    or its rows cannot be flattened without one)."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, *, keep_rstd: bool = False):
     """``F.rms_norm(x, (width,), weight, eps)`` in one kernel; with ``keep_rstd``, ``(y, x as rows, rstd)``
     for a backward."""
     width = x.shape[-1]
     if width > MAX_WIDTH:
         return torch.nn.functional.rms_norm(x, (width,), weight, eps)
-    rows = _rows(x)
+    rows = as_rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # itself, not a view: callers may write into it
     rstd = torch.empty(rows.shape[0] if keep_rstd else 1, dtype=torch.float32, device=x.device)
     block = next_power_of_two(width)
@@ -119,7 +107,7 @@ def backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd:
     """``(dx, dw)`` of :func:`forward` for the output gradient ``grad``, from what it kept; ``dw`` None
     without ``weight_grad`` (a frozen weight: no blocks summed)."""
     count, width = rows.shape
-    g = _rows(grad)
+    g = as_rows(grad)
     dx = torch.empty(grad.shape, dtype=rows.dtype, device=rows.device)
     per_program = -(-count // min(count, _programs_on(str(rows.device))))
     programs = -(-count // per_program)

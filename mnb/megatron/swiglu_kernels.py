@@ -23,7 +23,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from mnb.megatron.triton_support import interpreted, probe, serves
+from mnb.megatron.triton_support import as_rows, by_pointer, interpreted, probe, serves
 
 enabled = True
 """Off: SwiGLU through the compiled kernel of :mod:`mnb.megatron.fusions` instead.  Set it before ``mnb.gpt``:
@@ -34,14 +34,12 @@ BLOCK = 1024
 WARPS = 4
 calls = {"forward": 0, "backward": 0}
 """Kernel launches in this process (tests and diagnostics)."""
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def applies(x: torch.Tensor) -> bool:
     """Whether :func:`swiglu` takes ``x = [..., 2f]``: on, a plain tensor of a float dtype with an even last
     dimension, on a device where the kernels run."""
-    return (enabled and type(x) in (torch.Tensor, torch.nn.Parameter) and x.dtype in DTYPES
-            and x.shape[-1] % 2 == 0 and x.numel() > 0 and runs_on(x.device))
+    return enabled and by_pointer(x) and x.shape[-1] % 2 == 0 and x.numel() > 0 and runs_on(x.device)
 
 
 def runs_on(device: torch.device) -> bool:
@@ -70,11 +68,6 @@ def _kernels():
     return swiglu_triton.swiglu_forward_kernel, swiglu_triton.swiglu_backward_kernel
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _grid(rows: int, width: int) -> tuple[int, int]:
     return rows, -(-width // BLOCK)
 
@@ -82,7 +75,7 @@ def _grid(rows: int, width: int) -> tuple[int, int]:
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        y = _rows(x)
+        y = as_rows(x)
         width = y.shape[-1] // 2
         out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
         _kernels()[0][_grid(y.shape[0], width)](y, out, width, y.stride(0), width, BLOCK=BLOCK, num_warps=WARPS)
@@ -96,7 +89,7 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
         width = y.shape[-1] // 2
-        g = _rows(grad)
+        g = as_rows(grad)
         dy = torch.empty(ctx.input_shape, dtype=y.dtype, device=y.device)
         _kernels()[1][_grid(y.shape[0], width)](g, y, dy, width, g.stride(0), y.stride(0), 2 * width,
                                                 BLOCK=BLOCK, num_warps=WARPS)

@@ -47,6 +47,22 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def by_pointer(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel can take these by pointer: plain tensors (a DTensor, Megatron-FSDP's sharded weights,
+    or another subclass goes to torch's ops) of a float dtype mnb's kernels compute in."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in FLOATS for t in tensors)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, width]`` with contiguous rows (a copy only when its last dimension is strided or its
+    rows cannot be flattened without one): what mnb's row kernels take, with the rows' stride."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def probe(what: str, device: str, check: Callable[[torch.device], object], instead: str) -> bool:
     """Whether ``check(device)`` (a kernel module's kernels on tiny tensors, in each dtype training uses) ran;
     False, with a warning that names ``what`` and what serves ``instead``, if it raised.  Each module caches

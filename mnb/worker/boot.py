@@ -195,14 +195,12 @@ def _warm_fused_kernels_in_background(device) -> None:
             if not fusions.compile_available():
                 return
             from mnb.config import load_preset
-            from mnb.megatron import swiglu_kernels
             from mnb.megatron.model import fused_shapes
 
             torch.cuda.set_device(device)  # the current device is per thread
-            swiglu = not swiglu_kernels.serves_models_on(device)  # mnb's Triton SwiGLU compiles nothing
             for preset in BACKGROUND_PRESETS:
-                fusions.warm_up(device, announce=False,
-                                **fused_shapes(load_preset(preset), fusions.tp_ceiling(), swiglu=swiglu))
+                fusions.warm_up(device, announce=False, **fused_shapes(load_preset(preset), fusions.tp_ceiling(),
+                                                                        swiglu=True, device=device))
         except Exception as exc:  # the first model compiles them instead; say why in the log
             log.warning("background compile of the fused kernels failed: %s", exc)
 
