@@ -26,7 +26,7 @@ PROBE = (
     "imported = time.perf_counter() - t\n"
     "from mnb.config import load_preset\n"
     "from mnb.megatron.model import fused_shapes\n"
-    "shapes = fused_shapes(load_preset('llama-1b'), 1, swiglu=True)  # with Inductor's SwiGLU (GPUs run mnb's)\n"
+    "shapes = fused_shapes(load_preset('llama-1b'), 1, swiglu=True)  # all three as Inductor's (GPUs run mnb's own)\n"
     "seconds = fusions.warm_up(torch.device('cuda', 0), **shapes)\n"
     "print('RESULT', imported, seconds)\n"
 )

@@ -17,10 +17,10 @@
 6. ``--sections wgrad``: llama-1b (mbs 16) and llama-3b (mbs 8) with the weight gradients added into
    ``main_grad`` inside the GEMM (``mnb.megatron.wgrad_fusion``, the default on GPUs) and without
    (DDP's hook adds them), the same initial weights and data: MFU and losses side by side.
-7. ``--sections norm`` / ``swiglu``: the same with each RMSNorm in mnb's Triton kernels
-   (``mnb.megatron.norm_kernels``) and as torch's ``F.rms_norm``; with SwiGLU in mnb's Triton kernels
-   (``mnb.megatron.swiglu_kernels``) and compiled by Inductor; mnb's kernels are the default of fused
-   models on GPUs.
+7. ``--sections norm`` / ``swiglu`` / ``rope`` / ``loss``: the same with each RMSNorm in mnb's Triton kernels
+   (``mnb.megatron.norm_kernels``) and as torch's ``F.rms_norm``; with SwiGLU, RoPE, the loss in mnb's Triton
+   kernels (``swiglu_kernels``, ``rope_kernels``, ``loss_kernels``) and compiled by Inductor; ``own``: all
+   four at once.  mnb's kernels are the default of fused models on GPUs.
 
 Uses the pool API (the device machine has no IPython; ``%mnb`` calls the same methods).
 """
@@ -76,7 +76,8 @@ class Bench(Rows):
         try:
             pool.run("model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n" + before
                      + f"model = mnb.gpt({preset!r}, seq_length=2048{', ' + model_kw if model_kw else ''})\n"
-                     f"mnb.train(model, steps={STEPS}, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)")
+                     + WAIT_FOR_KERNELS  # what this model compiles (a kernel switched off): its steps run fused
+                     + f"mnb.train(model, steps={STEPS}, micro_batch_size={mbs}, global_batch_size={gbs}, bf16=True)")
             self.add(section, {"model": label, **run_row(mnb.last_run, label),
                                "losses": [round(x, 4) for x in mnb.last_run.losses]})
         except Exception:
@@ -106,19 +107,25 @@ WAIT_FOR_KERNELS = ("from mnb.megatron import background_compile\npending = back
                     "import threading\n[t.join(600) for t in threading.enumerate() if t.name == 'mnb-fused-kernels']\n")
 
 
-SWITCHES = {  # section: (module, what a row says with its switch on, and off)
-    "wgrad": ("mnb.megatron.wgrad_fusion", "wgrad fused into the GEMM", "wgrad added by DDP's hook"),
-    "norm": ("mnb.megatron.norm_kernels", "RMSNorm in mnb's Triton kernels", "RMSNorm as torch's F.rms_norm"),
-    "swiglu": ("mnb.megatron.swiglu_kernels", "SwiGLU in mnb's Triton kernels", "SwiGLU compiled by Inductor"),
+SWITCHES = {  # section: (the modules whose `enabled` it sets, what a row says with them on, and off)
+    "wgrad": (("mnb.megatron.wgrad_fusion",), "wgrad fused into the GEMM", "wgrad added by DDP's hook"),
+    "norm": (("mnb.megatron.norm_kernels",), "RMSNorm in mnb's Triton kernels", "RMSNorm as torch's F.rms_norm"),
+    "swiglu": (("mnb.megatron.swiglu_kernels",), "SwiGLU in mnb's Triton kernels", "SwiGLU compiled by Inductor"),
+    "rope": (("mnb.megatron.rope_kernels",), "RoPE in mnb's Triton kernel", "RoPE compiled by Inductor"),
+    "loss": (("mnb.megatron.loss_kernels",), "loss in mnb's Triton kernels", "loss compiled by Inductor"),
+    "own": (("mnb.megatron.norm_kernels", "mnb.megatron.swiglu_kernels", "mnb.megatron.rope_kernels",
+             "mnb.megatron.loss_kernels"), "every fused op in mnb's Triton kernels",
+            "torch's RMSNorm, loss, RoPE and SwiGLU compiled by Inductor"),
 }
 
 
 def switch_rows(bench: "Bench", pool, section: str, models: str, order: str) -> None:
-    """Rows of each ``preset:mbs`` in ``models`` with the section's ``enabled`` switch as ``order`` says (on/off),
-    in one pool whose presets' kernels compiled first; the switch is left on."""
-    module, on_note, off_note = SWITCHES[section]
+    """Rows of each ``preset:mbs`` in ``models`` with the section's ``enabled`` switches as ``order`` says (on/off),
+    in one pool whose presets' kernels compiled first; the switches are left on.  A row's model built with a
+    kernel switched off compiles Inductor's instead; ``train_row`` waits for that before its steps."""
+    modules, on_note, off_note = SWITCHES[section]
     pool.run(WAIT_FOR_KERNELS)
-    switch = f"import {module} as _switch\n_switch.enabled = {{}}\n"
+    switch = "".join(f"import {module}\n{module}.enabled = {{0}}\n" for module in modules)
     for preset, mbs in ((m.split(":")[0], int(m.split(":")[1])) for m in models.split(",")):
         for on in (o == "on" for o in order.split(",")):
             bench.train_row(pool, section, preset, mbs, before=switch.format(on), note=on_note if on else off_note)
@@ -129,12 +136,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="h200-out")
     parser.add_argument("--sections", default="start,think,mfu,profile,plain")
-    parser.add_argument("--wgrad-models", default="llama-1b:16,llama-3b:8", help="wgrad section: preset:mbs,...")
-    parser.add_argument("--wgrad-order", default="on,off", help="wgrad section: the rows of each model, on/off")
-    parser.add_argument("--norm-models", default="llama-1b:16,llama-3b:8", help="norm section: preset:mbs,...")
-    parser.add_argument("--norm-order", default="on,off", help="norm section: the rows of each model")
-    parser.add_argument("--swiglu-models", default="llama-1b:16,llama-3b:8", help="swiglu section: preset:mbs,...")
-    parser.add_argument("--swiglu-order", default="on,off", help="swiglu section: the rows of each model")
+    for section in SWITCHES:
+        parser.add_argument(f"--{section}-models", default="llama-1b:16,llama-3b:8",
+                            help=f"{section} section: preset:mbs,...")
+        parser.add_argument(f"--{section}-order", default="on,off", help=f"{section} section: each model's rows, on/off")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,11 +170,9 @@ def main() -> None:
             bench.train_row(pool, "mfu", preset, mbs)
         for preset, mbs in (("llama-1b", 8), ("llama-3b", 4)):  # llama-3b unfused at mbs 8: out of memory
             bench.train_row(pool, "mfu", preset, mbs, model_kw="fusions=False")
-    for section, models, order in (("wgrad", args.wgrad_models, args.wgrad_order),
-                                   ("norm", args.norm_models, args.norm_order),
-                                   ("swiglu", args.swiglu_models, args.swiglu_order)):
+    for section in SWITCHES:
         if section in sections:
-            switch_rows(bench, pool, section, models, order)
+            switch_rows(bench, pool, section, getattr(args, f"{section}_models"), getattr(args, f"{section}_order"))
     if "adam" in sections:
         bench.train_row(pool, "mfu", "llama-1b", 8, note="mnb's fused Adam step")
         bench.train_row(pool, "mfu", "llama-1b", 8, note="Megatron's foreach Adam step",

@@ -1,16 +1,19 @@
-"""RMSNorm and SwiGLU of a training step on one GPU: torch's eager ops, Inductor's compiled kernels and mnb's
-Triton kernels (``mnb.megatron.norm_kernels``, ``mnb.megatron.swiglu_kernels``), forward alone and forward +
-backward, against the copy bandwidth.
+"""RMSNorm, SwiGLU, RoPE and the loss of a training step on one GPU: torch's eager ops, Inductor's compiled
+kernels and mnb's Triton kernels (``mnb.megatron.norm_kernels``, ``swiglu_kernels``, ``rope_kernels``,
+``loss_kernels``), forward alone and forward + backward, against the copy bandwidth.
 
     python bench/train_kernels.py --out OUTDIR        # OUTDIR/train_kernels.json and .md; about two minutes
 
 Shapes, bf16, seq 2048: the norms' inputs of llama-1b (hidden 2048) at micro batch 8 and 16, of llama-3b
 (hidden 3072) and llama-8b (hidden 4096) at micro batch 8 and 4; SwiGLU's inputs (``[tokens, 2 x ffn]``)
-of llama-1b/3b (ffn 8192) at micro batch 8 and llama-8b (ffn 14336) at micro batch 4.  Each side is timed
+of llama-1b/3b (ffn 8192) at micro batch 8 and llama-8b (ffn 14336) at micro batch 4; RoPE's query of llama-1b
+(32 heads of 64) and llama-3b (24 heads of 128) at micro batch 8; the loss's logits (vocabulary 128,256) at
+micro batch 8 and 4.  Each side is timed
 alone on the GPU (CUDA events, median of 20 calls after 5), with the same output gradient each call; the
 bytes a pass must move at least (RMSNorm forward: read x, write y; backward: read x and the output
 gradient, write the input gradient; SwiGLU forward: read 2f, write f; backward: read f and 2f, write 2f,
-per token) over the time is its bandwidth, beside ``x.clone()``'s.  Every side's output and gradients are
+per token; RoPE: read and write the tensor each way; the loss: read the logits forward, read them and write
+their gradient backward) over the time is its bandwidth, beside ``x.clone()``'s.  Every side's output and gradients are
 checked against fp32 (largest error relative to the largest value).  ``PROGRAMS_PER_SM`` of the norm's
 backward is swept for mnb's side.  ``--device cpu`` (with ``TRITON_INTERPRET=1``, tiny shapes, wall-clock
 timing) is a dry run of the script itself.
@@ -32,12 +35,16 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mnb.megatron import fusions, norm_kernels, swiglu_kernels  # noqa: E402
+from mnb.megatron import fusions, loss_kernels, norm_kernels, rope_kernels, swiglu_kernels  # noqa: E402
 
 SHAPES = {"llama-1b mbs 8": (16384, 2048), "llama-1b mbs 16": (32768, 2048), "llama-3b mbs 8": (16384, 3072),
           "llama-8b mbs 4": (8192, 4096)}
 SWIGLU_SHAPES = {"llama-1b/3b mbs 8": (16384, 8192), "llama-8b mbs 4": (8192, 14336)}
 """(tokens, ffn): SwiGLU's input is [tokens, 2 x ffn]."""
+ROPE_SHAPES = {"llama-1b mbs 8": (2048, 8, 32, 64), "llama-3b mbs 8": (2048, 8, 24, 128)}
+"""(seq, micro batch, query heads, head dimension)."""
+LOSS_SHAPES = {"vocabulary 128,256 mbs 8": (16384, 128256), "vocabulary 128,256 mbs 4": (8192, 128256)}
+"""(tokens, vocabulary)."""
 EPS = 1e-5
 
 
@@ -177,6 +184,79 @@ def measure_swiglu(label: str, tokens: int, ffn: int) -> list[dict]:
     return out
 
 
+def relative(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def compare(label: str, sides: dict, make, grad, exact, exact_grad, fwd_bytes: int, both_bytes: int) -> list[dict]:
+    """Rows of each side ``fn(x)`` of one shape: forward alone and forward + backward (output gradient
+    ``grad``), timed, and its errors against the fp32 ``exact`` output and input gradient."""
+    out = []
+    x = make()
+    xg = make().requires_grad_()
+
+    def both(fn):
+        def step():
+            xg.grad = None
+            fn(xg).backward(grad)
+        return step
+
+    for name, fn in sides.items():
+        row = {"shape": label, "side": name}
+        try:
+            with torch.no_grad():
+                forward_ms = timed(lambda: fn(x))
+            both_ms = timed(both(fn))
+            xg.grad = None
+            got = fn(xg)
+            got.backward(grad)
+            row.update(forward_ms=round(forward_ms, 4), forward_GBps=round(fwd_bytes / forward_ms / 1e6, 1),
+                       forward_backward_ms=round(both_ms, 4),
+                       forward_backward_GBps=round(both_bytes / both_ms / 1e6, 1),
+                       y_error=relative(got.detach(), exact), dx_error=relative(xg.grad, exact_grad))
+        except Exception:  # noqa: BLE001 - a side that fails is a row that says so
+            row["error"] = traceback.format_exc()[-1200:]
+        out.append(row)
+    return out
+
+
+def measure_rope(label: str, seq: int, batch: int, heads: int, head: int) -> list[dict]:
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    gen = torch.Generator(device=DEVICE).manual_seed(seq + heads)
+    t = torch.randn(seq, batch, heads, head, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    freqs = torch.randn(seq, 1, 1, head, device=DEVICE, generator=gen)
+    g = torch.randn(t.shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    exact_t = t.float().requires_grad_()
+    exact = _apply_rotary_pos_emb_bshd(exact_t, freqs)
+    exact.backward(g.float())
+    size = t.numel() * t.element_size()
+    sides = {"torch eager (Megatron's unfused RoPE)": lambda x: _apply_rotary_pos_emb_bshd(x, freqs),
+             "Inductor (mnb.megatron.fusions)": lambda x: fusions.fused_rope(x, freqs, compiled=True),
+             "mnb's Triton kernel": lambda x: fusions.fused_rope(x, freqs)}
+    return compare(f"RoPE {label}", sides, lambda: t.clone(), g, exact.detach(), exact_t.grad, 2 * size, 4 * size)
+
+
+def measure_loss(label: str, tokens: int, vocab: int) -> list[dict]:
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    logits = (4 * torch.randn(tokens, vocab, device=DEVICE, generator=gen)).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens,), device=DEVICE, generator=gen)
+    g = torch.rand(tokens, device=DEVICE, generator=gen)
+    exact_logits = logits.float().requires_grad_()
+    exact = F.cross_entropy(exact_logits, target, reduction="none")
+    exact.backward(g)
+    exact_grad, exact = exact_logits.grad, exact.detach()
+    del exact_logits
+    size = logits.numel() * logits.element_size()
+    sides = {"eager by rows (fusions, while compiling)":
+             lambda x: fusions.vocab_parallel_cross_entropy(x, target, None, compiled=False),
+             "Inductor (mnb.megatron.fusions)": lambda x: fusions.vocab_parallel_cross_entropy(x, target, None,
+                                                                                              compiled=True),
+             "mnb's Triton kernels": lambda x: fusions.vocab_parallel_cross_entropy(x, target, None)}
+    rows = compare(f"loss {label}", sides, lambda: logits.clone(), g, exact, exact_grad, size, 3 * size)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="train-kernels-out")
@@ -188,15 +268,25 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     shapes = SHAPES if DEVICE == "cuda" else {"dry run": (64, 96)}
     swiglu_shapes = SWIGLU_SHAPES if DEVICE == "cuda" else {"dry run": (64, 48)}
+    rope_shapes = ROPE_SHAPES if DEVICE == "cuda" else {"dry run": (16, 2, 3, 32)}
+    loss_shapes = LOSS_SHAPES if DEVICE == "cuda" else {"dry run": (24, 5000)}
     rows = [{"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-             "norm_kernels_run": norm_kernels.runs_on(torch.device(DEVICE)),
-             "swiglu_kernels_run": swiglu_kernels.runs_on(torch.device(DEVICE))}]
+             **{f"{kernels.__name__.rsplit('.', 1)[1]}_run": kernels.runs_on(torch.device(DEVICE))
+                for kernels in (norm_kernels, swiglu_kernels, rope_kernels, loss_kernels)}}]
     for label, (tokens, width) in shapes.items():
         rows += measure(label, tokens, width)
         (out / "train_kernels.json").write_text(json.dumps(rows, indent=1))
     for label, (tokens, ffn) in swiglu_shapes.items():
         rows += measure_swiglu(label, tokens, ffn)
         (out / "train_kernels.json").write_text(json.dumps(rows, indent=1))
+    for label, shape in rope_shapes.items():
+        rows += measure_rope(label, *shape)
+        (out / "train_kernels.json").write_text(json.dumps(rows, indent=1))
+    for label, shape in loss_shapes.items():
+        rows += measure_loss(label, *shape)
+        (out / "train_kernels.json").write_text(json.dumps(rows, indent=1))
+    rows[0]["kernel_calls"] = {kernels.__name__.rsplit('.', 1)[1]: dict(kernels.calls)
+                               for kernels in (norm_kernels, swiglu_kernels, rope_kernels, loss_kernels)}
     columns = ("shape", "side", "forward_ms", "forward_GBps", "forward_backward_ms", "forward_backward_GBps",
                "y_error", "dx_error", "dw_error", "error")
     lines = [json.dumps(rows[0]), "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

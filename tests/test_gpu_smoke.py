@@ -1,4 +1,4 @@
-"""GPU smoke tests: a 1-rank pool on CUDA trains ``mnb.gpt('tiny')`` (its norms and SwiGLUs in mnb's Triton kernels) and
+"""GPU smoke tests: a 1-rank pool on CUDA trains ``mnb.gpt('tiny')`` (its norms, SwiGLUs, RoPE and loss in mnb's Triton kernels) and
 measures it, and the GPU-only fast paths fail over when refused (device machine only).
 
     python -m pytest -m gpu tests/test_gpu_smoke.py
@@ -33,12 +33,15 @@ def test_a_one_rank_cuda_pool_trains_tiny_and_measures_memory_and_mfu(tmp_path):
         assert run.memory_source == "cuda" and run.peak_memory_bytes[0] > 0
         assert run.capacity_bytes and run.peak_memory_bytes[0] < run.capacity_bytes
         assert all(mfu is not None and 0 < mfu < 1 for mfu in run.mfu), run.mfu  # a datasheet peak: an H200
-        # tiny's 9 RMSNorms and 4 SwiGLUs a micro batch, 2 micro batches, 3 steps, through mnb's kernels each way
-        # (and their probes)
-        norms, swiglus = pool.run("from mnb.megatron import norm_kernels, swiglu_kernels\n"
-                                  "dict(norm_kernels.calls), dict(swiglu_kernels.calls)")[0]
-        assert norms["forward"] == norms["backward"] >= 9 * 2 * 3, norms
-        assert swiglus["forward"] == swiglus["backward"] >= 4 * 2 * 3, swiglus
+        # tiny's 9 RMSNorms, 4 SwiGLUs, 8 RoPEs (query and key of 4 layers) and 1 loss a micro batch, 2 micro
+        # batches, 3 steps, through mnb's kernels each way (and their probes); nothing compiled by Inductor
+        calls = pool.run("from mnb.megatron import background_compile, fusions, loss_kernels, norm_kernels, "
+                         "rope_kernels, swiglu_kernels\n"
+                         "[dict(k.calls) for k in (norm_kernels, swiglu_kernels, rope_kernels, loss_kernels)], "
+                         "dict(fusions.calls), background_compile.pending() is None")[0]
+        for (name, per_micro_batch), counted in zip((("norm", 9), ("swiglu", 4), ("rope", 8), ("loss", 1)), calls[0]):
+            assert counted["forward"] == counted["backward"] >= per_micro_batch * 2 * 3, (name, counted)
+        assert calls[1] == {"compiled": 0, "eager": 0} and calls[2] is True, calls
         pids = pool.pids()
     finally:
         pool.stop()

@@ -1,4 +1,4 @@
-"""Fused kernels for GPU ranks without Transformer Engine or apex, via ``torch.compile``.
+"""Fused kernels for GPU ranks without Transformer Engine or apex: mnb's own Triton kernels, or ``torch.compile``'s.
 
 Why: with the local spec every elementwise step is its own kernel.  For a Llama
 shape the costly ones are memory-bound passes over large tensors:
@@ -6,22 +6,27 @@ shape the costly ones are memory-bound passes over large tensors:
 - the loss.  Megatron's ``vocab_parallel_cross_entropy`` upcasts the
   ``[s, b, vocab]`` logits to fp32 and makes about ten passes over them, then
   keeps an fp32 softmax for backward (8.4 GB at llama-1b, micro batch 8, seq 2048).
-  :func:`vocab_parallel_cross_entropy` here reads the bf16 logits twice forward
-  and once backward, keeps the bf16 logits instead of an fp32 copy, and does the
-  same fp32 arithmetic (max, sum of exp, target logit; all-reduced over tp).
+  :func:`vocab_parallel_cross_entropy` here keeps the bf16 logits instead of an
+  fp32 copy and does the same fp32 arithmetic (max, sum of exp, target logit;
+  all-reduced over tp).
 - RoPE.  Megatron's unfused RoPE is six kernels per tensor per direction;
   Megatron leaves a slot for a fused one (``rope_utils.fused_apply_rotary_pos_emb``,
   TE's) used when ``apply_rope_fusion`` is set.  Without TE :func:`install_rope`
-  fills that slot with a compiled equivalent.
+  fills that slot with :func:`fused_rope`.
 - SwiGLU.  :func:`swiglu`, one kernel each way, used by the local spec's dense
-  MLP (:class:`mnb.megatron.spec.FusedSwiGLUMLP`); on GPU ranks with Triton it is mnb's own
-  Triton kernel (:mod:`mnb.megatron.swiglu_kernels`: no compile), Inductor's elsewhere.
+  MLP (:class:`mnb.megatron.spec.FusedSwiGLUMLP`).
+
+Each runs, by default, as mnb's own Triton kernels where they run (GPU ranks with Triton:
+:mod:`mnb.megatron.loss_kernels`, :mod:`mnb.megatron.rope_kernels`, :mod:`mnb.megatron.swiglu_kernels`),
+from a model's first step and compiling nothing.  Inductor's compiled kernels of the same arithmetic
+serve where those do not: a kernel module switched off (``enabled = False``) or failing its probe,
+under ``torch.compile`` (a compiled decode step), and when a caller asks with ``compiled=``.
 
 ``fusions="auto"`` (the default of ``mnb.gpt``) turns these on for CUDA ranks
 with Triton, and off on CPU ranks (where ``torch.compile`` would need a C++
 toolchain and minutes of compiling, and the parity tests want Megatron's own
-unfused arithmetic).  The first fused ``mnb.gpt`` in a rank process starts compiling the
-kernels in a background thread (:func:`warm_up`, seconds) and its first training steps run
+unfused arithmetic).  Where a fused ``mnb.gpt`` needs compiled kernels, it starts compiling
+them in a background thread (:func:`warm_up`, seconds) and its first training steps run
 the same arithmetic eagerly until they are ready (:mod:`mnb.megatron.background_compile`), on blocks
 of tokens (:func:`by_rows`) so that they need no more memory than the compiled kernels;
 later models and layouts reuse them.
@@ -39,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from mnb.megatron import swiglu_kernels
+from mnb.megatron import loss_kernels, rope_kernels, swiglu_kernels
 
 AUTO = "auto"
 COMPILE_ON_CPU = False
@@ -151,17 +156,16 @@ def warm_up(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
     return time.perf_counter() - start
 
 
-def model_shapes(ffn_hidden_size: int | None, padded_vocab: "Callable[[int], int]", head_dim: int,
-                 heads_per_group: int, ceiling: int) -> dict:
-    """``warm_up``'s keyword arguments for a model under every tp dividing ``ceiling``.
-
-    ``padded_vocab(tp)`` is the vocabulary after Megatron's padding for that tp.
-    """
+def model_shapes(ffn_hidden_size: int | None, padded_vocab: "Callable[[int], int] | None",
+                 rope_layout: tuple[int, int] | None, ceiling: int) -> dict:
+    """``warm_up``'s keyword arguments for a model under every tp dividing ``ceiling``: its SwiGLU
+    (``ffn_hidden_size``), loss (``padded_vocab(tp)``: the vocabulary after Megatron's padding for that tp)
+    and RoPE (``(head dimension, query heads per group)``); None leaves that kernel out."""
     tps = [tp for tp in range(1, ceiling + 1) if ceiling % tp == 0]
     return {
         "swiglu_widths": swiglu_widths(ffn_hidden_size, ceiling) if ffn_hidden_size else (),
-        "vocab_widths": tuple(dict.fromkeys(padded_vocab(tp) // tp for tp in tps)),
-        "rope_layouts": ((head_dim, heads_per_group),),
+        "vocab_widths": tuple(dict.fromkeys(padded_vocab(tp) // tp for tp in tps)) if padded_vocab else (),
+        "rope_layouts": (tuple(rope_layout),) if rope_layout else (),
     }
 
 
@@ -372,9 +376,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     sum of exp and target logit, all-reduced over the tp group), without its
     fp32 copy of the logits.  Returns fp32 ``[s, b]``; the gradient has the
     logits' dtype.  ``compiled`` defaults to whether the logits are on a GPU.
+    By default, where mnb's Triton loss runs (:mod:`mnb.megatron.loss_kernels`:
+    GPU ranks with Triton), that is what runs, compiling nothing.
     """
-    compiled = compiled_by_default(logits) if compiled is None else compiled
     flat = logits.reshape(-1, logits.shape[-1])
+    if compiled is None and not torch.compiler.is_compiling() and loss_kernels.applies(flat):
+        return loss_kernels.cross_entropy(flat, target.reshape(-1), tp_group).view(target.shape)
+    compiled = compiled_by_default(logits) if compiled is None else compiled
     loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), tp_group, compiled)
     return loss.view(target.shape)
 
@@ -538,17 +546,21 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = Fals
     ``[s, b, n, d]`` runs as ``[s, b*n, d]`` (a view for Megatron's query and key
     layouts), so micro batch 1 does not specialise the compiled kernel.  Forward
     and backward are one kernel each; ``compiled`` defaults to whether ``t`` is
-    on a GPU.
+    on a GPU.  By default, where mnb's Triton RoPE runs (:mod:`mnb.megatron.rope_kernels`:
+    GPU ranks with Triton), that is what runs, compiling nothing.
     """
     if interleaved:
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
     s, b, n, d = t.shape
-    compiled = compiled_by_default(t) if compiled is None else compiled
     cos, sin = _cos_sin(freqs, t.dtype)
     flat = (freqs.shape[0], 1, freqs.shape[-1])
-    return _RoPE.apply(t.reshape(s, b * n, d), cos.reshape(flat), sin.reshape(flat), compiled).view(s, b, n, d)
+    rows, cos, sin = t.reshape(s, b * n, d), cos.reshape(flat), sin.reshape(flat)
+    if compiled is None and not torch.compiler.is_compiling() and rope_kernels.applies(rows, cos):
+        return rope_kernels.rope(rows, cos, sin).view(s, b, n, d)
+    compiled = compiled_by_default(t) if compiled is None else compiled
+    return _RoPE.apply(rows, cos, sin, compiled).view(s, b, n, d)
 
 
 def install_rope() -> bool:

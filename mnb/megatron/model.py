@@ -39,18 +39,22 @@ MNB_DEFAULTS: dict[str, Any] = TRANSFORMER_DEFAULTS
 
 
 def fused_shapes(cfg: ModelConfig, ceiling: int, *, swiglu: bool, device: torch.device | None = None) -> dict:
-    """The widths :func:`mnb.megatron.fusions.warm_up` compiles for ``cfg`` under every tp dividing ``ceiling``;
-    ``swiglu``: its SwiGLU's too, unless mnb's Triton SwiGLU runs it on ``device`` (it compiles nothing:
-    ``swiglu_kernels.serves_models_on``)."""
-    from mnb.megatron import fusions, swiglu_kernels
+    """The widths :func:`mnb.megatron.fusions.warm_up` compiles for ``cfg`` under every tp dividing ``ceiling``:
+    its loss, RoPE (when it has one) and, with ``swiglu``, its SwiGLU, each unless mnb's own Triton kernel runs
+    it on ``device`` (they compile nothing: ``serves_models_on`` of :mod:`~mnb.megatron.loss_kernels`,
+    :mod:`~mnb.megatron.rope_kernels` and :mod:`~mnb.megatron.swiglu_kernels`).  Without ``device``, all of
+    them (what a GPU without mnb's kernels compiles)."""
+    from mnb.megatron import fusions, loss_kernels, rope_kernels, swiglu_kernels
+
+    def compiles(kernels) -> bool:
+        return device is None or not kernels.serves_models_on(device)
 
     heads = cfg.num_attention_heads
-    swiglu = swiglu and not (device is not None and swiglu_kernels.serves_models_on(device))
+    rope = cfg.position_embedding_type == "rope" and compiles(rope_kernels)
     return fusions.model_shapes(
-        (cfg.ffn_hidden_size or 4 * cfg.hidden_size) if swiglu else None,
-        lambda tp: padded_vocab_size(cfg.vocab_size, tp),
-        cfg.head_dim,
-        heads // (cfg.num_query_groups or heads),
+        (cfg.ffn_hidden_size or 4 * cfg.hidden_size) if swiglu and compiles(swiglu_kernels) else None,
+        (lambda tp: padded_vocab_size(cfg.vocab_size, tp)) if compiles(loss_kernels) else None,
+        (cfg.head_dim, heads // (cfg.num_query_groups or heads)) if rope else None,
         ceiling,
     )
 
@@ -380,8 +384,9 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
         from mnb.megatron.spec import uses_fused_swiglu
 
         norm_kernels.runs_on(device)  # the RMSNorm kernels' one probe here, not inside a first forward
-        # bf16 kernels, once per process and SwiGLU width (fp32 training compiles its own), compiled in
-        # the background: the first steps run the same arithmetic unfused meanwhile (background_compile)
+        # what mnb's own kernels do not run (fused_shapes probes them), compiled in the background, bf16, once
+        # per process and width (fp32 training compiles its own): the first steps run the same arithmetic
+        # unfused meanwhile (background_compile).  Where mnb's kernels run, nothing is left to compile.
         shapes = fused_shapes(cfg, _fusions.tp_ceiling(), swiglu=uses_fused_swiglu(chunks), device=device)
         if background_compile.start(device, shapes) is not None and torch.distributed.get_rank() == 0:
             kinds = _fusions.compiled_kinds(_fusions.warm_keys(**shapes))

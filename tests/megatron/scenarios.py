@@ -1107,8 +1107,246 @@ def swiglu_kernels_interpreted() -> dict:
     return results
 
 
+def _refusals(kernels, applies) -> dict:
+    """``applies()`` with the kernel module ``kernels`` switched off, and with its kernels failing their probe
+    (Triton without a C compiler, an unsupported GPU); both restored after."""
+    out = {}
+    kernels.enabled = False
+    try:
+        out["enabled = False"] = applies()
+    finally:
+        kernels.enabled = True
+    attribute = "_kernels" if hasattr(kernels, "_kernels") else "_kernel"
+    kept = getattr(kernels, attribute)
+    setattr(kernels, attribute, lambda: (_ for _ in ()).throw(RuntimeError("cannot build (test)")))
+    kernels._probe.cache_clear()
+    try:
+        out["probe fails"] = applies()
+    finally:
+        setattr(kernels, attribute, kept)
+        kernels._probe.cache_clear()
+    return out
+
+
+def rope_kernels_interpreted() -> dict:
+    """mnb's RoPE kernel (mnb.megatron.rope_kernels) under Triton's interpreter, rank 0: forward and backward
+    against the compiled kernel's arithmetic (``fusions._rope`` / ``_rope_grad`` in fp32); Megatron's query and
+    key views of the fused QKV through ``fusions.fused_rope`` against Megatron's own unfused RoPE; the rule for
+    when it applies and ``fused_rope``'s routing."""
+    import torch
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from mnb.megatron import fusions, rope_kernels
+
+    results: dict = {}
+
+    def relative(a, b):
+        return float((a.float() - b).abs().max() / b.abs().max())
+
+    def cases():
+        out = {}
+        rope_kernels.runs_on(torch.device("cpu"))  # its probe (a forward and backward per dtype), outside the counts
+        # positions, heads, width, rotated columns: heads not a multiple of a program's block, a partial
+        # rotation (columns from rot on pass through), a strided view of heads
+        for positions, heads, width, rot, shape in ((7, 6, 16, 16, "rows"), (5, 9, 24, 8, "partial"),
+                                                    (4, 5, 32, 32, "strided")):
+            for dtype in (torch.float32, torch.bfloat16):
+                gen = torch.Generator().manual_seed(positions * heads)
+                if shape == "strided":
+                    t = torch.randn(positions, 2 * heads, width, generator=gen).to(dtype)[:, ::2]
+                else:
+                    t = torch.randn(positions, heads, width, generator=gen).to(dtype)
+                freqs = torch.randn(positions, 1, rot, generator=gen) * 3
+                cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+                g = torch.randn(positions, heads, width, generator=gen).to(dtype)
+                exact = fusions._rope(t.float(), cos.float(), sin.float())
+                exact_grad = fusions._rope_grad(g.float(), cos.float(), sin.float())
+                got_t = t.detach().clone().requires_grad_() if shape != "strided" else t.detach().requires_grad_()
+                before = dict(rope_kernels.calls)
+                got = rope_kernels.rope(got_t, cos, sin)
+                got.backward(g)
+                out[f"{shape}-{positions}x{heads}x{width}-{str(dtype)[6:]}"] = dict(
+                    out=relative(got, exact), grad=relative(got_t.grad, exact_grad),
+                    dtypes=[str(x.dtype)[6:] for x in (got, got_t.grad)],
+                    contiguous=got.is_contiguous(), shape=list(got.shape) == list(t.shape),
+                    calls={k: rope_kernels.calls[k] - before[k] for k in before})
+        # Megatron's layout: the fused QKV [s, b, groups * (heads/group + 2) * head] viewed and split, the
+        # query reshaped, RoPE through fusions.fused_rope (Megatron's fused slot) against Megatron's unfused
+        seq, batch, groups, per_group, head = 6, 2, 2, 3, 16
+        gen = torch.Generator().manual_seed(11)
+        mixed = torch.randn(seq, batch, groups * (per_group + 2) * head, generator=gen, requires_grad=True)
+        query, key, _ = mixed.view(seq, batch, groups, (per_group + 2) * head).split(
+            [per_group * head, head, head], dim=3)
+        query = query.reshape(seq, batch, -1, head)
+        freqs = torch.randn(seq, 1, 1, head, generator=gen)
+        before = dict(rope_kernels.calls)
+        ours = [fusions.fused_rope(x, freqs) for x in (query, key)]
+        theirs = [_apply_rotary_pos_emb_bshd(x, freqs) for x in (query, key)]
+        grads = []
+        for rotated in (ours, theirs):
+            mixed.grad = None
+            sum((r * torch.arange(r.numel()).view(r.shape).sin()).sum() for r in rotated).backward()
+            grads.append(mixed.grad.clone())
+        out["megatron_views"] = dict(out=max(relative(a, b) for a, b in zip(ours, theirs)),
+                                     grad=relative(grads[0], grads[1]),
+                                     calls={k: rope_kernels.calls[k] - before[k] for k in before})
+        t, table = torch.randn(4, 3, 16), torch.randn(4, 1, 16)
+        out["applies"] = rope_kernels.applies(t, table)
+        out["refuses"] = {"odd rotation": rope_kernels.applies(t, torch.randn(4, 1, 15)),
+                          "rotation wider than the head": rope_kernels.applies(t, torch.randn(4, 1, 32)),
+                          "a table row for every position": rope_kernels.applies(t, torch.randn(1, 1, 16)),
+                          "integers": rope_kernels.applies(t.long(), table),
+                          "empty": rope_kernels.applies(torch.zeros(0, 3, 16), torch.zeros(0, 1, 16)),
+                          **_refusals(rope_kernels, lambda: rope_kernels.applies(t, table))}
+        rope_kernels.runs_on(torch.device("cpu"))  # probed again (its cache was cleared), before the count
+        before = (dict(rope_kernels.calls), dict(fusions.calls))
+        four = torch.randn(4, 1, 3, 16)
+        fusions.fused_rope(four, torch.randn(4, 1, 1, 16))
+        fusions.fused_rope(four, torch.randn(4, 1, 1, 16), compiled=False)
+        out["routed"] = [rope_kernels.calls["forward"] - before[0]["forward"],
+                         fusions.calls["eager"] - before[1]["eager"]]
+        return out
+
+    if torch.distributed.get_rank() == 0:
+        _guard(results, "kernels", cases)
+    return results
+
+
+def loss_kernels_interpreted() -> dict:
+    """mnb's cross-entropy kernels (mnb.megatron.loss_kernels) under Triton's interpreter on 2 CPU ranks: on
+    rank 0, the loss and its gradient against the compiled loss's arithmetic (``fusions.vocab_parallel_cross_
+    entropy`` run eagerly, fp32) and torch's ``cross_entropy``, the rule for when they apply and the routing;
+    then on both ranks a vocabulary split over a tp group of 2 against the whole vocabulary's loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from mnb.megatron import fusions, loss_kernels
+
+    results: dict = {}
+
+    def relative(a, b):
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+    def cases():
+        out = {}
+        loss_kernels.runs_on(torch.device("cpu"))  # its probe, outside the counts
+        # tokens, vocabulary: one partial block; a width of several blocks (the online max and sum carried
+        # across them) with Megatron's padding columns at the dtype's lowest value; a strided row
+        for tokens, width, shape in ((9, 300, "rows"), (5, 2 * loss_kernels.BLOCK + 37, "padded"),
+                                     (6, 200, "strided")):
+            for dtype in (torch.float32, torch.bfloat16):
+                gen = torch.Generator().manual_seed(tokens + width)
+                logits = (torch.randn(tokens, 2 * width if shape == "strided" else width, generator=gen) * 4)
+                logits = logits.to(dtype)[:, :width] if shape == "strided" else logits.to(dtype)
+                target = torch.randint(0, width - 40, (tokens,), generator=gen)
+                if shape == "padded":
+                    logits[:, -40:] = torch.finfo(dtype).min
+                weights = torch.rand(tokens, generator=gen)
+                exact_logits = logits.detach().float().requires_grad_()
+                exact = fusions.vocab_parallel_cross_entropy(exact_logits, target, None, compiled=False)
+                (exact * weights).sum().backward()
+                reference = F.cross_entropy(logits.float(), target, reduction="none")
+                got_logits = logits.detach().requires_grad_() if shape == "strided" else \
+                    logits.detach().clone().requires_grad_()
+                before = dict(loss_kernels.calls)
+                got = loss_kernels.cross_entropy(got_logits, target, None)
+                (got * weights).sum().backward()
+                out[f"{shape}-{tokens}x{width}-{str(dtype)[6:]}"] = dict(
+                    loss=relative(got, exact), torch=relative(got, reference),
+                    grad=relative(got_logits.grad, exact_logits.grad),
+                    padding_grad=float(got_logits.grad[:, -40:].float().abs().max()) if shape == "padded" else 0.0,
+                    dtypes=[str(x.dtype)[6:] for x in (got, got_logits.grad)],
+                    calls={k: loss_kernels.calls[k] - before[k] for k in before})
+        logits, target = torch.randn(4, 64), torch.arange(4)
+        out["applies"] = loss_kernels.applies(logits)
+        out["refuses"] = {"not [tokens, vocabulary]": loss_kernels.applies(logits.view(2, 2, 64)),
+                          "strided columns": loss_kernels.applies(logits[:, ::2]),
+                          "integers": loss_kernels.applies(logits.long()),
+                          "empty": loss_kernels.applies(torch.zeros(0, 64)),
+                          **_refusals(loss_kernels, lambda: loss_kernels.applies(logits))}
+        loss_kernels.runs_on(torch.device("cpu"))  # probed again (its cache was cleared), before the count
+        before = (dict(loss_kernels.calls), dict(fusions.calls))
+        fusions.vocab_parallel_cross_entropy(logits.view(2, 2, 64), target.view(2, 2))
+        fusions.vocab_parallel_cross_entropy(logits, target, compiled=False)
+        out["routed"] = [loss_kernels.calls["forward"] - before[0]["forward"],
+                         fusions.calls["eager"] - before[1]["eager"]]
+        return out
+
+    if torch.distributed.get_rank() == 0:
+        _guard(results, "kernels", cases)
+
+    def split_over_tp2():
+        """Each rank's half of one vocabulary (targets in both halves) over the world as the tp group."""
+        gen = torch.Generator().manual_seed(5)
+        whole = torch.randn(12, 2 * 1000, generator=gen) * 4
+        target = torch.randint(0, 2000, (12,), generator=gen)
+        weights = torch.rand(12, generator=gen)
+        exact_logits = whole.clone().requires_grad_()
+        exact = F.cross_entropy(exact_logits, target, reduction="none")
+        (exact * weights).sum().backward()
+        rank = torch.distributed.get_rank()
+        part = whole[:, rank * 1000:(rank + 1) * 1000].clone().requires_grad_()
+        got = loss_kernels.cross_entropy(part, target, torch.distributed.group.WORLD)
+        (got * weights).sum().backward()
+        exact_part = exact_logits.grad[:, rank * 1000:(rank + 1) * 1000]
+        return dict(loss=relative(got, exact), grad=relative(part.grad, exact_part),
+                    targets_here=int(((target >= rank * 1000) & (target < (rank + 1) * 1000)).sum()))
+
+    _guard(results, "tp2", split_over_tp2)
+    return results
+
+
+def own_kernels_model_interpreted() -> dict:
+    """A fused model (the one a GPU rank builds: ``fusions.COMPILE_ON_CPU`` stands in for the GPU) where every
+    mnb kernel runs (the interpreter): built under tp2 + sp, nothing is left to compile; trained 3 steps, every
+    norm, SwiGLU, RoPE and loss through mnb's kernels and none through a compiled or eager fused op, with the
+    losses and gradient norms of the same run unfused."""
+    import torch
+
+    from mnb.config import ParallelConfig
+    from mnb.megatron import background_compile, fusions, loss_kernels, norm_kernels, rope_kernels, swiglu_kernels
+    from mnb.megatron.layout import apply_layout
+    from mnb.megatron.model import gpt
+    from mnb.megatron.train import train
+
+    results: dict = {}
+    modules = {"norm": norm_kernels, "swiglu": swiglu_kernels, "rope": rope_kernels, "loss": loss_kernels}
+
+    def trained(fused: bool) -> dict:
+        apply_layout(ParallelConfig(tp=2, sequence_parallel=True))
+        torch.manual_seed(0)
+        fusions.COMPILE_ON_CPU = fused
+        try:
+            model = gpt("tiny", fusions=fused)
+        finally:
+            fusions.COMPILE_ON_CPU = False
+        out = dict(compiles=background_compile.pending() is not None, fused=model.fusions,
+                   classes=sorted({type(m).__name__ for chunk in model.chunks for m in chunk.modules()
+                                   if type(m).__name__.startswith("Fused")} | {type(model.chunks[0]).__name__}),
+                   rope_fusion=model.transformer_config.apply_rope_fusion)
+        if out["compiles"]:  # fail now rather than compile with Inductor's C++ backend for minutes
+            raise AssertionError(f"a fused model where mnb's kernels run compiles: {background_compile.pending().keys}")
+        before = ({name: dict(m.calls) for name, m in modules.items()}, dict(fusions.calls))
+        fusions.COMPILE_ON_CPU = fused  # fused ops that did not go to mnb's kernels would compile: counted below
+        try:
+            record = train(model, steps=3, **PARITY_BATCH)
+        finally:
+            fusions.COMPILE_ON_CPU = False
+        out.update(losses=_losses(record), grad_norms=[row["grad_norm"] for row in record["steps"]],
+                   compiling=[row.get("compiling", False) for row in record["steps"]],
+                   calls={name: m.calls["forward"] - before[0][name]["forward"] for name, m in modules.items()},
+                   fused_op_calls={k: fusions.calls[k] - before[1][k] for k in fusions.calls})
+        return out
+
+    _guard(results, "unfused", lambda: trained(False))
+    _guard(results, "own-kernels", lambda: trained(True))
+    return results
+
+
 def triton_interpreted() -> dict:
-    """The launch of test_decode_kernels.py, test_norm_kernels.py and test_swiglu_kernels.py: mnb's Triton
-    kernels under Triton's interpreter (the launch sets TRITON_INTERPRET=1), on 2 CPU ranks, once for all."""
+    """The launch of test_decode_kernels.py, test_norm_kernels.py, test_swiglu_kernels.py, test_rope_kernels.py
+    and test_loss_kernels.py: mnb's Triton kernels under Triton's interpreter (the launch sets
+    TRITON_INTERPRET=1), on 2 CPU ranks, once for all."""
     return {"decode": decode_kernels_interpreted(), "norm": norm_kernels_interpreted(),
-            "swiglu": swiglu_kernels_interpreted()}
+            "swiglu": swiglu_kernels_interpreted(), "rope": rope_kernels_interpreted(),
+            "loss": loss_kernels_interpreted(), "own_model": own_kernels_model_interpreted()}
