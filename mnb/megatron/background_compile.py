@@ -129,8 +129,12 @@ class Steps:
     blocks: :func:`mnb.megatron.fusions.by_rows`), so this wait is for models at the edge of memory.
     """
 
-    def __init__(self, fused: bool, device: torch.device | None = None):
+    def __init__(self, fused: bool, device: torch.device | None = None, keys: tuple | None = None):
         self.fused = fused
+        self.keys = keys
+        """The model's compiled kernels (``MegatronModel.compile_keys``): its steps wait on these and no other
+        model's compile (a model whose fused ops all run in mnb's own kernels has none).  None: whatever the
+        last fused model started."""
         self.compiled = True
         """Whether the current step runs the compiled kernels (always True for an unfused model)."""
         self.waited_s: float | None = None
@@ -144,6 +148,10 @@ class Steps:
     def __exit__(self, *exc: Any) -> None:
         global _decision
         _decision = None
+
+    def _ready(self) -> bool:
+        """Whether this rank has every kernel the model needs compiled."""
+        return local_ready() if self.keys is None else fusions.is_warm(self.keys)
 
     def _measures(self) -> bool:
         return self.fused and self._device is not None and self._device.type == "cuda"
@@ -164,7 +172,7 @@ class Steps:
 
     def votes(self) -> tuple[float, float]:
         """(1.0 if this rank's kernels are still compiling, 1.0 if the next step unfused would not fit)."""
-        if not self.fused or local_ready():
+        if not self.fused or self._ready():
             return 0.0, 0.0
         measured = self.unfused_need()
         tight = measured is not None and measured[0] > FIT_FRACTION * measured[1]
@@ -190,7 +198,7 @@ class Steps:
                 pending.wait()
             self.waited_s = time.perf_counter() - began
             device = self._device or torch.device("cpu")
-            again = torch.tensor([0.0 if local_ready() else 1.0], dtype=torch.float64, device=device)
+            again = torch.tensor([0.0 if self._ready() else 1.0], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(again)  # a compile that failed somewhere leaves that rank unfused
             not_ready = float(again[0])
         self.compiled = not_ready == 0

@@ -31,7 +31,8 @@ from mnb.megatron.triton_support import by_pointer, interpreted, probe, serves
 
 enabled = True
 """Off: the loss through the compiled kernels of :mod:`mnb.megatron.fusions` instead.  Set it before
-``mnb.gpt``: a model built while it is on leaves its loss out of the background compile."""
+``mnb.gpt``: a model built while it is on leaves its loss out of the background compile (switched off later, the
+compiled loss compiles at its first use, on the training thread)."""
 BLOCK = 4096
 """Logits a program takes at a time (forward: per step of its loop; backward: per program)."""
 WARPS = 8
@@ -84,15 +85,15 @@ class _CrossEntropy(torch.autograd.Function):
         _kernels()[0][(tokens,)](logits, target, top, total, picked, logits.stride(0), width, start,
                                  BLOCK=BLOCK, num_warps=WARPS)
         calls["forward"] += 1
+        here = (target >= start) & (target < start + width)  # a target outside every part counts 0, as Megatron's
         if tp > 1:  # the ranks' parts combined: the global max, each sum rescaled to it, the target's logit
             local_top = top.clone()
             torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=tp_group)
-            here = (target >= start) & (target < start + width)
             both = torch.stack((total * torch.exp(local_top - top), torch.where(here, picked - top, 0.0)))
             torch.distributed.all_reduce(both, group=tp_group)
-            total, predicted = both[0], both[1]
+            total, predicted = both[0].clone(), both[1]  # the sum kept for backward, not the pair's buffer
         else:
-            predicted = picked - top
+            predicted = torch.where(here, picked - top, 0.0)
         ctx.start = start
         ctx.save_for_backward(logits, target, top, total)
         return torch.log(total) - predicted

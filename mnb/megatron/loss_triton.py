@@ -17,7 +17,9 @@ def cross_entropy_forward_kernel(logits_ptr, target_ptr, max_ptr, sum_ptr, picke
     fp32 arithmetic."""
     row = tl.program_id(0).to(tl.int64)  # offsets in int64: tokens x vocabulary passes 2**31
     base = logits_ptr + row * row_stride
-    top = -float("inf")
+    # the lowest finite fp32, not -inf: a block whose logits are all -inf (masked by a user) then adds
+    # exp(-inf) = 0 to the sum instead of exp(-inf + inf) = nan; a row of nothing but -inf is nan, as torch's
+    top = -3.4028234663852886e38
     total = 0.0
     for first in range(0, width, BLOCK):
         cols = first + tl.arange(0, BLOCK)

@@ -50,7 +50,8 @@ def fused_shapes(cfg: ModelConfig, ceiling: int, *, swiglu: bool, device: torch.
         return device is None or not kernels.serves_models_on(device)
 
     heads = cfg.num_attention_heads
-    rope = cfg.position_embedding_type == "rope" and compiles(rope_kernels)
+    rope = cfg.position_embedding_type == "rope" and (
+        device is None or not rope_kernels.serves_models_on(device, cfg.head_dim))
     return fusions.model_shapes(
         (cfg.ffn_hidden_size or 4 * cfg.hidden_size) if swiglu and compiles(swiglu_kernels) else None,
         (lambda tp: padded_vocab_size(cfg.vocab_size, tp)) if compiles(loss_kernels) else None,
@@ -93,7 +94,10 @@ class MegatronModel:
     precision: str | None = None
     use_distributed_optimizer: bool | None = None
     fusions: bool = False
-    """Whether mnb's compiled fusions (loss, RoPE, activation) run in this model."""
+    """Whether mnb's fused ops (norms, loss, RoPE, SwiGLU: :mod:`mnb.megatron.fusions`) run in this model."""
+    compile_keys: tuple = ()
+    """The compiled kernels this model's fused ops need (``fusions.warm_keys``; empty where mnb's own Triton
+    kernels run them all): what ``mnb.train`` waits on before its steps run fused, this model's and no other's."""
     steps_done: int = 0
     consumed_samples: int = 0
     scheduler: Any = None
@@ -379,15 +383,17 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
         from mnb.megatron import fp8 as _fp8
 
         _fp8.install(chunks, cfg.fp8)
+    compile_keys: tuple = ()
     if fused:
         from mnb.megatron import background_compile, norm_kernels
         from mnb.megatron.spec import uses_fused_swiglu
 
-        norm_kernels.runs_on(device)  # the RMSNorm kernels' one probe here, not inside a first forward
+        norm_kernels.runs_on(device, cfg.hidden_size)  # their probe at this width here, not inside a first forward
         # what mnb's own kernels do not run (fused_shapes probes them), compiled in the background, bf16, once
         # per process and width (fp32 training compiles its own): the first steps run the same arithmetic
         # unfused meanwhile (background_compile).  Where mnb's kernels run, nothing is left to compile.
         shapes = fused_shapes(cfg, _fusions.tp_ceiling(), swiglu=uses_fused_swiglu(chunks), device=device)
+        compile_keys = tuple(_fusions.warm_keys(**shapes))
         if background_compile.start(device, shapes) is not None and torch.distributed.get_rank() == 0:
             kinds = _fusions.compiled_kinds(_fusions.warm_keys(**shapes))
             print(f"mnb: compiling the fused {kinds} kernels in the background; the first training steps run "
@@ -402,6 +408,7 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
         seed=seed,
         layout_generation=_layout.generation(),
         fusions=fused,
+        compile_keys=compile_keys,
     )
     _last_model = weakref.ref(model)
     _built.add(model)

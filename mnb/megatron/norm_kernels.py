@@ -44,28 +44,35 @@ calls = {"forward": 0, "backward": 0}
 
 def applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether :func:`rms_norm` takes ``x`` (and ``weight``) here: on, a weighted norm of a float dtype
-    no wider than :data:`MAX_WIDTH`, on a device where the kernels run."""
+    no wider than :data:`MAX_WIDTH`, on a device where the kernels run at that width."""
     return (enabled and weight is not None and by_pointer(x, weight) and weight.shape == x.shape[-1:]
             and weight.is_contiguous() and weight.device == x.device
-            and x.shape[-1] <= MAX_WIDTH and x.numel() > 0 and runs_on(x.device))
+            and x.shape[-1] <= MAX_WIDTH and x.numel() > 0 and runs_on(x.device, x.shape[-1]))
 
 
-def runs_on(device: torch.device) -> bool:
+def runs_on(device: torch.device, width: int | None = None) -> bool:
     """Whether these kernels serve tensors on ``device`` (:func:`mnb.megatron.triton_support.serves`), and
-    ran once there on tiny tensors, forward and backward."""
-    return serves(device) and _probe(str(device), interpreted())
+    ran once there on tiny tensors, forward and backward; with ``width`` (a hidden size), at that width.
+    Triton builds a kernel per block width, so :func:`mnb.megatron.model.gpt` asks for the model's hidden
+    size when it builds it: the kernel its first step runs is built then, outside any forward."""
+    block = next_power_of_two(min(width or PROBE_WIDTH, MAX_WIDTH))
+    return serves(device) and _probe(str(device), interpreted(), block)
+
+
+PROBE_WIDTH = 16
+"""The width probed where none is named."""
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(device: str, interpreted: bool) -> bool:
-    """Both kernels once on tiny tensors, once per device and process (:func:`triton_support.probe`);
-    :func:`mnb.megatron.model.gpt` probes when it builds a model that uses them, outside any forward."""
+def _probe(device: str, interpreted: bool, block: int) -> bool:
+    """Both kernels once on tiny tensors of ``block`` columns, once per device, width and process
+    (:func:`triton_support.probe`)."""
     def check(at: torch.device) -> None:
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.ones(3, 16, device=at, dtype=dtype, requires_grad=True)
-            rms_norm(x, torch.ones(16, device=at, dtype=dtype, requires_grad=True), 1e-5).sum().backward()
+            x = torch.ones(3, block, device=at, dtype=dtype, requires_grad=True)
+            rms_norm(x, torch.ones(block, device=at, dtype=dtype, requires_grad=True), 1e-5).sum().backward()
 
-    return probe("RMSNorm kernels", device, check, "norms run as torch's")
+    return probe(f"RMSNorm kernels ({block} columns)", device, check, "norms run as torch's")
 
 
 def _kernels():

@@ -27,7 +27,8 @@ from mnb.megatron.triton_support import by_pointer, interpreted, next_power_of_t
 
 enabled = True
 """Off: RoPE through the compiled kernel of :mod:`mnb.megatron.fusions` instead.  Set it before ``mnb.gpt``:
-a model built while it is on leaves its RoPE out of the background compile."""
+a model built while it is on leaves its RoPE out of the background compile (switched off later, the
+compiled RoPE compiles at its first use, on the training thread)."""
 HEADS = 4
 """Heads a program rotates (one position's ``cos``/``sin`` read once for all of them)."""
 calls = {"forward": 0, "backward": 0}
@@ -37,34 +38,41 @@ calls = {"forward": 0, "backward": 0}
 def applies(t: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether :func:`rope` takes ``t [s, heads, width]`` with tables ``cos [s, 1, rot]``: on, plain tensors
     of a float dtype, an even ``rot`` no wider than ``t``, one table row per position, on a device where the
-    kernel runs."""
+    kernel runs at that width."""
     return (enabled and by_pointer(t, cos) and t.dim() == 3 and cos.dim() == 3 and cos.shape[0] == t.shape[0]
             and cos.shape[1] == 1 and cos.shape[-1] % 2 == 0 and 0 < cos.shape[-1] <= t.shape[-1]
-            and t.numel() > 0 and cos.device == t.device and runs_on(t.device))
+            and t.numel() > 0 and cos.device == t.device and runs_on(t.device, t.shape[-1]))
 
 
-def runs_on(device: torch.device) -> bool:
-    """Whether this kernel serves tensors on ``device`` and ran there once, forward and backward."""
-    return serves(device) and _probe(str(device), interpreted())
+def runs_on(device: torch.device, width: int | None = None) -> bool:
+    """Whether this kernel serves tensors on ``device`` and ran there once, forward and backward; with
+    ``width`` (a head dimension), at that width.  Triton builds a kernel per block width, so asking when a
+    model is built (:func:`serves_models_on`) builds the one its first step runs, outside that step."""
+    return serves(device) and _probe(str(device), interpreted(), next_power_of_two(width or PROBE_WIDTH))
 
 
-def serves_models_on(device: torch.device) -> bool:
-    """Whether a fused model on ``device`` runs its RoPE here (so it needs no compile)."""
-    return enabled and runs_on(device)
+def serves_models_on(device: torch.device, head_dim: int | None = None) -> bool:
+    """Whether a fused model on ``device`` (heads of ``head_dim``) runs its RoPE here (so it needs no compile)."""
+    return enabled and runs_on(device, head_dim)
+
+
+PROBE_WIDTH = 32
+"""The width probed where none is named."""
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(device: str, interpreted: bool) -> bool:
-    """Both directions once on tiny tensors, once per device and process (:func:`triton_support.probe`)."""
+def _probe(device: str, interpreted: bool, block: int) -> bool:
+    """Both directions once on tiny tensors of ``block`` columns, once per device, width and process
+    (:func:`triton_support.probe`)."""
     def check(at: torch.device) -> None:
-        # sizes that are multiples of 16, as a model's: Triton compiles a kernel per such property of its
-        # arguments, so the probe also compiles the variant the first training step runs
+        # 16 heads: sizes that are multiples of 16, as a model's (Triton also builds a kernel per such property
+        # of its integer arguments)
         for dtype in (torch.float32, torch.bfloat16):
-            t = torch.ones(2, 16, 32, device=at, dtype=dtype, requires_grad=True)
-            table = torch.ones(2, 1, 32, device=at, dtype=dtype)
+            t = torch.ones(2, 16, block, device=at, dtype=dtype, requires_grad=True)
+            table = torch.ones(2, 1, block, device=at, dtype=dtype)
             rope(t, table, table).sum().backward()
 
-    return probe("RoPE kernel", device, check, "RoPE runs compiled by Inductor")
+    return probe(f"RoPE kernel ({block} columns)", device, check, "RoPE runs compiled by Inductor")
 
 
 def _kernel():

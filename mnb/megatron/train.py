@@ -372,7 +372,7 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
     # Sample k is the same however long the run (batches.EpochSamples): steps=10 and steps=20 start
     # alike, and one call of 10 steps and two of 5 read the same samples.
     dataset = plan.dataset(tc, model) if own is None else None
-    switch = background_compile.Steps(fused=model.fusions, device=device)
+    switch = background_compile.Steps(fused=model.fusions, device=device, keys=model.compile_keys)
     with switch:
         if _agree_to_stop(flag, device, switch):
             raise KeyboardInterrupt(f"mnb.train stopped before its first step on every rank "

@@ -290,12 +290,15 @@ def test_an_interrupt_names_the_users_line_in_a_cell_and_a_script_never_the_stdl
 
     restarts = cpu_pool.restarts
     cpu_pool.event_handlers.append(_interrupt_when_all_emitted(cpu_pool, "test-waiting", in_wait))
+    # grace: the ranks may take their time to return from the interrupt on a loaded machine (the pool's 3 s
+    # made a rank that had not returned yet count as unreleased, CI leg 2 on 747719b); what is checked here is
+    # the line the interrupt names, and the release ends as soon as the ranks return
     with pytest.raises(KeyboardInterrupt) as in_script:
-        cpu_pool.run_script(script, quiet=True)
+        cpu_pool.run_script(script, quiet=True, grace=60)
     # the pool's layout is back after an interrupted script (it was skipped whenever a rank had waited)
     assert cpu_pool.run("ps.model_parallel_is_initialized()", quiet=True) == {0: True, 1: True}
     with pytest.raises(KeyboardInterrupt) as in_cell:
-        cpu_pool.run(waits, quiet=True)
+        cpu_pool.run(waits, quiet=True, grace=60)
     script_line, cell_line = str(in_script.value), str(in_cell.value)
     assert script_line == "interrupted rank(s) [0, 1] at wait_forever.py line 4 `threading.Event().wait()`", script_line
     assert cell_line == "interrupted rank(s) [0, 1] at cell line 4 `threading.Event().wait()`", cell_line

@@ -847,9 +847,10 @@ def decode_kernels_interpreted() -> dict:
     return results
 
 
-def _tp2_sp_training(kernels, build) -> dict:
+def _tp2_sp_training(kernels, build, width: int | None = None) -> dict:
     """``build()``'s model (tiny, seeded) trained 3 parity steps under tp2 + sequence parallelism: its losses,
-    gradient norms and the calls of the kernel module ``kernels`` (its one probe run first, outside the count)."""
+    gradient norms and the calls of the kernel module ``kernels`` (its probe run first, outside the count; at
+    ``width`` for a module that probes per width)."""
     import torch
 
     from mnb.config import ParallelConfig
@@ -859,7 +860,7 @@ def _tp2_sp_training(kernels, build) -> dict:
     apply_layout(ParallelConfig(tp=2, sequence_parallel=True))
     torch.manual_seed(0)
     model = build()
-    kernels.runs_on(torch.device("cpu"))
+    kernels.runs_on(torch.device("cpu"), *(() if width is None else (width,)))
     before = dict(kernels.calls)
     record = train(model, steps=3, **PARITY_BATCH)
     return dict(losses=_losses(record), grad_norms=[row["grad_norm"] for row in record["steps"]],
@@ -971,7 +972,7 @@ def norm_kernels_interpreted() -> dict:
         def run():
             LocalNorm.own_kernels = own_kernels  # every norm of the model, as FusedLocalNorm on a GPU rank
             try:
-                return _tp2_sp_training(norm_kernels, lambda: gpt("tiny"))
+                return _tp2_sp_training(norm_kernels, lambda: gpt("tiny"), width=64)  # tiny's hidden size
             finally:
                 LocalNorm.own_kernels = False
         return run
@@ -1172,24 +1173,27 @@ def rope_kernels_interpreted() -> dict:
                     calls={k: rope_kernels.calls[k] - before[k] for k in before})
         # Megatron's layout: the fused QKV [s, b, groups * (heads/group + 2) * head] viewed and split, the
         # query reshaped, RoPE through fusions.fused_rope (Megatron's fused slot) against Megatron's unfused
-        seq, batch, groups, per_group, head = 6, 2, 2, 3, 16
-        gen = torch.Generator().manual_seed(11)
-        mixed = torch.randn(seq, batch, groups * (per_group + 2) * head, generator=gen, requires_grad=True)
-        query, key, _ = mixed.view(seq, batch, groups, (per_group + 2) * head).split(
-            [per_group * head, head, head], dim=3)
-        query = query.reshape(seq, batch, -1, head)
-        freqs = torch.randn(seq, 1, 1, head, generator=gen)
-        before = dict(rope_kernels.calls)
-        ours = [fusions.fused_rope(x, freqs) for x in (query, key)]
-        theirs = [_apply_rotary_pos_emb_bshd(x, freqs) for x in (query, key)]
-        grads = []
-        for rotated in (ours, theirs):
-            mixed.grad = None
-            sum((r * torch.arange(r.numel()).view(r.shape).sin()).sum() for r in rotated).backward()
-            grads.append(mixed.grad.clone())
-        out["megatron_views"] = dict(out=max(relative(a, b) for a, b in zip(ours, theirs)),
-                                     grad=relative(grads[0], grads[1]),
-                                     calls={k: rope_kernels.calls[k] - before[k] for k in before})
+        # two layouts: 2 groups of 3 query heads at micro batch 2; micro batch 1 with one group of one head (the
+        # key is then one head: [s, 1, 1, d]) and half of the head rotated
+        for name, (seq, batch, groups, per_group, head, rot) in {"megatron_views": (6, 2, 2, 3, 16, 16),
+                                                                 "megatron_views_one_head": (5, 1, 1, 1, 32, 16)}.items():
+            gen = torch.Generator().manual_seed(11)
+            mixed = torch.randn(seq, batch, groups * (per_group + 2) * head, generator=gen, requires_grad=True)
+            query, key, _ = mixed.view(seq, batch, groups, (per_group + 2) * head).split(
+                [per_group * head, head, head], dim=3)
+            query = query.reshape(seq, batch, -1, head)
+            freqs = torch.randn(seq, 1, 1, rot, generator=gen)
+            rope_kernels.runs_on(torch.device("cpu"), head)  # this width's probe, outside the counts
+            before = dict(rope_kernels.calls)
+            ours = [fusions.fused_rope(x, freqs) for x in (query, key)]
+            theirs = [_apply_rotary_pos_emb_bshd(x, freqs) for x in (query, key)]
+            grads = []
+            for rotated in (ours, theirs):
+                mixed.grad = None
+                sum((r * torch.arange(r.numel()).view(r.shape).sin()).sum() for r in rotated).backward()
+                grads.append(mixed.grad.clone())
+            out[name] = dict(out=max(relative(a, b) for a, b in zip(ours, theirs)), grad=relative(grads[0], grads[1]),
+                             calls={k: rope_kernels.calls[k] - before[k] for k in before})
         t, table = torch.randn(4, 3, 16), torch.randn(4, 1, 16)
         out["applies"] = rope_kernels.applies(t, table)
         out["refuses"] = {"odd rotation": rope_kernels.applies(t, torch.randn(4, 1, 15)),
@@ -1198,7 +1202,7 @@ def rope_kernels_interpreted() -> dict:
                           "integers": rope_kernels.applies(t.long(), table),
                           "empty": rope_kernels.applies(torch.zeros(0, 3, 16), torch.zeros(0, 1, 16)),
                           **_refusals(rope_kernels, lambda: rope_kernels.applies(t, table))}
-        rope_kernels.runs_on(torch.device("cpu"))  # probed again (its cache was cleared), before the count
+        rope_kernels.runs_on(torch.device("cpu"), 16)  # probed again (its cache was cleared), before the count
         before = (dict(rope_kernels.calls), dict(fusions.calls))
         four = torch.randn(4, 1, 3, 16)
         fusions.fused_rope(four, torch.randn(4, 1, 1, 16))
@@ -1257,6 +1261,15 @@ def loss_kernels_interpreted() -> dict:
                     padding_grad=float(got_logits.grad[:, -40:].float().abs().max()) if shape == "padded" else 0.0,
                     dtypes=[str(x.dtype)[6:] for x in (got, got_logits.grad)],
                     calls={k: loss_kernels.calls[k] - before[k] for k in before})
+        # a user's mask: a whole block of -inf logits (the online max must not turn them into nan), and targets
+        # outside the vocabulary (-100, as a padded label; counted 0, as Megatron's loss counts them)
+        gen = torch.Generator().manual_seed(8)
+        logits = torch.randn(4, loss_kernels.BLOCK + 50, generator=gen) * 4
+        logits[:, :loss_kernels.BLOCK] = -float("inf")
+        target = torch.tensor([loss_kernels.BLOCK + 3, -100, loss_kernels.BLOCK + 49, 10 ** 6])
+        exact = fusions.vocab_parallel_cross_entropy(logits, target, None, compiled=False)
+        got = loss_kernels.cross_entropy(logits, target, None)
+        out["masked_and_outside"] = dict(loss=relative(got, exact), finite=bool(torch.isfinite(got).all()))
         logits, target = torch.randn(4, 64), torch.arange(4)
         out["applies"] = loss_kernels.applies(logits)
         out["refuses"] = {"not [tokens, vocabulary]": loss_kernels.applies(logits.view(2, 2, 64)),
@@ -1276,21 +1289,27 @@ def loss_kernels_interpreted() -> dict:
         _guard(results, "kernels", cases)
 
     def split_over_tp2():
-        """Each rank's half of one vocabulary (targets in both halves) over the world as the tp group."""
-        gen = torch.Generator().manual_seed(5)
-        whole = torch.randn(12, 2 * 1000, generator=gen) * 4
-        target = torch.randint(0, 2000, (12,), generator=gen)
-        weights = torch.rand(12, generator=gen)
-        exact_logits = whole.clone().requires_grad_()
-        exact = F.cross_entropy(exact_logits, target, reduction="none")
-        (exact * weights).sum().backward()
-        rank = torch.distributed.get_rank()
-        part = whole[:, rank * 1000:(rank + 1) * 1000].clone().requires_grad_()
-        got = loss_kernels.cross_entropy(part, target, torch.distributed.group.WORLD)
-        (got * weights).sum().backward()
-        exact_part = exact_logits.grad[:, rank * 1000:(rank + 1) * 1000]
-        return dict(loss=relative(got, exact), grad=relative(part.grad, exact_part),
-                    targets_here=int(((target >= rank * 1000) & (target < (rank + 1) * 1000)).sum()))
+        """Each rank's half of one vocabulary over the world as the tp group: halves of two full blocks and a
+        partial one, Megatron's padding at the end of the second, targets in both halves; fp32 and bf16."""
+        out = {}
+        part_width = 2 * loss_kernels.BLOCK + 37
+        for dtype in (torch.float32, torch.bfloat16):
+            gen = torch.Generator().manual_seed(5)
+            whole = (torch.randn(12, 2 * part_width, generator=gen) * 4).to(dtype)
+            whole[:, -40:] = torch.finfo(dtype).min
+            target = torch.randint(0, 2 * part_width - 40, (12,), generator=gen)
+            weights = torch.rand(12, generator=gen)
+            exact_logits = whole.float().clone().requires_grad_()
+            exact = F.cross_entropy(exact_logits, target, reduction="none")
+            (exact * weights).sum().backward()
+            rank = torch.distributed.get_rank()
+            columns = slice(rank * part_width, (rank + 1) * part_width)
+            part = whole[:, columns].clone().requires_grad_()
+            got = loss_kernels.cross_entropy(part, target, torch.distributed.group.WORLD)
+            (got * weights).sum().backward()
+            out[str(dtype)[6:]] = dict(loss=relative(got, exact), grad=relative(part.grad, exact_logits.grad[:, columns]),
+                                       targets_here=int(((target >= columns.start) & (target < columns.stop)).sum()))
+        return out
 
     _guard(results, "tp2", split_over_tp2)
     return results
@@ -1298,9 +1317,10 @@ def loss_kernels_interpreted() -> dict:
 
 def own_kernels_model_interpreted() -> dict:
     """A fused model (the one a GPU rank builds: ``fusions.COMPILE_ON_CPU`` stands in for the GPU) where every
-    mnb kernel runs (the interpreter): built under tp2 + sp, nothing is left to compile; trained 3 steps, every
-    norm, SwiGLU, RoPE and loss through mnb's kernels and none through a compiled or eager fused op, with the
-    losses and gradient norms of the same run unfused."""
+    mnb kernel runs (the interpreter): built under tp2 + sp, nothing is left to compile; trained 3 steps while
+    another model's compile is pending, every norm, SwiGLU, RoPE and loss through mnb's kernels and none through
+    a compiled or eager fused op, no step counted as compiling, with the losses and gradient norms of the same
+    run unfused.  Then what ``model.fused_shapes`` leaves to compile (rank 0)."""
     import torch
 
     from mnb.config import ParallelConfig
@@ -1313,33 +1333,65 @@ def own_kernels_model_interpreted() -> dict:
     modules = {"norm": norm_kernels, "swiglu": swiglu_kernels, "rope": rope_kernels, "loss": loss_kernels}
 
     def trained(fused: bool) -> dict:
+        import types
+
         apply_layout(ParallelConfig(tp=2, sequence_parallel=True))
         torch.manual_seed(0)
         fusions.COMPILE_ON_CPU = fused
+        # another model's compile still under way (never finishing here): this model needs none of it, so none
+        # of its steps may count as compiling or wait for it
+        background_compile._pending = types.SimpleNamespace(ready=False, keys=[("loss", 999, torch.bfloat16)])
         try:
             model = gpt("tiny", fusions=fused)
         finally:
             fusions.COMPILE_ON_CPU = False
-        out = dict(compiles=background_compile.pending() is not None, fused=model.fusions,
+        out = dict(compiles=bool(model.compile_keys), fused=model.fusions,
                    classes=sorted({type(m).__name__ for chunk in model.chunks for m in chunk.modules()
                                    if type(m).__name__.startswith("Fused")} | {type(model.chunks[0]).__name__}),
                    rope_fusion=model.transformer_config.apply_rope_fusion)
         if out["compiles"]:  # fail now rather than compile with Inductor's C++ backend for minutes
-            raise AssertionError(f"a fused model where mnb's kernels run compiles: {background_compile.pending().keys}")
+            raise AssertionError(f"a fused model where mnb's kernels run compiles: {model.compile_keys}")
         before = ({name: dict(m.calls) for name, m in modules.items()}, dict(fusions.calls))
         fusions.COMPILE_ON_CPU = fused  # fused ops that did not go to mnb's kernels would compile: counted below
         try:
             record = train(model, steps=3, **PARITY_BATCH)
         finally:
             fusions.COMPILE_ON_CPU = False
+            background_compile._pending = None
         out.update(losses=_losses(record), grad_norms=[row["grad_norm"] for row in record["steps"]],
                    compiling=[row.get("compiling", False) for row in record["steps"]],
                    calls={name: m.calls["forward"] - before[0][name]["forward"] for name, m in modules.items()},
                    fused_op_calls={k: fusions.calls[k] - before[1][k] for k in fusions.calls})
         return out
 
+    def left_to_compile():
+        """What ``model.fused_shapes`` leaves for the background compile of tiny (tp up to 2): nothing where all of
+        mnb's kernels run, each kernel's widths when its module is switched off, all without a device; no RoPE
+        for a model without it."""
+        import dataclasses
+
+        from mnb.config import load_preset
+        from mnb.megatron.model import fused_shapes
+
+        tiny = load_preset("tiny")
+
+        def kinds(config=tiny, **kw):
+            return sorted(name for name, widths in fused_shapes(config, 2, swiglu=True, **kw).items() if widths)
+
+        out = {"served": kinds(device=torch.device("cpu")), "no device": kinds(),
+               "without RoPE": kinds(dataclasses.replace(tiny, position_embedding_type="learned_absolute"))}
+        for name in ("swiglu", "rope", "loss"):
+            modules[name].enabled = False
+            try:
+                out[f"{name} off"] = kinds(device=torch.device("cpu"))
+            finally:
+                modules[name].enabled = True
+        return out
+
     _guard(results, "unfused", lambda: trained(False))
     _guard(results, "own-kernels", lambda: trained(True))
+    if torch.distributed.get_rank() == 0:
+        _guard(results, "left_to_compile", left_to_compile)
     return results
 
 

@@ -5,7 +5,8 @@ loss all run in mnb's own kernels (norm_kernels, swiglu_kernels, rope_kernels, l
 for the background compile, so no step runs unfused while compiling and no step waits.  Here the GPU is stood
 in for by ``fusions.COMPILE_ON_CPU`` and Triton's interpreter, in the launch the kernel files share (conftest's
 ``triton_interpreted``, ``own_kernels_model_interpreted``): tiny built under tp2 + sequence parallelism, trained
-3 steps, against the same model built unfused (Megatron's own ops).  Leg 1's CPU torch has no Triton, so there
+3 steps, against the same model built unfused (Megatron's own ops); and what ``model.fused_shapes`` leaves to
+compile when a kernel module is switched off.  Leg 1's CPU torch has no Triton, so there
 this file is skipped; on a GPU, tests/test_gpu_smoke.py checks the same calls.
 """
 
@@ -21,7 +22,17 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def trained(triton_interpreted):
-    return [{name: ok(run) for name, run in rank["own_model"].items()} for rank in triton_interpreted]
+    return [{name: ok(run) for name, run in rank["own_model"].items() if name != "left_to_compile"}
+            for rank in triton_interpreted]
+
+
+def test_what_is_left_to_compile_is_what_mnbs_kernels_do_not_run(triton_interpreted):
+    left = ok(triton_interpreted[0]["own_model"]["left_to_compile"])
+    assert left["served"] == []
+    assert left["no device"] == ["rope_layouts", "swiglu_widths", "vocab_widths"]
+    assert left["without RoPE"] == ["swiglu_widths", "vocab_widths"]
+    assert (left["swiglu off"], left["rope off"], left["loss off"]) == (
+        ["swiglu_widths"], ["rope_layouts"], ["vocab_widths"])
 
 
 def test_a_fused_model_whose_kernels_all_run_compiles_nothing(trained):

@@ -8,8 +8,10 @@ In the launch the other kernel files share (conftest's ``triton_interpreted``, t
   partial block, one of two full blocks and a partial one (the online max and sum carried across blocks)
   ending in Megatron's padding columns at the dtype's lowest value (they get no gradient), strided rows;
   fp32 and bf16;
-- a vocabulary split over a tp group of 2 (each rank's half, targets on both): each rank's loss is the whole
-  vocabulary's, and its gradient that half of the whole gradient;
+- a block of -inf logits (a user's mask) and targets outside the vocabulary, as the compiled loss counts them;
+- a vocabulary split over a tp group of 2 (each rank's half of several blocks, padding at the end, targets on
+  both; fp32 and bf16): each rank's loss is the whole vocabulary's, and its gradient that half of the whole
+  gradient;
 - when they apply, and ``vocab_parallel_cross_entropy`` routing to them by default while an explicit
   ``compiled=`` keeps its own path.
 
@@ -47,11 +49,19 @@ def test_loss_and_gradient_are_the_compiled_losss_and_torchs(loss):
         assert case["padding_grad"] == 0.0, (name, case)
 
 
+def test_a_masked_block_and_targets_outside_the_vocabulary_count_as_megatrons_loss_counts_them(loss):
+    masked = ok(loss[0]["kernels"])["masked_and_outside"]
+    assert masked["finite"] is True and masked["loss"] <= 1e-6, masked
+
+
 def test_a_vocabulary_split_over_tp2_gives_the_whole_vocabularys_loss(loss):
     for rank in loss:
         split = ok(rank["tp2"])
-        assert split["targets_here"] > 0, split  # each rank holds some targets: both branches run
-        assert split["loss"] <= 1e-6 and split["grad"] <= 1e-6, split
+        for dtype, case in split.items():
+            assert case["targets_here"] > 0, case  # each rank holds some targets: both branches run
+            assert case["loss"] <= 1e-6, (dtype, case)
+            # 16,000 columns: the sum of exp in another order than torch's moves the softmax by a few fp32 steps
+            assert case["grad"] <= (1e-5 if dtype == "float32" else BF16_STEPS), (dtype, case)
 
 
 def test_the_compiled_loss_serves_where_these_do_not_apply(loss):

@@ -7,7 +7,8 @@ In the launch test_decode_kernels.py, test_norm_kernels.py and the other kernel 
   heads that are not a multiple of a program's block, a partial rotation (the other columns pass through), a
   strided view of heads; fp32 and bf16;
 - Megatron's query and key (views of the fused QKV projection) through ``fusions.fused_rope``, Megatron's
-  fused-RoPE slot, against Megatron's own unfused RoPE, output and the gradient into the QKV;
+  fused-RoPE slot, against Megatron's own unfused RoPE, output and the gradient into the QKV (also at micro
+  batch 1 with one head per group, half of it rotated);
 - when it applies, and ``fused_rope`` routing to it by default while an explicit ``compiled=`` keeps its own
   path.
 
@@ -45,9 +46,10 @@ def test_forward_and_backward_compute_what_the_compiled_kernel_computes(kernels)
 
 
 def test_megatrons_query_and_key_views_rotate_as_megatrons_unfused_rope(kernels):
-    views = kernels["megatron_views"]
-    assert views["calls"] == {"forward": 2, "backward": 2}, views
-    assert views["out"] <= 1e-6 and views["grad"] <= 1e-6, views
+    for name in ("megatron_views", "megatron_views_one_head"):  # the second: micro batch 1, one head, half rotated
+        views = kernels[name]
+        assert views["calls"] == {"forward": 2, "backward": 2}, (name, views)
+        assert views["out"] <= 1e-6 and views["grad"] <= 1e-6, (name, views)
 
 
 def test_the_compiled_kernel_serves_where_this_one_does_not_apply(kernels):
