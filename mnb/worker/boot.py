@@ -178,11 +178,13 @@ BACKGROUND_PRESETS = ("llama-1b", "llama-3b")
 
 
 def _warm_fused_kernels_in_background(device) -> None:
-    """Compile the fused kernels of mnb's GPU presets while the notebook has nothing for this rank yet.
+    """Build the fused kernels of mnb's GPU presets while the notebook has nothing for this rank yet.
 
-    They take seconds to compile (about 11 s with an empty Inductor cache on an H200); the
-    first ``mnb.gpt`` that arrives meanwhile waits for this compile instead of starting its own
-    (``fusions.warm_up`` holds a lock) and then compiles only what its own shapes still lack.
+    mnb's own Triton kernels (norms, loss, RoPE, SwiGLU) are probed at the presets' widths, which builds
+    them (Triton compiles each once per machine and keeps it on disk); whatever they do not run is compiled
+    by Inductor (about 11 s with an empty cache on an H200).  The first ``mnb.gpt`` that arrives meanwhile
+    waits for this instead of starting its own (the probe's lock, ``fusions.warm_up``'s lock) and then builds
+    only what its own shapes still lack.
     """
     import threading
 
@@ -195,10 +197,12 @@ def _warm_fused_kernels_in_background(device) -> None:
             if not fusions.compile_available():
                 return
             from mnb.config import load_preset
+            from mnb.megatron import norm_kernels
             from mnb.megatron.model import fused_shapes
 
             torch.cuda.set_device(device)  # the current device is per thread
             for preset in BACKGROUND_PRESETS:
+                norm_kernels.runs_on(device, load_preset(preset).hidden_size)
                 fusions.warm_up(device, announce=False, **fused_shapes(load_preset(preset), fusions.tp_ceiling(),
                                                                         swiglu=True, device=device))
         except Exception as exc:  # the first model compiles them instead; say why in the log
