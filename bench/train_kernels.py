@@ -6,17 +6,17 @@ kernels and mnb's Triton kernels (``mnb.megatron.norm_kernels``, ``swiglu_kernel
 
 Shapes, bf16, seq 2048: the norms' inputs of llama-1b (hidden 2048) at micro batch 8 and 16, of llama-3b
 (hidden 3072) and llama-8b (hidden 4096) at micro batch 8 and 4; SwiGLU's inputs (``[tokens, 2 x ffn]``)
-of llama-1b/3b (ffn 8192) at micro batch 8 and llama-8b (ffn 14336) at micro batch 4; RoPE's query of llama-1b
-(32 heads of 64) and llama-3b (24 heads of 128) at micro batch 8; the loss's logits (vocabulary 128,256) at
-micro batch 8 and 4.  Each side is timed
-alone on the GPU (CUDA events, median of 20 calls after 5), with the same output gradient each call; the
-bytes a pass must move at least (RMSNorm forward: read x, write y; backward: read x and the output
-gradient, write the input gradient; SwiGLU forward: read 2f, write f; backward: read f and 2f, write 2f,
-per token; RoPE: read and write the tensor each way; the loss: read the logits forward, read them and write
-their gradient backward) over the time is its bandwidth, beside ``x.clone()``'s.  Every side's output and gradients are
-checked against fp32 (largest error relative to the largest value).  ``PROGRAMS_PER_SM`` of the norm's
-backward is swept for mnb's side.  ``--device cpu`` (with ``TRITON_INTERPRET=1``, tiny shapes, wall-clock
-timing) is a dry run of the script itself.
+of llama-1b/3b (ffn 8192) at micro batch 8 and llama-8b (ffn 14336) at micro batch 4; RoPE's query of
+llama-1b (32 heads of 64) and llama-3b (24 heads of 128) at micro batch 8; the loss's logits (vocabulary
+128,256) at micro batch 8 and 4.  Each side is timed alone on the GPU (CUDA events, median of 20 calls after
+5), with the same output gradient each call; the bytes a pass must move at least (RMSNorm forward: read x,
+write y; backward: read x and the output gradient, write the input gradient; SwiGLU forward: read 2f, write
+f; backward: read f and 2f, write 2f, per token; RoPE: read and write the tensor each way; the loss: read
+the logits forward, read them and write their gradient backward) over the time is its bandwidth, beside
+``x.clone()``'s.  Every side's output and gradients are checked against fp32 (largest error relative to the
+largest value).  ``PROGRAMS_PER_SM`` of the norm's backward and ``ELEMENTS`` of RoPE's programs are swept
+for mnb's side.  ``--device cpu`` (with ``TRITON_INTERPRET=1``, tiny shapes, wall-clock timing) is a dry
+run of the script itself.
 """
 
 from __future__ import annotations
@@ -234,7 +234,25 @@ def measure_rope(label: str, seq: int, batch: int, heads: int, head: int) -> lis
     sides = {"torch eager (Megatron's unfused RoPE)": lambda x: _apply_rotary_pos_emb_bshd(x, freqs),
              "Inductor (mnb.megatron.fusions)": lambda x: fusions.fused_rope(x, freqs, compiled=True),
              "mnb's Triton kernel": lambda x: fusions.fused_rope(x, freqs)}
-    return compare(f"RoPE {label}", sides, lambda: t.clone(), g, exact.detach(), exact_t.grad, 2 * size, 4 * size)
+    rows = compare(f"RoPE {label}", sides, lambda: t.clone(), g, exact.detach(), exact_t.grad, 2 * size, 4 * size)
+    kept = rope_kernels.ELEMENTS
+    tg = t.clone().requires_grad_()
+
+    def both():
+        tg.grad = None
+        fusions.fused_rope(tg, freqs).backward(g)
+
+    for elements in (512, 1024, 2048, 4096, 8192):  # elements a program rotates
+        rope_kernels.ELEMENTS = elements
+        try:
+            ms = timed(both)
+            rows.append({"shape": f"RoPE {label}", "side": f"mnb, {elements} elements a program",
+                         "forward_backward_ms": round(ms, 4), "forward_backward_GBps": round(4 * size / ms / 1e6, 1)})
+        except Exception:  # noqa: BLE001
+            rows.append({"shape": f"RoPE {label}", "side": f"mnb, {elements} elements a program",
+                         "error": traceback.format_exc()[-1200:]})
+    rope_kernels.ELEMENTS = kept
+    return rows
 
 
 def measure_loss(label: str, tokens: int, vocab: int) -> list[dict]:

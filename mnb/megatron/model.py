@@ -395,7 +395,7 @@ def build_model(cfg: ModelConfig, parallel: ParallelConfig, *, seed: int | None 
         shapes = fused_shapes(cfg, _fusions.tp_ceiling(), swiglu=uses_fused_swiglu(chunks), device=device)
         compile_keys = tuple(_fusions.warm_keys(**shapes))
         if background_compile.start(device, shapes) is not None and torch.distributed.get_rank() == 0:
-            kinds = _fusions.compiled_kinds(_fusions.warm_keys(**shapes))
+            kinds = _fusions.compiled_kinds(compile_keys)
             print(f"mnb: compiling the fused {kinds} kernels in the background; the first training steps run "
                   "them unfused until they are ready (mnb.gpt(..., fusions=False) skips them)", flush=True)
     global _last_model

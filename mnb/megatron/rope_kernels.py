@@ -29,8 +29,10 @@ enabled = True
 """Off: RoPE through the compiled kernel of :mod:`mnb.megatron.fusions` instead.  Set it before ``mnb.gpt``:
 a model built while it is on leaves its RoPE out of the background compile (switched off later, the
 compiled RoPE compiles at its first use, on the training thread)."""
-HEADS = 4
-"""Heads a program rotates (one position's ``cos``/``sin`` read once for all of them)."""
+ELEMENTS = 4096
+"""Elements a program rotates: ``ELEMENTS // block width`` heads of one position (its ``cos``/``sin`` read
+once for all of them; a program of one head, 128 columns, would be too small to keep the GPU's memory busy).
+Tuned by ``bench/train_kernels.py``."""
 calls = {"forward": 0, "backward": 0}
 """Kernel launches in this process (tests and diagnostics)."""
 
@@ -87,9 +89,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     positions, heads, width = x.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = next_power_of_two(width)
-    _kernel()[(positions, -(-heads // HEADS))](x, cos, sin, y, heads, x.stride(0), x.stride(1), cos.shape[-1],
-                                               width, HEADS=HEADS, BLOCK=block, BACKWARD=backward,
-                                               num_warps=max(1, min(8, HEADS * block // 256)))
+    per_program = max(1, ELEMENTS // block)  # a constant per width: one kernel per width, whatever the heads
+    _kernel()[(positions, -(-heads // per_program))](x, cos, sin, y, heads, x.stride(0), x.stride(1), cos.shape[-1],
+                                                     width, HEADS=per_program, BLOCK=block, BACKWARD=backward,
+                                                     num_warps=max(1, min(8, per_program * block // 512)))
     calls["backward" if backward else "forward"] += 1
     return y
 
