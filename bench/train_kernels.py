@@ -153,35 +153,8 @@ def measure_swiglu(label: str, tokens: int, ffn: int) -> list[dict]:
     y = torch.randn(tokens, 2 * ffn, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     g = torch.randn(tokens, ffn, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     half = g.numel() * g.element_size()
-    exact = fusions._swiglu(y.float())
-    exact_grad = fusions._swiglu_grad(g.float(), y.float())
-    out = []
-    yg = y.clone().requires_grad_()
-
-    def both(fn):
-        def step():
-            yg.grad = None
-            fn(yg).backward(g)
-        return step
-
-    for name, fn in swiglu_sides().items():
-        row = {"shape": f"SwiGLU {label}", "side": name}
-        try:
-            with torch.no_grad():
-                forward_ms = timed(lambda: fn(y))
-            both_ms = timed(both(fn))
-            yg.grad = None
-            got = fn(yg)
-            got.backward(g)
-            row.update(forward_ms=round(forward_ms, 4), forward_GBps=round(3 * half / forward_ms / 1e6, 1),
-                       forward_backward_ms=round(both_ms, 4),
-                       forward_backward_GBps=round(8 * half / both_ms / 1e6, 1),
-                       y_error=float((got.float() - exact).abs().max() / exact.abs().max()),
-                       dx_error=float((yg.grad.float() - exact_grad).abs().max() / exact_grad.abs().max()))
-        except Exception:  # noqa: BLE001 - a side that fails is a row that says so
-            row["error"] = traceback.format_exc()[-1200:]
-        out.append(row)
-    return out
+    return compare(f"SwiGLU {label}", swiglu_sides(), lambda: y.clone(), g, fusions._swiglu(y.float()),
+                   fusions._swiglu_grad(g.float(), y.float()), 3 * half, 8 * half)
 
 
 def relative(a, b) -> float:
@@ -271,8 +244,7 @@ def measure_loss(label: str, tokens: int, vocab: int) -> list[dict]:
              "Inductor (mnb.megatron.fusions)": lambda x: fusions.vocab_parallel_cross_entropy(x, target, None,
                                                                                               compiled=True),
              "mnb's Triton kernels": lambda x: fusions.vocab_parallel_cross_entropy(x, target, None)}
-    rows = compare(f"loss {label}", sides, lambda: logits.clone(), g, exact, exact_grad, size, 3 * size)
-    return rows
+    return compare(f"loss {label}", sides, lambda: logits.clone(), g, exact, exact_grad, size, 3 * size)
 
 
 def main() -> None:

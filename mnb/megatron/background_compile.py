@@ -129,12 +129,11 @@ class Steps:
     blocks: :func:`mnb.megatron.fusions.by_rows`), so this wait is for models at the edge of memory.
     """
 
-    def __init__(self, fused: bool, device: torch.device | None = None, keys: tuple | None = None):
+    def __init__(self, fused: bool, device: torch.device | None = None, keys: tuple = ()):
         self.fused = fused
         self.keys = keys
         """The model's compiled kernels (``MegatronModel.compile_keys``): its steps wait on these and no other
-        model's compile (a model whose fused ops all run in mnb's own kernels has none).  None: whatever the
-        last fused model started."""
+        model's compile (a model whose fused ops all run in mnb's own kernels has none)."""
         self.compiled = True
         """Whether the current step runs the compiled kernels (always True for an unfused model)."""
         self.waited_s: float | None = None
@@ -151,7 +150,7 @@ class Steps:
 
     def _ready(self) -> bool:
         """Whether this rank has every kernel the model needs compiled."""
-        return local_ready() if self.keys is None else fusions.is_warm(self.keys)
+        return fusions.is_warm(self.keys)
 
     def _measures(self) -> bool:
         return self.fused and self._device is not None and self._device.type == "cuda"

@@ -867,6 +867,27 @@ def _tp2_sp_training(kernels, build, width: int | None = None) -> dict:
                 calls={k: kernels.calls[k] - before[k] for k in before})
 
 
+def _refusals(kernels, applies) -> dict:
+    """``applies()`` with the kernel module ``kernels`` switched off, and with its kernels failing their probe
+    (Triton without a C compiler, an unsupported GPU); both restored after."""
+    out = {}
+    kernels.enabled = False
+    try:
+        out["enabled = False"] = applies()
+    finally:
+        kernels.enabled = True
+    attribute = "_kernels" if hasattr(kernels, "_kernels") else "_kernel"
+    kept = getattr(kernels, attribute)
+    setattr(kernels, attribute, lambda: (_ for _ in ()).throw(RuntimeError("cannot build (test)")))
+    kernels._probe.cache_clear()
+    try:
+        out["probe fails"] = applies()
+    finally:
+        setattr(kernels, attribute, kept)
+        kernels._probe.cache_clear()
+    return out
+
+
 def norm_kernels_interpreted() -> dict:
     """mnb's RMSNorm kernels (mnb.megatron.norm_kernels) under Triton's interpreter on 2 CPU ranks: forward and
     backward against ``F.rms_norm``'s autograd on cases of their own, and the rule for when they apply (rank 0);
@@ -933,20 +954,9 @@ def norm_kernels_interpreted() -> dict:
             "weight of another width": norm_kernels.applies(cpu, torch.ones(16)),
             "empty": norm_kernels.applies(torch.zeros(0, 32), weight),
         }
-        norm_kernels.enabled = False
-        try:
-            out["refuses"]["enabled = False"] = norm_kernels.applies(cpu, weight)
-        finally:
-            norm_kernels.enabled = True
-        # a kernel that fails its probe (Triton without a C compiler, an unsupported GPU): torch's norm serves
-        kept = norm_kernels._kernels
-        norm_kernels._kernels = lambda: (_ for _ in ()).throw(RuntimeError("cannot build (test)"))
-        norm_kernels._probe.cache_clear()
-        try:
-            out["refuses"]["probe fails"] = norm_kernels.applies(cpu, weight)
-        finally:
-            norm_kernels._kernels = kept
-            norm_kernels._probe.cache_clear()
+        # switched off, or a kernel that fails its probe (Triton without a C compiler, an unsupported GPU): torch's
+        # norm serves
+        out["refuses"].update(_refusals(norm_kernels, lambda: norm_kernels.applies(cpu, weight)))
         with torch.no_grad():  # a first norm under no_grad (mnb.generate, activation recompute) probes the backward too
             out["applies_after_probe"] = norm_kernels.applies(cpu, weight)
         # a first norm inside non-reentrant checkpointing: the probe's tensors stay out of its saved-tensor hooks
@@ -1061,20 +1071,8 @@ def swiglu_kernels_interpreted() -> dict:
         out["applies"] = swiglu_kernels.applies(x)
         out["refuses"] = {"odd width": swiglu_kernels.applies(torch.randn(6, 31)),
                           "integers": swiglu_kernels.applies(x.long()),
-                          "empty": swiglu_kernels.applies(torch.zeros(0, 32))}
-        swiglu_kernels.enabled = False
-        try:
-            out["refuses"]["enabled = False"] = swiglu_kernels.applies(x)
-        finally:
-            swiglu_kernels.enabled = True
-        kept = swiglu_kernels._kernels
-        swiglu_kernels._kernels = lambda: (_ for _ in ()).throw(RuntimeError("cannot build (test)"))
-        swiglu_kernels._probe.cache_clear()
-        try:
-            out["refuses"]["probe fails"] = swiglu_kernels.applies(x)
-        finally:
-            swiglu_kernels._kernels = kept
-            swiglu_kernels._probe.cache_clear()
+                          "empty": swiglu_kernels.applies(torch.zeros(0, 32)),
+                          **_refusals(swiglu_kernels, lambda: swiglu_kernels.applies(x))}
         # fusions.swiglu: the kernels by default; an explicit compiled= (the warm-up's, a test's) keeps its own path
         swiglu_kernels.runs_on(torch.device("cpu"))  # probed again (its cache was cleared), before the count
         before = (dict(swiglu_kernels.calls), dict(fusions.calls))
@@ -1106,27 +1104,6 @@ def swiglu_kernels_interpreted() -> dict:
     _guard(results, "tp2-sp-eager", train_with(False))
     _guard(results, "tp2-sp-kernels", train_with(True))
     return results
-
-
-def _refusals(kernels, applies) -> dict:
-    """``applies()`` with the kernel module ``kernels`` switched off, and with its kernels failing their probe
-    (Triton without a C compiler, an unsupported GPU); both restored after."""
-    out = {}
-    kernels.enabled = False
-    try:
-        out["enabled = False"] = applies()
-    finally:
-        kernels.enabled = True
-    attribute = "_kernels" if hasattr(kernels, "_kernels") else "_kernel"
-    kept = getattr(kernels, attribute)
-    setattr(kernels, attribute, lambda: (_ for _ in ()).throw(RuntimeError("cannot build (test)")))
-    kernels._probe.cache_clear()
-    try:
-        out["probe fails"] = applies()
-    finally:
-        setattr(kernels, attribute, kept)
-        kernels._probe.cache_clear()
-    return out
 
 
 def rope_kernels_interpreted() -> dict:
