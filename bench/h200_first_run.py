@@ -4,8 +4,8 @@
     python bench/h200_first_run.py --out OUTDIR        # writes OUTDIR/h200_first_run.json
     python bench/h200_first_run.py --llama-1b --out OUTDIR
 
-1. The first cell of a fresh pool, empty Inductor cache (``XDG_CACHE_HOME`` and
-   ``TORCHINDUCTOR_CACHE_DIR`` new folders): ``mnb.gpt('llama-3b', seq_length=2048)``,
+1. The first cell of a fresh pool, empty compile caches (``XDG_CACHE_HOME``, ``TORCHINDUCTOR_CACHE_DIR``
+   and ``TRITON_CACHE_DIR`` new folders): ``mnb.gpt('llama-3b', seq_length=2048)``,
    4 steps at micro batch 8, global batch 64, bf16 (the cell that ran out of memory at step 2).
 2. llama-1b, micro batch 8, in the same pool with its compile held back (the ranks hold
    ``fusions._warm_lock``), so all 4 steps run unfused (steps 2-4 with Adam's state), then 3 more
@@ -89,6 +89,7 @@ def main() -> None:
     cold = tempfile.mkdtemp(prefix="mnb-cold-cache-")
     os.environ["XDG_CACHE_HOME"] = cold
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cold, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(cold, "triton")  # mnb's own kernels built from nothing too
     bench = Rows(out, "h200_first_run.json")
     import mnb
     from mnb.controller import Pool

@@ -14,8 +14,9 @@ write y; backward: read x and the output gradient, write the input gradient; Swi
 f; backward: read f and 2f, write 2f, per token; RoPE: read and write the tensor each way; the loss: read
 the logits forward, read them and write their gradient backward) over the time is its bandwidth, beside
 ``x.clone()``'s.  Every side's output and gradients are checked against fp32 (largest error relative to the
-largest value).  ``PROGRAMS_PER_SM`` of the norm's backward and ``ELEMENTS`` of RoPE's programs are swept
-for mnb's side.  ``--device cpu`` (with ``TRITON_INTERPRET=1``, tiny shapes, wall-clock timing) is a dry
+largest value).  ``PROGRAMS_PER_SM`` and ``TILE`` of the norm's kernels and ``ELEMENTS`` of RoPE's programs
+are swept for mnb's side.  ``gpu_*_ms``: the GPU's own time in kernels per call, from torch's profiler (the
+event timings of small calls in a row include the gaps where the CPU launches slower than the GPU runs).  ``--device cpu`` (with ``TRITON_INTERPRET=1``, tiny shapes, wall-clock timing) is a dry
 run of the script itself.
 """
 
@@ -71,6 +72,26 @@ def timed(fn, repeats: int = 20, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def gpu_ms(fn, repeats: int = 10) -> float | None:
+    """Milliseconds the GPU spends in kernels and copies per ``fn()``, from torch's profiler: the GPU's own
+    time, without the gaps between launches that an event timing of small calls in a row includes where
+    the CPU launches slower than the GPU runs (in a training step the CPU runs ahead of the GEMMs).
+    None on a CPU dry run."""
+    if DEVICE != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    micros = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return round(micros / repeats / 1e3, 4)
+
+
 def sides():
     compiled = torch.compile(lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS), dynamic=False)
     return {
@@ -119,23 +140,31 @@ def measure(label: str, rows: int, width: int) -> list[dict]:
             with torch.no_grad():
                 forward_ms = timed(lambda: norm(x, w))
             both_ms = timed(both(norm))
+            with torch.no_grad():
+                row.update(gpu_forward_ms=gpu_ms(lambda: norm(x, w)))
             row.update(forward_ms=round(forward_ms, 4), forward_GBps=round(2 * size / forward_ms / 1e6, 1),
                        forward_backward_ms=round(both_ms, 4),
-                       forward_backward_GBps=round(5 * size / both_ms / 1e6, 1), **errors(norm, x, w, dy))
+                       forward_backward_GBps=round(5 * size / both_ms / 1e6, 1), gpu_forward_backward_ms=gpu_ms(
+                           both(norm)), **errors(norm, x, w, dy))
         except Exception:  # noqa: BLE001 - a side that fails is a row that says so
             row["error"] = traceback.format_exc()[-1200:]
         out.append(row)
-    for per_sm in (1, 2, 4, 8, 16):
-        norm_kernels.PROGRAMS_PER_SM = per_sm
+    kept = norm_kernels.PROGRAMS_PER_SM, norm_kernels.TILE
+    mine = sides()["mnb's Triton kernels"]
+    for per_sm, tile in [(n, kept[1]) for n in (1, 2, 8)] + [(kept[0], t) for t in (1, 4096, 16384, 32768)]:
+        norm_kernels.PROGRAMS_PER_SM, norm_kernels.TILE = per_sm, tile  # TILE 1: a row at a time
         norm_kernels._programs_on.cache_clear()
+        side = f"mnb, {per_sm} backward programs per SM, tiles of {tile} elements"
         try:
-            ms = timed(both(sides()["mnb's Triton kernels"]))
-            out.append({"shape": f"RMSNorm {label}", "side": f"mnb, {per_sm} backward programs per SM",
-                        "forward_backward_ms": round(ms, 4), "forward_backward_GBps": round(5 * size / ms / 1e6, 1)})
+            ms = timed(both(mine))
+            with torch.no_grad():
+                forward = gpu_ms(lambda: mine(x, w))
+            out.append({"shape": f"RMSNorm {label}", "side": side, "gpu_forward_ms": forward,
+                        "forward_backward_ms": round(ms, 4), "forward_backward_GBps": round(5 * size / ms / 1e6, 1),
+                        "gpu_forward_backward_ms": gpu_ms(both(mine))})
         except Exception:  # noqa: BLE001
-            out.append({"shape": f"RMSNorm {label}", "side": f"mnb, {per_sm} per SM",
-                        "error": traceback.format_exc()[-1200:]})
-    norm_kernels.PROGRAMS_PER_SM = 4
+            out.append({"shape": f"RMSNorm {label}", "side": side, "error": traceback.format_exc()[-1200:]})
+    norm_kernels.PROGRAMS_PER_SM, norm_kernels.TILE = kept
     norm_kernels._programs_on.cache_clear()
     return out
 
@@ -180,6 +209,9 @@ def compare(label: str, sides: dict, make, grad, exact, exact_grad, fwd_bytes: i
             with torch.no_grad():
                 forward_ms = timed(lambda: fn(x))
             both_ms = timed(both(fn))
+            with torch.no_grad():
+                row.update(gpu_forward_ms=gpu_ms(lambda: fn(x)))
+            row.update(gpu_forward_backward_ms=gpu_ms(both(fn)))
             xg.grad = None
             got = fn(xg)
             got.backward(grad)
@@ -278,7 +310,7 @@ def main() -> None:
     rows[0]["kernel_calls"] = {kernels.__name__.rsplit('.', 1)[1]: dict(kernels.calls)
                                for kernels in (norm_kernels, swiglu_kernels, rope_kernels, loss_kernels)}
     columns = ("shape", "side", "forward_ms", "forward_GBps", "forward_backward_ms", "forward_backward_GBps",
-               "y_error", "dx_error", "dw_error", "error")
+               "gpu_forward_ms", "gpu_forward_backward_ms", "y_error", "dx_error", "dw_error", "error")
     lines = [json.dumps(rows[0]), "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows[1:]:
         lines.append("| " + " | ".join(str(row.get(c, "")).replace("\n", " ")[:200] for c in columns) + " |")

@@ -5,8 +5,8 @@ llama-3b training step on an H200 (0.19 s of a 4.9 s step for 57 norms a micro b
 and writing each tensor once takes about 0.06 s; BENCHMARKS.md, issue 18's profile), the largest
 item after the GEMMs, flash attention and mnb's compiled loss, RoPE and SwiGLU.  Here:
 
-- forward: one program a row reads ``x`` once and writes ``y`` once, keeping ``rstd`` (4 bytes a
-  row) for the backward;
+- forward: one program a tile of rows (:data:`TILE` elements) reads ``x`` once and writes ``y`` once,
+  keeping ``rstd`` (4 bytes a row) for the backward;
 - backward: one program a block of rows reads ``x`` and the output gradient once for both
   gradients: the input gradient row by row, and the block's share of the weight gradient summed in
   fp32 registers (the blocks' shares then summed by torch, a few MB).  Computing the weight gradient
@@ -38,6 +38,10 @@ MAX_WIDTH = 16384
 """Widest row a program takes whole (wider rows go to torch's norm)."""
 PROGRAMS_PER_SM = 4
 """Backward programs per streaming multiprocessor: each keeps one block's weight-gradient share."""
+TILE = 8192
+"""Elements a program takes at a time, each way: whole rows, several of them where a row is narrower (a
+program of one 2,048-wide row left an H200's memory idle between its loads; ``bench/train_kernels.py``
+sweeps this)."""
 calls = {"forward": 0, "backward": 0}
 """Kernel launches in this process (tests and diagnostics)."""
 
@@ -81,8 +85,13 @@ def _kernels():
     return norm_triton.rms_norm_forward_kernel, norm_triton.rms_norm_backward_kernel
 
 
-def _warps(block: int) -> int:
-    return min(16, max(1, block // 256))
+def _rows_at_once(block: int) -> int:
+    """Rows a program takes at a time (a power of two): as many as fill :data:`TILE`, at least one."""
+    return max(1, TILE // block)
+
+
+def _warps(elements: int) -> int:
+    return min(16, max(1, elements // 256))
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, *, keep_rstd: bool = False):
@@ -95,8 +104,11 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, *, keep_rstd: boo
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # itself, not a view: callers may write into it
     rstd = torch.empty(rows.shape[0] if keep_rstd else 1, dtype=torch.float32, device=x.device)
     block = next_power_of_two(width)
-    _kernels()[0][(rows.shape[0],)](rows, weight, y, rstd, rows.stride(0), width, width, float(eps),
-                                    BLOCK=block, SAVE_RSTD=keep_rstd, num_warps=_warps(block))
+    at_once = _rows_at_once(block)
+    count = rows.shape[0]
+    _kernels()[0][(-(-count // at_once),)](rows, weight, y, rstd, count, rows.stride(0), width, width,
+                                           float(eps), BLOCK=block, ROWS=at_once, SAVE_RSTD=keep_rstd,
+                                           num_warps=_warps(block * at_once))
     calls["forward"] += 1
     return (y, rows, rstd) if keep_rstd else y
 
@@ -116,13 +128,15 @@ def backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd:
     count, width = rows.shape
     g = as_rows(grad)
     dx = torch.empty(grad.shape, dtype=rows.dtype, device=rows.device)
+    block = next_power_of_two(width)
+    at_once = _rows_at_once(block)
     per_program = -(-count // min(count, _programs_on(str(rows.device))))
+    per_program = -(-per_program // at_once) * at_once  # whole tiles: a tile never spans two programs
     programs = -(-count // per_program)
     shares = torch.empty(programs if weight_grad else 1, width, dtype=torch.float32, device=rows.device)
-    block = next_power_of_two(width)
     _kernels()[1][(programs,)](g, rows, weight, rstd, dx, shares, count, per_program,
-                               g.stride(0), rows.stride(0), width, width,
-                               BLOCK=block, WEIGHT_GRAD=weight_grad, num_warps=_warps(block))
+                               g.stride(0), rows.stride(0), width, width, BLOCK=block, ROWS=at_once,
+                               WEIGHT_GRAD=weight_grad, num_warps=_warps(block * at_once))
     calls["backward"] += 1
     return dx, shares.sum(dim=0).to(weight.dtype) if weight_grad else None
 
