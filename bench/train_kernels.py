@@ -14,7 +14,7 @@ write y; backward: read x and the output gradient, write the input gradient; Swi
 f; backward: read f and 2f, write 2f, per token; RoPE: read and write the tensor each way; the loss: read
 the logits forward, read them and write their gradient backward) over the time is its bandwidth, beside
 ``x.clone()``'s.  Every side's output and gradients are checked against fp32 (largest error relative to the
-largest value).  ``PROGRAMS_PER_SM`` and ``TILE`` of the norm's kernels and ``ELEMENTS`` of RoPE's programs
+largest value).  ``PROGRAMS_PER_SM``, ``FORWARD_TILE`` and ``BACKWARD_TILE`` of the norm's kernels and ``ELEMENTS`` of RoPE's programs
 are swept for mnb's side.  ``gpu_*_ms``: the GPU's own time in kernels per call, from torch's profiler (the
 event timings of small calls in a row include the gaps where the CPU launches slower than the GPU runs).  ``--device cpu`` (with ``TRITON_INTERPRET=1``, tiny shapes, wall-clock timing) is a dry
 run of the script itself.
@@ -149,12 +149,16 @@ def measure(label: str, rows: int, width: int) -> list[dict]:
         except Exception:  # noqa: BLE001 - a side that fails is a row that says so
             row["error"] = traceback.format_exc()[-1200:]
         out.append(row)
-    kept = norm_kernels.PROGRAMS_PER_SM, norm_kernels.TILE
+    kept = norm_kernels.PROGRAMS_PER_SM, norm_kernels.FORWARD_TILE, norm_kernels.BACKWARD_TILE
     mine = sides()["mnb's Triton kernels"]
-    for per_sm, tile in [(n, kept[1]) for n in (1, 2, 8)] + [(kept[0], t) for t in (1, 4096, 16384, 32768)]:
-        norm_kernels.PROGRAMS_PER_SM, norm_kernels.TILE = per_sm, tile  # TILE 1: a row at a time
+    settings = ([(n, kept[1], kept[2]) for n in (1, 2, 8)] + [(kept[0], t, kept[2]) for t in (1, 4096, 16384)]
+                + [(kept[0], kept[1], t) for t in (4096, 8192, 16384)])  # tiles of 1 element: a row at a time
+    for per_sm, forward_tile, backward_tile in settings:
+        norm_kernels.PROGRAMS_PER_SM, norm_kernels.FORWARD_TILE, norm_kernels.BACKWARD_TILE = (
+            per_sm, forward_tile, backward_tile)
         norm_kernels._programs_on.cache_clear()
-        side = f"mnb, {per_sm} backward programs per SM, tiles of {tile} elements"
+        side = (f"mnb, {per_sm} backward programs per SM, tiles of {forward_tile} elements forward, "
+                f"{backward_tile} backward")
         try:
             ms = timed(both(mine))
             with torch.no_grad():
@@ -164,7 +168,7 @@ def measure(label: str, rows: int, width: int) -> list[dict]:
                         "gpu_forward_backward_ms": gpu_ms(both(mine))})
         except Exception:  # noqa: BLE001
             out.append({"shape": f"RMSNorm {label}", "side": side, "error": traceback.format_exc()[-1200:]})
-    norm_kernels.PROGRAMS_PER_SM, norm_kernels.TILE = kept
+    norm_kernels.PROGRAMS_PER_SM, norm_kernels.FORWARD_TILE, norm_kernels.BACKWARD_TILE = kept
     norm_kernels._programs_on.cache_clear()
     return out
 

@@ -5,8 +5,8 @@ llama-3b training step on an H200 (0.19 s of a 4.9 s step for 57 norms a micro b
 and writing each tensor once takes about 0.06 s; BENCHMARKS.md, issue 18's profile), the largest
 item after the GEMMs, flash attention and mnb's compiled loss, RoPE and SwiGLU.  Here:
 
-- forward: one program a tile of rows (:data:`TILE` elements) reads ``x`` once and writes ``y`` once,
-  keeping ``rstd`` (4 bytes a row) for the backward;
+- forward: one program a tile of rows (:data:`FORWARD_TILE` elements) reads ``x`` once and writes ``y``
+  once, keeping ``rstd`` (4 bytes a row) for the backward;
 - backward: one program a block of rows reads ``x`` and the output gradient once for both
   gradients: the input gradient row by row, and the block's share of the weight gradient summed in
   fp32 registers (the blocks' shares then summed by torch, a few MB).  Computing the weight gradient
@@ -38,10 +38,13 @@ MAX_WIDTH = 16384
 """Widest row a program takes whole (wider rows go to torch's norm)."""
 PROGRAMS_PER_SM = 4
 """Backward programs per streaming multiprocessor: each keeps one block's weight-gradient share."""
-TILE = 8192
-"""Elements a program takes at a time, each way: whole rows, several of them where a row is narrower (a
-program of one 2,048-wide row left an H200's memory idle between its loads; ``bench/train_kernels.py``
-sweeps this)."""
+FORWARD_TILE = 8192
+"""Elements a forward program takes: whole rows, several where a row is narrower.  On an H200 (bf16, 16,384
+rows; ``bench/train_kernels.py``, 2026-12-05) tiles of 8,192 took llama-3b's 3,072-wide rows in 0.052 ms
+against 0.069 ms a row a program, and llama-1b's 2,048-wide rows in the same 0.037 ms."""
+BACKWARD_TILE = 1
+"""Elements a backward program takes at a time (rounded up to a whole row): one row, which measured fastest
+there (llama-1b's rows 0.070 ms against 0.095 ms in tiles of 8,192; llama-3b's 0.117 against 0.145)."""
 calls = {"forward": 0, "backward": 0}
 """Kernel launches in this process (tests and diagnostics)."""
 
@@ -85,9 +88,9 @@ def _kernels():
     return norm_triton.rms_norm_forward_kernel, norm_triton.rms_norm_backward_kernel
 
 
-def _rows_at_once(block: int) -> int:
-    """Rows a program takes at a time (a power of two): as many as fill :data:`TILE`, at least one."""
-    return max(1, TILE // block)
+def _rows_at_once(tile: int, block: int) -> int:
+    """Rows a program takes at a time (a power of two): as many as fill ``tile`` elements, at least one."""
+    return max(1, tile // block)
 
 
 def _warps(elements: int) -> int:
@@ -104,7 +107,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, *, keep_rstd: boo
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # itself, not a view: callers may write into it
     rstd = torch.empty(rows.shape[0] if keep_rstd else 1, dtype=torch.float32, device=x.device)
     block = next_power_of_two(width)
-    at_once = _rows_at_once(block)
+    at_once = _rows_at_once(FORWARD_TILE, block)
     count = rows.shape[0]
     _kernels()[0][(-(-count // at_once),)](rows, weight, y, rstd, count, rows.stride(0), width, width,
                                            float(eps), BLOCK=block, ROWS=at_once, SAVE_RSTD=keep_rstd,
@@ -129,7 +132,7 @@ def backward(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, rstd:
     g = as_rows(grad)
     dx = torch.empty(grad.shape, dtype=rows.dtype, device=rows.device)
     block = next_power_of_two(width)
-    at_once = _rows_at_once(block)
+    at_once = _rows_at_once(BACKWARD_TILE, block)
     per_program = -(-count // min(count, _programs_on(str(rows.device))))
     per_program = -(-per_program // at_once) * at_once  # whole tiles: a tile never spans two programs
     programs = -(-count // per_program)

@@ -905,10 +905,14 @@ def norm_kernels_interpreted() -> dict:
 
     def cases():
         out = {}
-        # rows, width, the input's layout: rows 3 rows apart (a strided view), 2,500 columns (not a power of
-        # two, a block of 4,096: 2 rows a tile, so 21 rows are 4 backward programs: three of 3 tiles, the
-        # last of a full tile and a short one), and a 3-D [s, b, h] input as Megatron's layers pass it
-        for rows, width, shape in ((37, 48, "strided"), (21, 2500, "rows"), (64, 16, "sbh")):
+        # rows, width, the input's layout, the backward's tile: rows 3 rows apart (a strided view); 2,500
+        # columns (not a power of two, a block of 4,096: the forward's tiles of 8,192 elements are 2 rows, the
+        # last of 21 short), the backward a row at a time (4 programs of 6, 6, 6 and 3 rows) and in tiles of
+        # 2 rows (4 programs of 3, 3, 3 and 2 tiles, the last short); a 3-D [s, b, h] input as Megatron's
+        # layers pass it
+        for rows, width, shape, backward_tile in ((37, 48, "strided", 1), (21, 2500, "rows", 1),
+                                                  (21, 2500, "tiles", 8192), (64, 16, "sbh", 1)):
+            norm_kernels.BACKWARD_TILE = backward_tile
             for dtype in (torch.float32, torch.bfloat16):
                 gen = torch.Generator().manual_seed(rows)
                 if shape == "strided":
@@ -937,6 +941,7 @@ def norm_kernels_interpreted() -> dict:
                     dtypes=[str(t.dtype)[6:] for t in (got_y, got_x.grad, got_w.grad)],
                     shape=list(got_y.shape) == list(x.shape),
                     calls={k: norm_kernels.calls[k] - before[k] for k in before})
+        norm_kernels.BACKWARD_TILE = 1
         # the weight frozen (an adapter run): no weight gradient, the input's still exact
         x = torch.randn(6, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
         w = torch.rand(32, generator=torch.Generator().manual_seed(4)) + 0.5

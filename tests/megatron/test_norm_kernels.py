@@ -4,8 +4,9 @@ In the launch test_decode_kernels.py shares (conftest's ``triton_interpreted``, 
 ``norm_kernels_interpreted``):
 
 - forward and backward against ``F.rms_norm``'s autograd in fp32: rows of a strided view, a width that is
-  not a power of two, a 3-D ``[s, b, h]`` input; the weight gradient summed over several programs' blocks,
-  one of them partial; a frozen weight;
+  not a power of two (forward tiles of several rows, the last short), a 3-D ``[s, b, h]`` input; the weight
+  gradient summed over several programs' blocks, one of them partial, a row at a time and in tiles of rows
+  (``BACKWARD_TILE``); a frozen weight;
 - when they apply, and when torch's norm serves instead (no weight, too wide, integers, a weight of another
   width, an empty input, switched off, a kernel that fails its one probe); the probe under ``no_grad`` and
   inside non-reentrant checkpointing; the output its own tensor (written in place as torch's can be);
@@ -41,7 +42,7 @@ def test_forward_and_backward_compute_what_torch_computes(norms):
     kernels = norms[0]["kernels"]
     assert "error" not in kernels, kernels.get("error")
     cases = {name: case for name, case in kernels.items() if name.endswith(("float32", "bfloat16"))}
-    assert len(cases) == 6
+    assert len(cases) == 8
     for name, case in cases.items():
         dtype = name.rsplit("-", 1)[1]
         assert case["dtypes"] == [dtype] * 3 and case["shape"], (name, case)
