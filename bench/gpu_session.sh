@@ -46,6 +46,8 @@ has own_mfu && step own_mfu 360 python3 bench/h200_limits.py --sections own --ou
 has kernel_mfu && step kernel_mfu 560 python3 bench/h200_limits.py --sections norm,swiglu,rope,loss \
   --norm-models llama-3b:8 --swiglu-models llama-3b:8 --rope-models llama-3b:8 --loss-models llama-3b:8 \
   --out "$OUT/kernel_mfu"
+has own_profile && step own_profile 220 python3 bench/h200_limits.py --sections own,profile --own-order on \
+  --own-models llama-3b:8,llama-1b:16 --out "$OUT/own_profile"
 has norm_mfu && step norm_mfu 200 python3 bench/h200_limits.py --sections norm --out "$OUT/norm_mfu"
 has fp8 && step fp8_speed 460 python3 bench/gpu_fp8.py --sections speed,profile --out "$OUT/fp8"
 has first_run && step first_run_1b 280 python3 bench/h200_first_run.py --llama-1b --out "$OUT/first_run"
