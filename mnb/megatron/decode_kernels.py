@@ -97,7 +97,7 @@ def decode_attention(query, key, value, keys, values, where, bias, scale: float,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x, (width,), weight, eps)`` over the last dimension in one kernel (one program a row):
+    """``F.rms_norm(x, (width,), weight, eps)`` over the last dimension in one kernel (a tile of rows a program):
     :mod:`mnb.megatron.norm_kernels`' forward, which keeps nothing for a backward here."""
     return norm_kernels.forward(x, weight, eps)
 
