@@ -227,11 +227,12 @@ def stage_work(
     forward = layers * (gemm_f + attn_f + mem_f)
 
     h = model.hidden_size
-    if stage == parallel.pp - 1:  # final norm, logits GEMM, loss (fused cross entropy: 4 passes)
+    if stage == parallel.pp - 1:  # final norm, logits GEMM, loss: mnb's loss kernels pass over the logits three
+        # times (read forward; read, and write their gradient, backward; Inductor's fused loss took four)
         vocab = padded_vocab_size(model, parallel.tp) / parallel.tp
         logits_f = gemm_time(dev, peak, tokens, vocab, h)
         gemm += logits_f + gemm_time(dev, peak, tokens, vocab, h, backward=True)
-        loss = tokens * (5 * h + 4 * vocab) * e / bandwidth
+        loss = tokens * (5 * h + 3 * vocab) * e / bandwidth
         mem += loss
         forward += logits_f + loss / 2
     if stage == 0:  # embedding lookup and its gradient (fp32 scatter-add)
