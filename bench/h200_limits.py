@@ -95,7 +95,8 @@ class Bench(Rows):
             profile = pool.pull("profile")[0]
             (self.out / f"profile_{preset}_mbs{mbs}.json").write_text(json.dumps(profile, indent=1))
             self.add("profile", {"model": f"{preset} mbs {mbs}", "busy_share": profile["busy_share"],
-                                 "step_wall_s": profile["wall_s"], **{f"{k}_s": v for k, v in profile["groups_s"].items()}})
+                                 "step_wall_s": profile["wall_s"], "kernel_span_s": profile["kernel_span_s"],
+                                 "gaps_s": profile["gaps_s"], **{f"{k}_s": v for k, v in profile["groups_s"].items()}})
         except Exception:
             self.add("profile", {"model": f"{preset} mbs {mbs}", "error": traceback.format_exc()[-1500:]})
 
