@@ -1,7 +1,8 @@
 """Launch real gloo ranks for the mnb.megatron tests (no mocks).
 
 ``run_ranks(fn, world_size, tmp_path, **kwargs)`` starts ``world_size``
-fresh Python processes on 127.0.0.1 (a free port), each of which runs
+fresh Python processes on 127.0.0.1 (the rendezvous store held by the test's
+process, below), each of which runs
 :mod:`tests.megatron._rank_main`: ``cpu.install()`` (unless ``cpu_mode=False``),
 ``init_process_group("gloo")``, then ``fn(**kwargs)`` where fn is a module-level
 function of a test file.  Each rank's JSON-able return value comes back in rank
@@ -18,7 +19,6 @@ import inspect
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,17 +28,25 @@ RANK_MAIN = Path(__file__).with_name("_rank_main.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store():
+    """A ``TCPStore`` server in this process, listening on a port the OS picks, for one launch's ranks to meet
+    at as torchrun's ranks meet at its agent's store (``TORCHELASTIC_USE_AGENT_STORE=True``: every rank a
+    client).  A port found free here and left for rank 0 to bind seconds later, once it has imported torch,
+    was taken in between once on CI's loaded machine (``EADDRINUSE``, 2026-12-05); a port held from the start
+    cannot be."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
 
 
 class Ranks:
     """One launch of ``world_size`` rank processes (``start_ranks``)."""
 
-    def __init__(self, procs: list[subprocess.Popen], logs: list, out: Path):
+    def __init__(self, procs: list[subprocess.Popen], logs: list, out: Path, store=None):
         self.procs, self._logs, self.out = procs, logs, out
+        self._store = store  # the ranks' rendezvous: kept while they run
 
     def log(self, rank: int) -> str:
         return (self.out / f"rank{rank}.log").read_text()
@@ -53,6 +61,7 @@ class Ranks:
             proc.wait()
         for log in self._logs:
             log.close()
+        self._store = None
 
     def wait(self, timeout_s: float = 300) -> list:
         """The ranks' results in rank order; a failing or stuck rank raises with its traceback."""
@@ -93,7 +102,7 @@ def start_ranks(fn, world_size: int, tmp_path: Path, *, cpu_mode: bool = True, *
     out = Path(tmp_path) / f"ranks-{fn.__name__}-{time.monotonic_ns()}"
     out.mkdir(parents=True)
     (out / "kwargs.json").write_text(json.dumps(kwargs))
-    port = free_port()
+    store = rendezvous_store()
     procs, logs = [], []
     for rank in range(world_size):
         env = dict(
@@ -103,7 +112,8 @@ def start_ranks(fn, world_size: int, tmp_path: Path, *, cpu_mode: bool = True, *
             WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
             OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             CUDA_VISIBLE_DEVICES="",
@@ -113,7 +123,7 @@ def start_ranks(fn, world_size: int, tmp_path: Path, *, cpu_mode: bool = True, *
         log = open(out / f"rank{rank}.log", "w")
         logs.append(log)
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    return Ranks(procs, logs, out)
+    return Ranks(procs, logs, out, store)
 
 
 def run_ranks(fn, world_size: int, tmp_path: Path, *, timeout_s: float = 300, cpu_mode: bool = True,
