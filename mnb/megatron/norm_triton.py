@@ -7,8 +7,12 @@ Triton is first imported, they run on CPU tensors: how the tests run them.
 import triton
 import triton.language as tl
 
+# Triton builds a kernel per value of an integer argument that is 1 or a multiple of 16: the row counts are
+# left unspecialised, so that the kernel a model's first step runs (16,384 rows, 32 a backward program) is the
+# one mnb's probe built on a few rows (and a decode step's single row runs it too).
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["rows"])
 def rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, x_row, y_row, width, eps,
                             BLOCK: tl.constexpr, ROWS: tl.constexpr, SAVE_RSTD: tl.constexpr):
     """One program per ``ROWS`` rows: ``y = x * rstd * w`` with ``rstd = 1 / sqrt(mean(x²) + eps)``, all in
@@ -27,7 +31,7 @@ def rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, x_row, y_row, w
         tl.store(rstd_ptr + row, rstd, mask=row_inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "per_program"])
 def rms_norm_backward_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, rows, per_program,
                              g_row, x_row, dx_row, width, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                              WEIGHT_GRAD: tl.constexpr):
