@@ -13,6 +13,11 @@
 3. The wait: llama-1b with a new SwiGLU width (its compile held 10 s) and ``FIT_FRACTION`` at 0.3,
    so step 1's measured need does not "fit": step 2 waits for the kernels and runs fused.
 
+Rows 2 and 3 (and ``--llama-1b``'s second) measure the fallback for a rank where mnb's own Triton kernels
+do not run (their probe failed): they switch the four kernel modules off (``UNFUSED_PATH``) before building
+the model, since with them on a model has nothing to compile, and so nothing to hold or wait for (the rows
+of 2026-12-05 in BENCHMARKS.md ran fused throughout for that reason).
+
 Each row: the step, whether it ran unfused, the allocator's peak of that step, and the estimates
 (``fused_loss`` as on CUDA ranks: what ``mnb.last_run.predicted_memory`` shows; and what
 ``%mnb plan``'s ``mnb.estimate.plan`` assumes).  Uses the pool API (no IPython on the device machine).
@@ -33,6 +38,12 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from gpu_measure import GIB, Rows  # noqa: E402
+
+
+KERNELS = ("norm_kernels", "swiglu_kernels", "rope_kernels", "loss_kernels")
+UNFUSED_PATH = "".join(f"from mnb.megatron import {m}\n{m}.enabled = False\n" for m in KERNELS)
+"""Cell lines that leave a model built after them to Inductor's compiled kernels (the path that compiles)."""
+OWN_KERNELS = UNFUSED_PATH.replace("False", "True")
 
 
 def step_rows(bench: Rows, label: str, run, plan_bytes: float) -> None:
@@ -67,10 +78,10 @@ def llama_1b(bench: Rows, pool) -> None:
          "mnb.train(model, steps=4, micro_batch_size=8, global_batch_size=64, bf16=True)"),
         ("llama-1b ffn 7936 mbs 8 gbs 64, compile held: unfused",
          "model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
-         "from mnb.megatron import fusions\nfusions._warm_lock.acquire()\n"
+         "from mnb.megatron import fusions\nfusions._warm_lock.acquire()\n" + UNFUSED_PATH +
          "model = mnb.gpt('llama-1b', seq_length=2048, ffn_hidden_size=7936)\n"
          "try:\n    mnb.train(model, steps=4, micro_batch_size=8, global_batch_size=64, bf16=True)\n"
-         "finally:\n    fusions._warm_lock.release()"),
+         "finally:\n    fusions._warm_lock.release()\n" + OWN_KERNELS),
     ):
         try:
             pool.run(cell)
@@ -110,7 +121,7 @@ def main() -> None:
     try:
         pool.run("model = None\nimport gc; gc.collect(); torch.cuda.empty_cache()\n"
                  "from mnb.megatron import fusions, background_compile\n"
-                 "fusions._warm_lock.acquire()\n"
+                 "fusions._warm_lock.acquire()\n" + UNFUSED_PATH +
                  "model = mnb.gpt('llama-1b', seq_length=2048)\n"
                  "try:\n"
                  "    mnb.train(model, steps=4, micro_batch_size=8, global_batch_size=64, bf16=True)\n"
@@ -118,20 +129,20 @@ def main() -> None:
                  "    fusions._warm_lock.release()")
         step_rows(bench, "llama-1b mbs 8 gbs 64, compile held: unfused", mnb.last_run, plan_bytes("llama-1b", 8, 64))
         pool.run("p = background_compile.pending()\nassert p is None or p.wait(300)\n"
-                 "mnb.train(model, steps=3)")
+                 "mnb.train(model, steps=3)\n" + OWN_KERNELS)
         step_rows(bench, "llama-1b mbs 8 gbs 64, compiled", mnb.last_run, plan_bytes("llama-1b", 8, 64))
     except Exception:
         bench.add("error", {"job": "llama-1b", "error": traceback.format_exc()[-2500:]})
     try:  # the wait: a GPU share of 30 % makes llama-1b's unfused step "not fit"; the compile is held 10 s
         pool.run("model = None\nimport gc, threading; gc.collect(); torch.cuda.empty_cache()\n"
                  "background_compile.FIT_FRACTION = 0.3\n"
-                 "fusions._warm_lock.acquire()\n"
+                 "fusions._warm_lock.acquire()\n" + UNFUSED_PATH +
                  "model = mnb.gpt('llama-1b', seq_length=2048, ffn_hidden_size=7168)\n"
                  "threading.Timer(10, fusions._warm_lock.release).start()\n"
                  "try:\n"
                  "    mnb.train(model, steps=3, micro_batch_size=8, global_batch_size=64, bf16=True)\n"
                  "finally:\n"
-                 "    background_compile.FIT_FRACTION = 0.95")
+                 "    background_compile.FIT_FRACTION = 0.95\n" + "".join("    " + line + "\n" for line in OWN_KERNELS.splitlines()))
         step_rows(bench, "llama-1b ffn 7168 mbs 8, FIT_FRACTION 0.3: waits", mnb.last_run,
                   plan_bytes("llama-1b", 8, 64))
     except Exception:
