@@ -144,8 +144,8 @@ FP8_CAST_SLOWDOWN = 1.6
 """The FP8 casts (amax, scale, cast with the transposed copy; their launches) cost 1.6x their bytes at the
 elementwise kernels' bandwidth: fitted to llama-1b, llama-3b and a 20-layer llama-8b on one H200 (2026-12-05,
 bench/gpu_fp8.py; BENCHMARKS.md), where tensorwise FP8 linears measured 1.05, 1.04 and 1.03x bf16's tokens/s
-and this model predicts 1.00, 1.05 and 1.06x (rowwise: measured 0.94, 0.81, 0.86x, predicted 0.86, 0.92, 0.96x).  It was
-2.5 before the cast wrote the transposed copy itself (0.93, 0.97, 0.99x measured, 2026-12-03)."""
+and this model predicts 1.00, 1.05 and 1.06x (rowwise: measured 0.94, 0.81, 0.86x, predicted 0.86, 0.92,
+0.96x).  It was 2.5 before the cast wrote the transposed copy itself (0.93, 0.97, 0.99x measured, 2026-12-03)."""
 
 
 def fp8_peak(dev: Device, peak: float) -> float:

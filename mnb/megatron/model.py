@@ -46,12 +46,11 @@ def fused_shapes(cfg: ModelConfig, ceiling: int, *, swiglu: bool, device: torch.
     them (what a GPU without mnb's kernels compiles)."""
     from mnb.megatron import fusions, loss_kernels, rope_kernels, swiglu_kernels
 
-    def compiles(kernels) -> bool:
-        return device is None or not kernels.serves_models_on(device)
+    def compiles(kernels, *width) -> bool:  # width: the head dimension RoPE's kernel is probed at
+        return device is None or not kernels.serves_models_on(device, *width)
 
     heads = cfg.num_attention_heads
-    rope = cfg.position_embedding_type == "rope" and (
-        device is None or not rope_kernels.serves_models_on(device, cfg.head_dim))
+    rope = cfg.position_embedding_type == "rope" and compiles(rope_kernels, cfg.head_dim)
     return fusions.model_shapes(
         (cfg.ffn_hidden_size or 4 * cfg.hidden_size) if swiglu and compiles(swiglu_kernels) else None,
         (lambda tp: padded_vocab_size(cfg.vocab_size, tp)) if compiles(loss_kernels) else None,
