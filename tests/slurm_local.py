@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.ports import unclaimed_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "sinfo")
 _FAKE_GPU_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -52,12 +54,6 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "the local Slurm runs slurmd, which starts jobs, as root: run the tests as root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _binary(name: str) -> str:
@@ -104,8 +100,8 @@ class LocalSlurm:
         self.conf.write_text("\n".join([
             "ClusterName=mnbtest",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={unclaimed_port()}",
+            f"SlurmdPort={unclaimed_port()}",
             "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={root / 'munge' / 'munge.socket'}",
@@ -119,7 +115,7 @@ class LocalSlurm:
             "MpiDefault=none", "ReturnToService=2", "KillWait=5", "SlurmdTimeout=30", "InactiveLimit=0",
             "GresTypes=gpu",
             *(f"NodeName={node} NodeAddr=127.0.0.1 CPUs={self.cpus} Gres=gpu:{gpus} State=UNKNOWN"
-              + (f" NodeHostname={host} Port={_free_port()}" if several else "") for node in names),
+              + (f" NodeHostname={host} Port={unclaimed_port()}" if several else "") for node in names),
             f"PartitionName=debug Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP",
         ]) + "\n")
         for node in names if several else ():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.ports import unclaimed_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -43,12 +44,6 @@ def ensure_playwright():
     except ImportError:
         pytest.skip(f"the playwright package is missing; {SETUP} installs it")
     return playwright.sync_api
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Lab:
@@ -76,7 +71,7 @@ def lab(tmp_path_factory):
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings),
                JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
-    port, token = free_port(), secrets.token_hex(16)
+    port, token = unclaimed_port(), secrets.token_hex(16)
     log = home / "jupyterlab.log"
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",

@@ -7,7 +7,6 @@ another host, pointing at the same connection file.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -18,18 +17,13 @@ import pytest
 from mnb.controller import Pool
 from mnb.controller.launcher import LaunchSpec
 from tests.conftest import assert_no_orphans
+from tests.ports import unclaimed_port
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_second_torchrun_node_joins_on_loopback(tmp_path):
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{unclaimed_port()}"
     connection = tmp_path / "pool.json"
     node_b: list[subprocess.Popen] = []
 
