@@ -1,6 +1,7 @@
 """FP8 linears on the local spec against bf16 on one GPU (issue 39 part 4): every check in one run.
 
-    python bench/gpu_fp8.py --out OUTDIR [--sections gemm,linears,loss,speed]   # OUTDIR/gpu_fp8.json, .md
+    python bench/gpu_fp8.py --out OUTDIR [--sections gemm,cast,loss,speed,profile] [--recipes bf16,delayed]
+    # OUTDIR/gpu_fp8.json, .md; --recipes keeps only those rows of the plan (default: all)
 
 1. ``gemm``: the GEMM peak, bf16 ``torch.matmul`` against ``torch._scaled_mm`` (E4M3, tensorwise and
    rowwise scales), for square sizes and llama linears at 16,384 tokens: the FP8 peak the estimator uses.
@@ -12,7 +13,10 @@
 4. ``speed``: tokens/s of llama-1b, llama-3b and a 20-layer llama-8b shape (seq 2048), bf16 against
    each recipe: 1 warm-up step (the casts compile), then 3 measured steps (mean of the last 2), with
    mnb's fused kernels compiled first.
-5. ``profile`` (not in the default sections): one llama-3b step (mbs 4, 4 microbatches) in bf16 and in
+5. ``cast`` (not in the default sections): ``fp8="delayed"``'s cast kernel (mnb.megatron.fp8_delayed) on
+   llama shapes against the same arithmetic as torch ops (bytes that differ: 0 expected, both round to
+   nearest even) and, by GPU time from torch's profiler, against tensorwise's compiled amax + cast.
+6. ``profile`` (not in the default sections): one llama-3b step (mbs 4, 4 microbatches) in bf16 and in
    tensorwise FP8 under torch's profiler after a warm-up step: GPU time by kernel group and the top
    kernels (bench/kernel_profile.py), ``OUTDIR/fp8_profile_<recipe>.json``: where the FP8 step's time goes
    beside the GEMMs it speeds up.
@@ -35,7 +39,7 @@ sys.path.insert(0, str(HERE))
 
 from gpu_measure import Rows  # noqa: E402
 
-RECIPES = (None, "tensorwise", "rowwise")
+RECIPES = (None, "tensorwise", "rowwise", "delayed")
 LOSS_STEPS = 200
 SPEED = (("llama-1b", "", 8, 32), ("llama-3b", "", 4, 16), ("llama-8b", "num_layers=20", 2, 8))
 """(preset, overrides, micro batch, global batch): 4 microbatches a step, seq 2048."""
@@ -148,6 +152,8 @@ def speed_row(bench: Rows, pool, shape: tuple, recipe: str | None, base: dict) -
         peak = max(rec["memory"]["peak_allocated_bytes"] for rec in run.ranks.values()) / 2**30
         row = {"model": label, "tokens_per_s": round(tps), "peak_GiB": round(peak, 1),
                "unfused_steps": len(run.unfused_steps)}
+        if recipe == "delayed":  # which path cast: mnb's kernel, or torch's ops where its probe failed
+            row["delayed_casts"] = pool.run("from mnb.megatron import fp8_delayed\ndict(fp8_delayed.calls)")[0]
         if recipe is None:
             base[preset] = tps
         elif preset in base:
@@ -175,11 +181,53 @@ def profile_row(bench: Rows, pool, shape: tuple, recipe: str | None) -> None:
         bench.add("profile", {"model": label, "error": traceback.format_exc()[-1500:]})
 
 
+def cast_rows(bench: Rows) -> None:
+    """The delayed cast kernel against torch's ops (the same history) and against tensorwise's compiled cast."""
+    import torch
+
+    from mnb.megatron import fp8, fp8_delayed
+
+    def gpu_ms(fn, n=20) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+        return sum(e.device_time_total for e in prof.key_averages()) / n / 1e3
+
+    for tokens, width in ((16384, 2048), (16384, 3072), (16384, 8192)):
+        x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) * 3
+        for dtype in (fp8.E4M3, fp8.E5M2):
+            kernel, by_torch = fp8_delayed.AmaxHistory(), fp8_delayed.AmaxHistory()
+            differ = 0
+            for _ in range(3):
+                a = fp8_delayed.cast(x, dtype, kernel, transposed=True)
+                by_torch.prepare(x)
+                b = fp8_delayed._cast_torch(x, dtype, by_torch, True, True)
+                by_torch.calls += 1
+                differ += int((a[0].view(torch.uint8) != b[0].view(torch.uint8)).sum())
+                differ += int((a[1].view(torch.uint8) != b[1].view(torch.uint8)).sum()) + int(a[2] != b[2])
+                x = x * 1.5
+            history = fp8_delayed.AmaxHistory()
+            bench.add("cast", {
+                "shape": f"{tokens}x{width}", "dtype": str(dtype).split(".")[-1], "bytes_differ": differ,
+                "kernel_calls": fp8_delayed.calls["kernel"],
+                "delayed_ms": round(gpu_ms(lambda: fp8_delayed.cast(x, dtype, history, transposed=True)), 4),
+                "tensorwise_compiled_ms": round(gpu_ms(lambda: fp8.cast_layouts(x, dtype, None, False,
+                                                                                  transposed=True)), 4),
+                "copy_ms": round(gpu_ms(lambda: x.clone()), 4)})  # the cast's bytes: reads 2 B, writes 1 + 1 B an element
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="fp8-out")
     parser.add_argument("--sections", default="gemm,loss,speed")
+    parser.add_argument("--recipes", default=",".join(r or "bf16" for r in RECIPES),
+                        help="rows of these recipes only (bf16 included where a row compares)")
     args = parser.parse_args()
+    recipes = {None if r == "bf16" else r for r in args.recipes.split(",")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
@@ -196,6 +244,11 @@ def main() -> None:
             gemm_rows(bench)
         except Exception:
             bench.add("gemm", {"error": traceback.format_exc()[-1500:]})
+    if "cast" in sections:
+        try:
+            cast_rows(bench)
+        except Exception:
+            bench.add("cast", {"error": traceback.format_exc()[-1500:]})
     from mnb.controller import Pool
 
     pool = Pool.start(1, gpus=[0], timeout=600)
@@ -208,8 +261,11 @@ def main() -> None:
                 ("speed", (eight, None)), ("speed", (eight, "tensorwise")), ("speed", (one, None)),
                 ("speed", (one, "tensorwise")), ("loss", "rowwise"), ("speed", (three, "rowwise")),
                 ("speed", (eight, "rowwise")), ("speed", (one, "rowwise"))]
+        plan[4:4] = [("speed", (three, "delayed")), ("profile", (three, "delayed")), ("loss", "delayed"),
+                     ("speed", (eight, "delayed")), ("speed", (one, "delayed"))]
         for section, what in plan:
-            if section not in sections:
+            recipe = what[1] if isinstance(what, tuple) else what
+            if section not in sections or recipe not in recipes:
                 continue
             if section == "loss":
                 loss_row(bench, pool, what, curves)

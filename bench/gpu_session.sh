@@ -50,6 +50,8 @@ has own_profile && step own_profile 220 python3 bench/h200_limits.py --sections 
   --own-models llama-3b:8,llama-1b:16 --out "$OUT/own_profile"
 has norm_mfu && step norm_mfu 200 python3 bench/h200_limits.py --sections norm --out "$OUT/norm_mfu"
 has fp8 && step fp8_speed 460 python3 bench/gpu_fp8.py --sections speed,profile --out "$OUT/fp8"
+has fp8_delayed && step fp8_delayed 500 python3 bench/gpu_fp8.py --sections cast,speed,profile,loss \
+  --recipes bf16,tensorwise,delayed --out "$OUT/fp8_delayed"
 has first_run && step first_run_1b 280 python3 bench/h200_first_run.py --llama-1b --out "$OUT/first_run"
 
 printf '%s\n' "${ROWS[@]}" | tee "$OUT/steps.txt"

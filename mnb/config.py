@@ -37,10 +37,14 @@ def _positive(obj: Any, names: tuple[str, ...]) -> None:
 
 FP8_TE_SPELLING = (
     "fp8={value!r} is Transformer Engine's FP8 (mnb.train(..., fp8=True) with TE installed); on mnb's local "
-    "spec, without TE, build the model with fp8='tensorwise' (E4M3 forward, E5M2 gradients) or fp8='rowwise' "
-    "(E4M3 with per-row scales): mnb.gpt(..., fp8='tensorwise')"
+    "spec, without TE, build the model with fp8='tensorwise' (E4M3 forward, E5M2 gradients), fp8='rowwise' "
+    "(E4M3 with per-row scales) or fp8='delayed' (TE's delayed scaling): mnb.gpt(..., fp8='tensorwise')"
 )
 """Why ``ModelConfig.fp8`` refuses TE's spellings (``True``, ``'hybrid'``, ``'e4m3'``)."""
+FP8_AMAX_HISTORY = 16
+"""``fp8="delayed"``: the casts of one kind of tensor of one linear whose amaxes set the next scale (their max;
+Transformer Engine's ``amax_history_len`` with ``amax_compute_algo="max"``).  Inside a training step a
+linear's input is cast once per micro batch, so 16 reaches back one to two steps."""
 
 TRANSFORMER_DEFAULTS: dict[str, Any] = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 """TransformerConfig values mnb changes from Megatron's defaults (overridable through ``extra``).
@@ -109,10 +113,11 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of the weights."""
     layernorm_epsilon: float = 1e-5
     """The epsilon of LayerNorm / RMSNorm."""
-    fp8: Literal["tensorwise", "rowwise"] | None = None
+    fp8: Literal["tensorwise", "rowwise", "delayed"] | None = None
     """FP8 GEMMs in the transformer layers' parallel linears on the local spec, without Transformer
     Engine (:mod:`mnb.megatron.fp8`): ``"tensorwise"`` (E4M3 forward, E5M2 gradients, one scale per
-    tensor) or ``"rowwise"`` (E4M3, one scale per row); None = bf16.  Needs a GPU with FP8 tensor cores
+    tensor), ``"rowwise"`` (E4M3, one scale per row) or ``"delayed"`` (tensorwise's formats, activation and
+    gradient scales from an amax history while training: Transformer Engine's default); None = bf16.  Needs a GPU with FP8 tensor cores
     (compute capability >= 8.9) and bf16 training.  Not Megatron's ``TransformerConfig.fp8`` (TE's
     format: ``TrainConfig.fp8``)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -376,7 +381,7 @@ class TrainConfig:
     fp8: bool = False
     """FP8 GEMMs through Transformer Engine ('hybrid': E4M3 forward, E5M2 gradients, delayed scaling);
     needs TE and a Hopper-or-newer GPU.  Without TE, build the model with FP8 linears instead:
-    ``mnb.gpt(..., fp8="tensorwise" | "rowwise")`` (:attr:`ModelConfig.fp8`)."""
+    ``mnb.gpt(..., fp8="tensorwise" | "rowwise" | "delayed")`` (:attr:`ModelConfig.fp8`)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: 'none' (keep every activation), 'selective' (recompute core
     attention in backward, Megatron's default granularity), 'full' (keep only each layer's input and

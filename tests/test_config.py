@@ -264,10 +264,11 @@ def test_fp8_takes_the_local_recipes_and_refuses_transformer_engines_spelling():
 
     assert model_config("llama-1b", fp8="tensorwise").fp8 == "tensorwise"
     assert ModelConfig(fp8="rowwise").fp8 == "rowwise" and ModelConfig(fp8=False).fp8 is None
+    assert ModelConfig(fp8="delayed").fp8 == "delayed"
     for te in (True, "hybrid", "e4m3"):
         with pytest.raises(ValueError, match=r"Transformer Engine's FP8 .*fp8='tensorwise'.*fp8='rowwise'"):
             model_config("llama-1b", fp8=te)
-    with pytest.raises(ValueError, match=r"ModelConfig.fp8 must be one of 'tensorwise', 'rowwise' or None, got 'row'"):
+    with pytest.raises(ValueError, match=r"ModelConfig.fp8 must be one of 'tensorwise', 'rowwise', 'delayed' or None, got 'row'"):
         ModelConfig(fp8="row")
     with pytest.raises(ValueError, match=r"mnb.gpt\(\.\.\., fp8='rowwise'\)"):
         TrainConfig(fp8="rowwise")

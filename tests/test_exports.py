@@ -415,6 +415,9 @@ def test_an_fp8_model_exports_transformer_engines_nearest_recipe(capsys, monkeyp
     rw = export("megatron-lm", model="llama-1b", fp8="rowwise", nodes=1, gpus_per_node=8, bf16=True)
     assert pairs(rw.args)["--fp8-recipe"] == "blockwise" and pairs(rw.args)["--fp8-format"] == "e4m3"
     assert any("no row-wise recipe" in n for n in rw.notes)
+    dl = pairs(export("megatron-lm", model="llama-1b", fp8="delayed", nodes=1, gpus_per_node=8, bf16=True).args)
+    assert (dl["--fp8-format"], dl["--fp8-recipe"], dl["--fp8-amax-compute-algo"]) == ("hybrid", "delayed", "max")
+    assert dl["--fp8-amax-history-len"] == "16"
     assert "--fp8-format" not in pairs(export("megatron-lm", model="llama-1b", nodes=1, gpus_per_node=8).args)
     # the last mnb.gpt of the notebook, as the ranks reported it
     monkeypatch.setattr(registry, "_SETTINGS", {"model": {**load_preset("llama-1b").to_dict(), "fp8": "rowwise"},
@@ -432,7 +435,7 @@ def test_megatron_lm_reads_the_fp8_arguments(monkeypatch):
     arguments = pytest.importorskip("megatron.training.arguments",
                                     reason="megatron.training ships with megatron-core >= 0.17 (Python 3.12)")
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
-    for recipe, fmt in (("tensorwise", "hybrid"), ("rowwise", "e4m3")):
+    for recipe, fmt in (("tensorwise", "hybrid"), ("rowwise", "e4m3"), ("delayed", "hybrid")):
         e = export("megatron-lm", model="llama-1b", fp8=recipe, nodes=1, gpus_per_node=8, bf16=True)
         monkeypatch.setenv("WORLD_SIZE", "8")
         monkeypatch.setenv("RANK", "0")
@@ -440,3 +443,5 @@ def test_megatron_lm_reads_the_fp8_arguments(monkeypatch):
         args = arguments.parse_args()
         arguments.validate_args(args)
         assert args.fp8 == fmt and args.fp8_recipe == pairs(e.args)["--fp8-recipe"]
+        if recipe == "delayed":
+            assert (args.fp8_amax_history_len, args.fp8_amax_compute_algo) == (16, "max")

@@ -148,6 +148,20 @@ and this model predicts 1.00, 1.05 and 1.06x (rowwise: measured 0.94, 0.81, 0.86
 0.96x).  It was 2.5 before the cast wrote the transposed copy itself (0.93, 0.97, 0.99x measured, 2026-12-03)."""
 
 
+def fp8_cast_bytes(recipe: str, n: int, k: int) -> tuple[int, int]:
+    """Bytes per token that the casts of one FP8 linear (``n`` outputs, ``k`` inputs) move, forward and backward.
+
+    Current scaling reads a bf16 tensor twice (its amax, then the cast: 2 + 2 bytes an element) and writes
+    1-byte data; ``"delayed"`` reads it once (the scale comes from the history, and the cast records the
+    tensor's amax as it goes), so 2 bytes less per element cast.  Not measured apart: the casts' slowdown
+    (:data:`FP8_CAST_SLOWDOWN`) is tensorwise's."""
+    if recipe == "rowwise":
+        return 5 * k, 12 * n + 7 * k
+    if recipe == "delayed":
+        return 3 * k, 5 * n + 2 * k
+    return 5 * k, 7 * n + 2 * k
+
+
 def fp8_peak(dev: Device, peak: float) -> float:
     """The FP8 GEMM peak beside ``peak`` (the device's bf16 peak, or the caller's replacement of it): scaled
     by the device's FP8 : bf16 ratio and :data:`FP8_GEMM_EFFICIENCY`.  ValueError for devices without FP8
@@ -205,9 +219,8 @@ def stage_work(
         gemm_f += count * gemm_time(dev, linear_peak, m, n, k)
         gemm_b += count * gemm_time(dev, linear_peak, m, n, k, backward=True)
         if model.fp8:
-            cast_f += FP8_CAST_SLOWDOWN * count * 5 * k * m / tokens
-            cast_b += FP8_CAST_SLOWDOWN * count * ((12 * n + 7 * k) if model.fp8 == "rowwise" else (7 * n + 2 * k)) \
-                * m / tokens
+            cast_f += FP8_CAST_SLOWDOWN * count * fp8_cast_bytes(model.fp8, n, k)[0] * m / tokens
+            cast_b += FP8_CAST_SLOWDOWN * count * fp8_cast_bytes(model.fp8, n, k)[1] * m / tokens
     q = model.num_attention_heads * model.head_dim
     core = 4 * tokens * model.seq_length * q / parallel.tp  # forward FLOPs, full s x s
     if attention == "flash":

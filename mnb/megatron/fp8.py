@@ -1,6 +1,6 @@
 """FP8 GEMMs in the parallel linears of the local spec, without Transformer Engine.
 
-``mnb.gpt(..., fp8="tensorwise" | "rowwise")`` swaps the matmul inside each transformer
+``mnb.gpt(..., fp8="tensorwise" | "rowwise" | "delayed")`` swaps the matmul inside each transformer
 layer's ``ColumnParallelLinear`` / ``RowParallelLinear`` (``_forward_impl``, the call Megatron
 makes with the already-split input) for :class:`FP8Linear`, a ``torch.autograd.Function`` that
 runs the forward GEMM and both backward GEMMs (input gradient, weight gradient) through
@@ -17,9 +17,13 @@ Recipes (torchao's names and scalings, ``torchao.float8.config.Float8LinearRecip
 - ``"rowwise"``: one scale per row of each operand along the contracted dimension, all E4M3, scales
   rounded down to powers of two (torchao's ``rowwise`` recipe).  Each backward GEMM re-scales its
   operands along its own contracted dimension, so the saved input stays bf16.
+- ``"delayed"``: tensorwise's formats, with the activations' and gradients' scales taken inside a
+  training step from an amax history of their linear's last casts (Transformer Engine's default
+  ``DelayedScaling``, ``amax_compute_algo="max"``): one pass over each tensor instead of two, by mnb's own
+  kernel (:mod:`mnb.megatron.fp8_delayed`).  Weights are scaled by their own amax, once a step.
 
-Scales are computed from the tensor in hand at every call ("current" or "dynamic" scaling, as
-torchao does), not from a history of earlier steps (TE's delayed scaling).  The casts use torchao's
+Otherwise scales are computed from the tensor in hand at every call ("current" or "dynamic" scaling, as
+torchao does).  The casts use torchao's
 primitives (``tensor_to_scale``, ``to_fp8_saturated``, ``addmm_float8_unwrapped``) and are compiled
 (one fused amax + scale + cast per operand: the eager casts cost as much as the FP8 GEMM saves); a
 cast whose data a backward GEMM takes contracted over the tokens writes that transposed layout
@@ -44,6 +48,7 @@ import torch
 
 from mnb.config import ModelConfig
 from mnb.fields import choices
+from mnb.megatron import fp8_delayed
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +179,8 @@ class Recipe:
     name: str
     grad_dtype: torch.dtype
     rowwise: bool
+    delayed: bool = False
+    """Activations and gradients scaled from an amax history inside a training step (:mod:`mnb.megatron.fp8_delayed`)."""
 
     @property
     def pow2(self) -> bool:
@@ -187,7 +194,8 @@ class Recipe:
 def recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise ValueError(f"fp8 must be one of {', '.join(map(repr, RECIPES))} (or None), got {name!r}")
-    return Recipe(name=name, grad_dtype=E4M3 if name == "rowwise" else E5M2, rowwise=name == "rowwise")
+    return Recipe(name=name, grad_dtype=E4M3 if name == "rowwise" else E5M2, rowwise=name == "rowwise",
+                  delayed=name == "delayed")
 
 
 # -- the weights, once per step --------------------------------------------------------------------
@@ -252,11 +260,14 @@ class FP8Linear(torch.autograd.Function):
     Same contract as Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (without
     apex's fused weight-gradient accumulation, which the local spec does not use):
     ``sequence_parallel`` all-gathers the input over ``tp_group`` (and reduce-scatters its
-    gradient), ``allreduce_dgrad`` all-reduces the input gradient.
+    gradient), ``allreduce_dgrad`` all-reduces the input gradient.  ``histories``: the linear's
+    ``(inputs, output gradients)`` amax histories, which a delayed recipe casts from inside a training step
+    (:func:`weight_cache`); elsewhere each tensor is scaled by its own amax.
     """
 
     @staticmethod
-    def forward(ctx, input, weight, bias, rc: Recipe, allreduce_dgrad: bool, sequence_parallel: bool, tp_group):
+    def forward(ctx, input, weight, bias, rc: Recipe, allreduce_dgrad: bool, sequence_parallel: bool, tp_group,
+                histories=None):
         total = _all_gather(input, tp_group) if sequence_parallel else input
         k = total.shape[-1]
         x = total.reshape(-1, k)
@@ -264,7 +275,11 @@ class FP8Linear(torch.autograd.Function):
         w_data, w_scale = _weight(weight, rc, for_dgrad=False, owner=weight)
         # tensorwise: the wgrad GEMM reuses the forward's cast (half the input's bytes), in the layout it takes
         ctx.fp8_input = not rc.rowwise and not sequence_parallel
-        x_data, x_t, x_scale = cast_layouts(x, E4M3, rc.axis(-1), rc.pow2, transposed=ctx.fp8_input)
+        ctx.histories = histories if rc.delayed and histories is not None and _step_cache is not None else None
+        if ctx.histories:
+            x_data, x_t, x_scale = fp8_delayed.cast(x, E4M3, ctx.histories[0], transposed=ctx.fp8_input)
+        else:
+            x_data, x_t, x_scale = cast_layouts(x, E4M3, rc.axis(-1), rc.pow2, transposed=ctx.fp8_input)
         out = scaled_mm(x_data, x_scale, w_data.t(), w_scale.t(), total.dtype, fast_accum=True)
         if bias is not None:
             out = out + bias
@@ -290,7 +305,10 @@ class FP8Linear(torch.autograd.Function):
             g = g.contiguous()
         # input gradient: g [t, n] @ W [n, k]
         # tensorwise: the gradient's one cast also gives the wgrad GEMM its transposed layout
-        g_data, g_t, g_scale = cast_layouts(g, rc.grad_dtype, rc.axis(-1), rc.pow2, transposed=not rc.rowwise)
+        if ctx.histories:
+            g_data, g_t, g_scale = fp8_delayed.cast(g, rc.grad_dtype, ctx.histories[1], transposed=True)
+        else:
+            g_data, g_t, g_scale = cast_layouts(g, rc.grad_dtype, rc.axis(-1), rc.pow2, transposed=not rc.rowwise)
         w_data, w_scale = _weight(weight, rc, for_dgrad=True, owner=ctx.owner)
         grad_input = scaled_mm(g_data, g_scale, w_data, w_scale, grad_output.dtype, fast_accum=False)
         handle = None
@@ -306,8 +324,11 @@ class FP8Linear(torch.autograd.Function):
         # weight gradient: g.T [n, t] @ x [t, k], both scaled along t; x column-major, as x_t.t() is
         if not ctx.fp8_input:
             total = _all_gather(input, group) if ctx.sequence_parallel else input
-            _, x_t, x_scale = cast_layouts(total.reshape(-1, total.shape[-1]), E4M3, rc.axis(0), rc.pow2,
-                                           rows=False, transposed=True)
+            total = total.reshape(-1, total.shape[-1])
+            if ctx.histories:  # the forward's input again: its history records it a second time, harmlessly
+                _, x_t, x_scale = fp8_delayed.cast(total, E4M3, ctx.histories[0], rows=False, transposed=True)
+            else:
+                _, x_t, x_scale = cast_layouts(total, E4M3, rc.axis(0), rc.pow2, rows=False, transposed=True)
         if rc.rowwise:
             _, gw_data, gw_scale = cast_layouts(g, rc.grad_dtype, 0, rc.pow2, rows=False, transposed=True)
             gw_scale = gw_scale.t()
@@ -321,7 +342,7 @@ class FP8Linear(torch.autograd.Function):
             grad_input = sub
         else:
             grad_input = grad_input.view(ctx.input_shape)
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _forward_impl(module, rc: Recipe, input, weight, bias=None, gradient_accumulation_fusion=False,
@@ -340,7 +361,8 @@ def _forward_impl(module, rc: Recipe, input, weight, bias=None, gradient_accumul
             from megatron.core import parallel_state
 
             tp_group = parallel_state.get_tensor_model_parallel_group()
-    return FP8Linear.apply(input, weight, bias, rc, bool(allreduce_dgrad), bool(sequence_parallel), tp_group)
+    return FP8Linear.apply(input, weight, bias, rc, bool(allreduce_dgrad), bool(sequence_parallel), tp_group,
+                           getattr(module, "fp8_amax", None))
 
 
 def install(chunks, name: str) -> int:
@@ -361,6 +383,8 @@ def install(chunks, name: str) -> int:
                     f"whose share per tp rank is a multiple of {ALIGN}, or drop fp8=")
             module._forward_impl = functools.partial(_forward_impl, module, rc)
             module.fp8_recipe = name
+            if rc.delayed:
+                module.fp8_amax = (fp8_delayed.AmaxHistory(), fp8_delayed.AmaxHistory())  # inputs, output gradients
             count += 1
     return count
 

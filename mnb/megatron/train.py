@@ -95,8 +95,8 @@ def _prepare(model: MegatronModel, tc: TrainConfig) -> None:
     precision = "bf16" if tc.bf16 else "fp32"
     if tc.fp8 and not fp8_supported():
         raise ValueError("fp8=True is Transformer Engine's FP8 and needs TE and a Hopper-or-newer GPU on every "
-                         "rank; without TE build the model with FP8 linears: mnb.gpt(..., fp8='tensorwise' or "
-                         "'rowwise'), and train it with bf16=True")
+                         "rank; without TE build the model with FP8 linears: mnb.gpt(..., fp8='tensorwise', "
+                         "'rowwise' or 'delayed'), and train it with bf16=True")
     local_fp8 = getattr(model.config, "fp8", None)
     if local_fp8 is not None and tc.fp8:
         raise ValueError(f"this model's linears already run FP8 (mnb.gpt(..., fp8={local_fp8!r})); fp8=True asks "

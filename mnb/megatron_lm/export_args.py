@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mnb.config import TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig
+from mnb.config import FP8_AMAX_HISTORY, TRANSFORMER_DEFAULTS, ModelConfig, ParallelConfig, TrainConfig
 from mnb.estimate._inputs import padded_vocab_size
 from mnb.model_source import tokenizer_vocab_size
 
@@ -218,8 +218,18 @@ def _fp8_args(recipe: str, add) -> list[str]:
     ``megatron/core/transformer/transformer_config.py``).  TE's ``tensorwise`` recipe is the same
     scaling as mnb's (per-tensor scales from the current tensor, E4M3 forward, E5M2 gradients under
     ``hybrid``); TE has no row-wise recipe, and ``blockwise`` (1x128 activation and 128x128 weight
-    blocks, E4M3) is the nearest.
+    blocks, E4M3) is the nearest.  ``delayed`` is TE's ``delayed`` recipe with mnb's history
+    (:data:`mnb.config.FP8_AMAX_HISTORY` casts, their max).
     """
+    if recipe == "delayed":
+        add("--fp8-format", "hybrid")
+        add("--fp8-recipe", "delayed")
+        add("--fp8-amax-history-len", str(FP8_AMAX_HISTORY))
+        add("--fp8-amax-compute-algo", "max")
+        return [f"--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len {FP8_AMAX_HISTORY} "
+                "--fp8-amax-compute-algo max: Transformer Engine's delayed scaling, the notebook's fp8='delayed'; TE "
+                "keeps a history for each weight too (mnb scales each weight by its own amax, once a step); it needs "
+                "TE and Hopper-or-newer GPUs"]
     if recipe == "tensorwise":
         add("--fp8-format", "hybrid")
         add("--fp8-recipe", "tensorwise")

@@ -414,7 +414,7 @@ def export_parser() -> MagicArgumentParser:
                                     ("--gbs", "global_batch_size", _positive_int, "global batch size"),
                                     ("--lr", "lr", _positive_float, "peak learning rate"),
                                     ("--data", "data", str, "data: mock, or a Megatron .bin/.idx prefix"),
-                                    ("--fp8", "fp8", str, "FP8 linears, tensorwise or rowwise (TE's --fp8-recipe)")):
+                                    ("--fp8", "fp8", str, "FP8 linears, tensorwise, rowwise or delayed (TE's --fp8-recipe)")):
         settings.add_argument(flag, dest=field, type=kind, default=None, metavar=field.split("_")[0].upper(),
                               help=f"{what} (default: the last)")
     layout_arguments(

@@ -13,7 +13,7 @@ def parts(estimate) -> dict[str, float]:
     return dict(estimate.compute_parts)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_the_linear_gemms_run_at_the_fp8_peak(recipe):
     train = TrainConfig(bf16=True, micro_batch_size=4, global_batch_size=16)
     layout = ParallelConfig()
@@ -32,6 +32,20 @@ def test_the_linear_gemms_run_at_the_fp8_peak(recipe):
     assert parts(fp8)["elementwise and norms"] > parts(bf16)["elementwise and norms"]  # the casts
     assert fp8.model_flops == bf16.model_flops
     assert fp8.peak_flops == bf16.peak_flops  # MFU stays against the bf16 peak
+
+
+def test_delayed_scaling_costs_the_casts_one_read_less():
+    """fp8='delayed' reads each cast tensor once (the scale from the history), tensorwise twice: the casts' share
+    of the step shrinks by the amax reads, and nothing else changes."""
+    train = TrainConfig(bf16=True, micro_batch_size=4, global_batch_size=16)
+    bf16, tw, delayed = (est.step_time(model_config("llama-3b", seq_length=2048, fp8=r), ParallelConfig(), train,
+                                       gpus=1, gpu="h200") for r in (None, "tensorwise", "delayed"))
+    elementwise = [parts(e)["elementwise and norms"] for e in (bf16, tw, delayed)]
+    assert elementwise[0] < elementwise[2] < elementwise[1]
+    assert parts(delayed)["GEMM"] == parts(tw)["GEMM"] and delayed.tokens_per_s > tw.tokens_per_s
+    k, n = 3072, 8192  # linear_fc2 of llama-3b: 8192 inputs -> 3072 outputs; the casts per token, each way
+    assert est.kernels.fp8_cast_bytes("tensorwise", n, k) == (5 * k, 7 * n + 2 * k)
+    assert est.kernels.fp8_cast_bytes("delayed", n, k) == (3 * k, 5 * n + 2 * k)  # 2 bytes less per element
 
 
 def test_a_gpu_without_fp8_tensor_cores_is_refused():

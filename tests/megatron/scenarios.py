@@ -1379,9 +1379,111 @@ def own_kernels_model_interpreted() -> dict:
 
 
 def triton_interpreted() -> dict:
-    """The launch of test_decode_kernels.py, test_norm_kernels.py, test_swiglu_kernels.py, test_rope_kernels.py
-    and test_loss_kernels.py: mnb's Triton kernels under Triton's interpreter (the launch sets
+    """The launch of test_decode_kernels.py, test_norm_kernels.py, test_swiglu_kernels.py, test_rope_kernels.py,
+    test_loss_kernels.py and test_fp8_delayed.py: mnb's Triton kernels under Triton's interpreter (the launch sets
     TRITON_INTERPRET=1), on 2 CPU ranks, once for all."""
     return {"decode": decode_kernels_interpreted(), "norm": norm_kernels_interpreted(),
             "swiglu": swiglu_kernels_interpreted(), "rope": rope_kernels_interpreted(),
-            "loss": loss_kernels_interpreted(), "own_model": own_kernels_model_interpreted()}
+            "loss": loss_kernels_interpreted(), "own_model": own_kernels_model_interpreted(),
+            "fp8_delayed": fp8_delayed_interpreted()}
+
+
+def fp8_grid(dtype, tokens: int, width: int, gen, low: int):
+    """Values of the FP8 format ``dtype`` (normal, exponents from ``low`` up, its largest value at [0, 0]), as
+    fp32: scaled by a power of two they stay exact, so a cast of them rounds nothing (Triton's interpreter
+    rounds FP8 unlike a GPU: ties away from zero, and a carry into the next power of two is lost)."""
+    import torch
+
+    bits, top = (3, 8) if dtype == torch.float8_e4m3fn else (2, 15)
+    exponent = torch.randint(low, top + 1, (tokens, width), generator=gen)
+    mantissa = torch.randint(0, 2 ** bits, (tokens, width), generator=gen)
+    mantissa = torch.where(exponent == top, mantissa.clamp(max=2 ** bits - 2), mantissa)  # past the max: NaN/inf
+    sign = torch.randint(0, 2, (tokens, width), generator=gen) * 2 - 1
+    values = sign * (1 + mantissa / 2 ** bits) * torch.exp2(exponent.float())
+    values[0, 0] = torch.finfo(dtype).max
+    return values
+
+
+def fp8_delayed_interpreted() -> dict:
+    """mnb's delayed-scaling cast (mnb.megatron.fp8_delayed) under Triton's interpreter: the kernel against the
+    same arithmetic as torch ops and against the definition, on sequences of tensors whose amaxes change
+    call to call; FP8Linear inside a training step through the kernel against through torch's ops."""
+    import torch
+
+    from mnb.megatron import fp8, fp8_delayed
+
+    results: dict = {}
+
+    def casts():
+        out = {"cases": 0, "scales": [], "wrong_scales": [], "data_mismatch": 0, "layout_mismatch": 0,
+               "torch_mismatch": 0, "history_mismatch": 0, "absent_ok": True}
+        fp8_delayed.runs_on(torch.device("cpu"))  # its probe, outside the counts
+        before = dict(fp8_delayed.calls)
+        gen = torch.Generator().manual_seed(0)
+        powers = [0, 2, 1, 3, 0, 0, 1, 2, 3, 3, 0, 1]  # each tensor's amax: the format's max x 2**power
+        for length in (1, 3, 16):
+            for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                fmax = torch.finfo(dtype).max
+                for rows, transposed in ((True, True), (True, False), (False, True)):
+                    by_kernel, by_torch = fp8_delayed.AmaxHistory(length), fp8_delayed.AmaxHistory(length)
+                    for call, power in enumerate(powers):
+                        tokens = 21 + 48 * (call % 3)  # tiles cut short in both directions
+                        low = -2 if dtype == torch.float8_e4m3fn else -10  # normal after a 2**-3 rescale
+                        x = (fp8_grid(dtype, tokens, 72, gen, low) * 2.0 ** power).to(torch.bfloat16)
+                        got = fp8_delayed.cast(x, dtype, by_kernel, rows=rows, transposed=transposed)
+                        by_torch.prepare(x)
+                        ref = fp8_delayed._cast_torch(x, dtype, by_torch, rows, transposed)
+                        by_torch.calls += 1
+                        seen = powers[max(0, call - length):call] or [powers[0]]  # the first call: its own
+                        expected = fmax / (fmax * 2.0 ** max(seen))
+                        out["cases"] += 1
+                        out["scales"].append(float(got[2]))
+                        if float(got[2]) != expected or float(ref[2]) != expected:
+                            out["wrong_scales"].append((length, str(dtype), call, float(got[2]), expected))
+                        exact = (x.float() * expected).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+                        if rows:
+                            out["data_mismatch"] += int((got[0].view(torch.uint8) != exact).sum())
+                            out["torch_mismatch"] += int((ref[0].view(torch.uint8) != exact).sum())
+                        if transposed:
+                            out["layout_mismatch"] += int((got[1].view(torch.uint8) != exact.t()).sum())
+                            out["layout_mismatch"] += int(not got[1].is_contiguous())
+                        out["absent_ok"] &= (got[0] is None) != rows and (got[1] is None) != transposed
+                        out["history_mismatch"] += int(by_kernel.amax() != by_torch.amax())
+        out["calls"] = {k: fp8_delayed.calls[k] - before[k] for k in before}
+        return out
+
+    def linear():
+        """FP8Linear in a step (weight_cache) with histories: the forward, input and weight gradients through the
+        kernel equal those through torch's ops (grid-valued inputs and gradients: nothing rounds differently)."""
+        gen = torch.Generator().manual_seed(1)
+        rc = fp8.recipe("delayed")
+        w = (fp8_grid(torch.float8_e4m3fn, 48, 64, gen, -2) / 2 ** 10).to(torch.bfloat16)
+        inputs = [(fp8_grid(torch.float8_e4m3fn, 32, 64, gen, -2) * 2.0 ** p).to(torch.bfloat16) for p in (0, 1, 0)]
+        grads = [(fp8_grid(torch.float8_e5m2, 32, 48, gen, -10) * 2.0 ** p).to(torch.bfloat16) for p in (1, 0, 2)]
+
+        def run(kernel: bool):
+            fp8_delayed.enabled = kernel
+            histories = (fp8_delayed.AmaxHistory(), fp8_delayed.AmaxHistory())
+            before = dict(fp8_delayed.calls)
+            outs = []
+            try:
+                with fp8.weight_cache():
+                    for x, g in zip(inputs, grads):
+                        weight = w.clone().requires_grad_()
+                        xx = x.clone().requires_grad_()
+                        y = fp8.FP8Linear.apply(xx, weight, None, rc, False, False, None, histories)
+                        y.backward(g)
+                        outs.append((y.detach(), xx.grad, weight.grad))
+            finally:
+                fp8_delayed.enabled = True
+            return outs, {k: fp8_delayed.calls[k] - before[k] for k in before}, histories[0].amax(), histories[1].amax()
+
+        kernel, by_torch = run(True), run(False)
+        diffs = [float((a.float() - b.float()).abs().max()) for ka, kb in zip(kernel[0], by_torch[0])
+                 for a, b in zip(ka, kb)]
+        return {"max_diff": max(diffs), "kernel_calls": kernel[1], "torch_calls": by_torch[1],
+                "amaxes": [kernel[2], kernel[3], by_torch[2], by_torch[3]]}
+
+    _guard(results, "casts", casts)
+    _guard(results, "linear", linear)
+    return results

@@ -44,13 +44,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", fp8.RECIPES)
 def test_scales_follow_torchaos_recipe(name):
-    """tensorwise: one scale max/amax per tensor (E4M3; gradients E5M2); rowwise: one per row, a power of two."""
+    """tensorwise: one scale max/amax per tensor (E4M3; gradients E5M2); rowwise: one per row, a power of two;
+    delayed: tensorwise's outside a training step."""
     rc = fp8.recipe(name)
     x = torch.randn(32, 64, dtype=torch.bfloat16) * 3
     x[5, 7] = 100.0  # the amax
     data, scale = fp8.cast(x, fp8.E4M3, rc.axis(-1), rc.pow2)
     assert data.dtype == torch.float8_e4m3fn
-    if name == "tensorwise":
+    if not rc.rowwise:
         assert scale.shape == () and scale.item() == pytest.approx(E4M3_MAX / 100.0, rel=1e-6)
         assert rc.grad_dtype == torch.float8_e5m2
         assert data.float().abs().max().item() == E4M3_MAX  # the amax lands on the format's largest value
@@ -142,12 +143,69 @@ def test_a_step_casts_each_weight_once():
     assert calls.count(w.shape) == 2
 
 
+def test_delayed_scales_come_from_the_linears_history_inside_a_step():
+    """fp8='delayed' in a training step: a linear's input and output-gradient casts take their scale from the
+    amaxes of that linear's earlier casts (the first from its own), so a tensor larger than the history
+    saturates; outside a step each tensor is scaled by its own amax and the history is left alone."""
+    from mnb.megatron import fp8_delayed
+
+    rc = fp8.recipe("delayed")
+    w = (torch.randn(32, 64) * 0.02).to(torch.bfloat16)
+    histories = (fp8_delayed.AmaxHistory(2), fp8_delayed.AmaxHistory(2))
+    scales = []
+    real = fp8.scaled_mm
+
+    def recorded(a, a_scale, b, b_scale, out_dtype, *, fast_accum):
+        scales.append(float(a_scale))
+        return real(a, a_scale, b, b_scale, out_dtype, fast_accum=fast_accum)
+
+    def step_input(amax):
+        x = torch.randn(16, 64).clamp(-1, 1)
+        x[3, 4] = amax
+        return x.to(torch.bfloat16).requires_grad_()
+
+    fp8.scaled_mm = recorded
+    try:
+        with fp8.weight_cache():
+            outs = []
+            for amax in (2.0, 4.0, 1.0, 1.0):  # a linear's input over four micro batches
+                x = step_input(amax)
+                y = fp8.FP8Linear.apply(x, w.clone().requires_grad_(), None, rc, False, False, None, histories)
+                y.backward(torch.ones_like(y))
+                outs.append((x, y))
+        forward = scales[0::3]  # each micro batch: forward, input gradient, weight gradient
+        assert forward == pytest.approx([E4M3_MAX / 2, E4M3_MAX / 2, E4M3_MAX / 4, E4M3_MAX / 4], rel=1e-6)
+        # the second micro batch's 4.0 was cast at the first one's scale: it saturated at 448 / 224 = 2
+        x, y = outs[1]
+        clipped = x.detach().float().clone()
+        clipped[3, 4] = 2.0
+        assert float((y.float() - clipped @ w.float().t()).abs().max()) < 0.05
+        assert float((y.float() - x.detach().float() @ w.float().t()).abs().max()) > 0.01
+        assert histories[0].calls == 4 and histories[0].amax() == 1.0  # the last two: 1.0, 1.0
+        assert histories[1].calls == 4
+        scales.clear()
+        x = step_input(8.0)  # outside a step (mnb.evaluate, mnb.generate): its own amax
+        fp8.FP8Linear.apply(x, w, None, rc, False, False, None, histories)
+        assert scales == pytest.approx([E4M3_MAX / 8]) and histories[0].calls == 4
+    finally:
+        fp8.scaled_mm = real
+
+
+def test_an_amax_history_needs_an_entry():
+    from mnb.megatron import fp8_delayed
+
+    with pytest.raises(ValueError, match="at least one entry"):
+        fp8_delayed.AmaxHistory(0)
+    with pytest.raises(ValueError, match=r"\[tokens, width\]"):
+        fp8_delayed.cast(torch.ones(2, 3, 16), fp8.E4M3, fp8_delayed.AmaxHistory())
+
+
 TRAIN = '''
 import mnb.megatron.fp8 as _fp8
 _fp8.RUN_ON_CPU = True
 try:
     out = {}
-    for _name in ("bf16", "tensorwise", "rowwise"):
+    for _name in ("bf16", "tensorwise", "rowwise", "delayed"):
         _m = mnb.gpt("tiny", fp8=None if _name == "bf16" else _name, ffn_hidden_size=256, fusions=False)
         _r = mnb.train(_m, steps=3, micro_batch_size=2, global_batch_size=2, bf16=True, lr=1e-3)
         out[_name] = [row["loss"] for row in _r["steps"]]
@@ -165,7 +223,7 @@ def test_fp8_training_under_tp2_and_sp_follows_bf16(cpu_pool):
     for rank in (0, 1):
         out = got[rank]
         assert out["bf16_recipe"] is None
-        for name in ("tensorwise", "rowwise"):
+        for name in ("tensorwise", "rowwise", "delayed"):
             assert out[name + "_recipe"] == name
             assert out[name] == pytest.approx(out["bf16"], rel=2e-3), (name, out)
             assert out[name] != out["bf16"]  # it did run FP8 GEMMs
