@@ -80,6 +80,11 @@ class ModelConfig:
     """Longest sequence the position embedding covers (learned positions: the table's rows)."""
     seq_length: int = 128
     """Tokens per training sample (at most ``max_position_embeddings`` with learned positions)."""
+    sliding_window: int | None = None
+    """Tokens a query attends back to, itself included (Mistral's ``sliding_window``); None = the whole
+    causal past.  Megatron's local attention has no window, so a model with one runs only sequences no longer
+    than it: ``seq_length``, :func:`mnb.logits`'s tokens and :func:`mnb.generate`'s prompt plus new tokens are
+    refused past it (where the window cannot matter)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """'LayerNorm' (GPT-2: mean and variance, with bias) or 'RMSNorm' (Llama, Qwen2, Mixtral: scale only)."""
     gated_linear_unit: bool = False
@@ -156,6 +161,18 @@ class ModelConfig:
                 f"moe_router_topk({self.moe_router_topk}) must be between 1 and "
                 f"num_moe_experts({self.num_moe_experts})"
             )
+        if self.num_moe_experts is not None and self.moe_router_topk == 1 and not self.extra.get("moe_router_pre_softmax"):
+            raise ValueError(
+                "moe_router_topk=1 routes each token to one expert with weight 1 (a softmax over the chosen expert "
+                "alone), which gives the router no gradient, so Megatron-Core refuses it: route to 2 or more "
+                "experts, or pass moe_router_pre_softmax=True (the softmax over all experts, then the top one)")
+        if self.sliding_window is not None:
+            _positive(self, ("sliding_window",))
+            if self.seq_length > self.sliding_window:
+                raise ValueError(
+                    f"seq_length({self.seq_length}) exceeds sliding_window({self.sliding_window}): Megatron's local "
+                    "attention has no sliding window, so mnb runs this model on sequences no longer than its window; "
+                    f"pass seq_length<={self.sliding_window}")
 
     @property
     def ffn(self) -> int:

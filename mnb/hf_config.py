@@ -139,6 +139,11 @@ def _llama_like(hf: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
                    moe_ffn_hidden_size=hf["intermediate_size"])
         if float(hf.get("router_jitter_noise") or 0.0):
             raise ValueError(f"{where}: router_jitter_noise={hf['router_jitter_noise']} is not supported; set it to 0")
+        if out["moe_router_topk"] == 1:
+            raise ValueError(f"{where}: num_experts_per_tok=1: transformers' Mixtral weights each token's one expert by "
+                             "1 (its top-k weights renormalised), and Megatron-Core routes to one expert only with a "
+                             "softmax over all experts first (moe_router_pre_softmax), whose weights differ: mnb reads "
+                             "Mixtral checkpoints with num_experts_per_tok >= 2")
     return out
 
 
@@ -186,6 +191,10 @@ def hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
     if not isinstance(fields["vocab_size"], int):
         raise ValueError(f"{where}: vocab_size {fields['vocab_size']!r} is not an integer")
     fields["seq_length"] = min(fields["max_position_embeddings"], DEFAULT_SEQ_LENGTH)
+    window = hf.get("sliding_window")
+    if isinstance(window, int) and hf.get("use_sliding_window", arch != "Qwen2ForCausalLM"):
+        fields["sliding_window"] = window  # ModelConfig refuses sequences past it
+        fields["seq_length"] = min(fields["seq_length"], window)
     if isinstance(hf.get("initializer_range"), float):
         fields["init_method_std"] = hf["initializer_range"]
     fields = {k: v for k, v in fields.items() if v is not None}
@@ -194,11 +203,6 @@ def hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
         cfg = ModelConfig(name=name, **fields).with_overrides(**overrides) if overrides else ModelConfig(name=name, **fields)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
-    window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", arch != "Qwen2ForCausalLM")
-    if window and uses_window and cfg.seq_length > window:
-        raise ValueError(f"{where}: sliding_window={window} is shorter than seq_length({cfg.seq_length}); "
-                         f"Megatron's local attention has no sliding window: pass seq_length<={window}")
     return cfg
 
 
@@ -224,15 +228,18 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "layer_norm_epsilon": cfg.layernorm_epsilon, "tie_word_embeddings": cfg.share_embeddings_and_output_weights,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         }
-    if not llama or cfg.add_bias_linear:
+    # biases on every linear: Llama's attention_bias + mlp_bias (q/k/v included); Qwen2 and Mixtral have none
+    llama_biases = cfg.add_bias_linear and cfg.add_qkv_bias and not cfg.is_moe
+    if not llama or (cfg.add_bias_linear and not llama_biases):
         raise ValueError(f"model {cfg.name!r} ({cfg.normalization}, activation {cfg.activation}, gated "
                          f"{cfg.gated_linear_unit}, {cfg.position_embedding_type} positions, add_bias_linear "
-                         f"{cfg.add_bias_linear}) matches none of {', '.join(ARCHITECTURES)}; "
+                         f"{cfg.add_bias_linear}, add_qkv_bias {cfg.add_qkv_bias}, "
+                         f"{'MoE' if cfg.is_moe else 'dense'}) matches none of {', '.join(ARCHITECTURES)}; "
                          "mnb.save_hf writes only those")
     arch, kind = ("LlamaForCausalLM", "llama")
     if cfg.is_moe:
         arch, kind = ("MixtralForCausalLM", "mixtral")
-    elif cfg.add_qkv_bias:
+    elif cfg.add_qkv_bias and not cfg.add_bias_linear:
         arch, kind = ("Qwen2ForCausalLM", "qwen2")
     if cfg.is_moe and cfg.add_qkv_bias:
         raise ValueError(f"model {cfg.name!r}: experts with q/k/v biases match no supported architecture")
@@ -245,6 +252,10 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": "silu", "tie_word_embeddings": cfg.share_embeddings_and_output_weights,
         "rope_theta": cfg.rotary_base, "attention_dropout": 0.0,
     }
+    if llama_biases:
+        out.update(attention_bias=True, mlp_bias=True)
+    if cfg.sliding_window is not None:
+        out.update(sliding_window=cfg.sliding_window)
     if cfg.rope_scaling:
         out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **_LLAMA3_FIXED}
     if cfg.is_moe:

@@ -109,7 +109,8 @@ def test_bad_configs_name_the_file_and_setting(folders, tmp_path):
                                                      "high_freq_factor": 4.0, "rope_theta": 5e5})
     with pytest.raises(ValueError, match="low_freq_factor=2.0 cannot be expressed"):
         hf_config(odd)
-    with pytest.raises(ValueError, match=r"sliding_window=4096 is shorter than seq_length\(8192\)"):
+    with pytest.raises(ValueError, match=r"mistral/config.json: seq_length\(8192\) exceeds sliding_window\(4096\): "
+                                         r"Megatron's local attention has no sliding window.*pass seq_length<=4096"):
         hf_config(folders["mistral"], seq_length=8192)
     missing = _edit(folders["mixtral"], num_local_experts=None)
     with pytest.raises(ValueError, match="mixtral/config.json: MixtralForCausalLM needs the setting .num_local_experts. as a positive integer, got None"):
@@ -117,3 +118,9 @@ def test_bad_configs_name_the_file_and_setting(folders, tmp_path):
     with pytest.raises(ValueError, match=r"gpt2/config.json: num_attention_heads\(4\) is not divisible by "
                                          r"num_query_groups\(3\)"):
         hf_config(folders["gpt2"], num_query_groups=3)
+    assert hf_config(folders["mistral"]).sliding_window == 4096  # recorded: logits and generate stop at it
+    windowed = hf_config(_edit(folders["mistral"], sliding_window=8))  # seq_length defaults to the window
+    assert (windowed.sliding_window, windowed.seq_length) == (8, 8)
+    top1 = _edit(folders["mixtral"], num_local_experts=4, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match=r"mixtral/config.json: num_experts_per_tok=1: transformers' Mixtral weights"):
+        hf_config(top1)

@@ -176,12 +176,14 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
         raise ValueError("stop strings need a tokenizer, and this model has none (no tokenizer.json in its "
                          "Hugging Face folder): leave stop out, or load a checkpoint with its tokenizer")
     batch = as_prompts(prompts, tokenizer)
-    limit = model.config.max_position_embeddings
+    limit, what = model.config.max_position_embeddings, "max_position_embeddings"
+    if model.config.sliding_window is not None and model.config.sliding_window < limit:
+        limit, what = model.config.sliding_window, "sliding_window (Megatron's local attention has none)"
     longest = max(len(p) for p in batch.ids)
     if longest + max_new_tokens > limit:
         raise ValueError(
             f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
-            f"{longest + max_new_tokens} exceeds the model's max_position_embeddings ({limit}); "
+            f"{longest + max_new_tokens} exceeds the model's {what} ({limit}); "
             "shorten the prompt or ask for fewer tokens")
     vocab = model.config.vocab_size
     bad = sorted({t for p in batch.ids for t in p if not 0 <= t < vocab})

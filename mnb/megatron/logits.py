@@ -29,6 +29,8 @@ def _as_tokens(token_ids: Any, vocab_size: int) -> torch.Tensor:
         tokens = torch.as_tensor(token_ids)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"token_ids must be a [batch, tokens] list or tensor of integers ({exc})") from None
+    if tokens.numel() == 0:  # an empty list is a float tensor: say what is wrong, not its dtype
+        raise ValueError(f"token_ids must be [batch, tokens] with at least one token, got shape {list(tokens.shape)}")
     if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.dtype.is_complex:
         raise ValueError(f"token_ids must be integers, got {tokens.dtype}")
     if tokens.dim() == 1:
@@ -79,6 +81,10 @@ def last_stage_logits(model, tokens: torch.Tensor, position_ids: torch.Tensor | 
     if cfg.position_embedding_type == "learned_absolute" and padded > cfg.max_position_embeddings:
         raise ValueError(f"{seq} tokens (padded to {padded} for the layout) exceed max_position_embeddings"
                          f"({cfg.max_position_embeddings}) of this model's learned positions; pass fewer tokens")
+    if cfg.sliding_window is not None and seq > cfg.sliding_window:
+        raise ValueError(f"{seq} tokens exceed this model's sliding_window ({cfg.sliding_window}): Megatron's local "
+                         "attention has no sliding window, so past it the logits would not be the model's; pass at "
+                         f"most {cfg.sliding_window} tokens")
     device = device_of()
     if position_ids is None:
         position_ids = torch.arange(seq).expand(batch, seq)

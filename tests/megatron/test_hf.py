@@ -226,6 +226,69 @@ def test_bad_input_is_refused_alike_on_every_rank(cpu_pool, checkpoints):
         {0: LAYERS, 1: LAYERS}
 
 
+def test_corner_folders_read_as_transformers_reads_them(cpu_pool, checkpoints, tmp_path):
+    """Folders transformers reads in a way that is easy to miss: a Llama with biases on every linear (read,
+    and written back by save_hf as one), a tied config whose weights hold their own lm_head (transformers 5
+    uses it), a folder holding one file and an index of other shards (transformers reads the file), and a
+    Mistral whose sliding window is shorter than the tokens (Megatron's local attention has none: refused)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    tokens = checkpoints["tokens"]
+    small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                 num_hidden_layers=2, vocab_size=300, max_position_embeddings=64, initializer_range=0.1)
+    torch.manual_seed(11)
+    biased = LlamaForCausalLM(LlamaConfig(**small, attention_bias=True, mlp_bias=True))
+    with torch.no_grad():
+        for p in biased.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    biased.save_pretrained(tmp_path / "biased")
+    untied = LlamaForCausalLM(LlamaConfig(**small, tie_word_embeddings=False))
+    untied.save_pretrained(tmp_path / "own-head")
+    config = json.loads((tmp_path / "own-head" / "config.json").read_text())
+    (tmp_path / "own-head" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    untied.save_pretrained(tmp_path / "both", max_shard_size="40KB")  # shards and an index ...
+    other = LlamaForCausalLM(LlamaConfig(**small))
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(tmp_path / "both" / "model.safetensors"),
+              metadata={"format": "pt"})  # ... and one file of other weights beside them
+    MistralForCausalLM(MistralConfig(**small, sliding_window=8)).save_pretrained(tmp_path / "window")
+    window_tokens = [row[:8] for row in tokens]
+    want = {name: reference_logits(tmp_path / name, tokens) for name in ("biased", "own-head", "both")}
+    want["window"] = reference_logits(tmp_path / "window", window_tokens)
+    assert float(np.abs(want["both"] - reference_logits(tmp_path / "own-head", tokens)).max()) > 0.1
+
+    cell = (f"_out = {{}}\n"
+            f"for _name in ('biased', 'own-head', 'both', 'window'):\n"
+            f"    _m = mnb.from_hf({str(tmp_path)!r} + '/' + _name)\n"
+            f"    _out[_name] = mnb.logits(_m, {window_tokens!r} if _name == 'window' else {tokens!r}).numpy()\n"
+            f"    if _name == 'biased':\n"
+            f"        mnb.save_hf({str(tmp_path / 'biased-saved')!r}, _m)\n"
+            f"_seq = _m.config.seq_length\n"
+            f"del _m\n"
+            f"(_out, _seq)")
+    results = cpu_pool.run(cell, layout=ParallelConfig(tp=2), quiet=True)
+    for rank, (got, seq) in results.items():
+        assert seq == 8  # the window's length, where config.json's positions are 64
+        for name, logits in got.items():
+            err = float(np.abs(logits - want[name]).max())
+            assert err < ATOL, f"rank {rank} {name}: max |mnb - transformers| = {err:.2e}"
+    saved = json.loads((tmp_path / "biased-saved" / "config.json").read_text())
+    assert (saved["architectures"], saved["attention_bias"], saved["mlp_bias"]) == (["LlamaForCausalLM"], True, True)
+    assert float(np.abs(reference_logits(tmp_path / "biased-saved", tokens) - want["biased"]).max()) < ATOL
+    for code, fragment in (
+            (f"mnb.logits(mnb.from_hf({str(tmp_path / 'window')!r}), {tokens!r})",
+             "13 tokens exceed this model's sliding_window (8)"),
+            (f"mnb.generate(mnb.from_hf({str(tmp_path / 'window')!r}), [[5, 6, 7, 8, 9, 10]], max_new_tokens=3, "
+             "stream=False)", "= 9 exceeds the model's sliding_window (Megatron's local attention has none) (8)"),
+            (f"mnb.logits(mnb.from_hf({str(tmp_path / 'biased')!r}), [[]])",
+             "token_ids must be [batch, tokens] with at least one token, got shape [1, 0]")):
+        with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
+            cpu_pool.run(code, layout=ParallelConfig(), quiet=True)
+        assert "[r0-1] ValueError" in str(info.value) and fragment in str(info.value), str(info.value)
+
+
 SP = {"mixtral": {"sequence_parallel": True}}  # Megatron trains MoE under tp > 1 only with sp
 
 

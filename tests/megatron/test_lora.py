@@ -252,6 +252,7 @@ def test_bad_adapter_folders_and_targets_are_refused_alike(cpu_pool, made):
     base, good = made["models"]["llama"][0], made["models"]["llama"][1]
     root = made["root"] / "bad"
     root.mkdir()
+    from safetensors.torch import load_file, save_file
 
     def copy(name: str):
         folder = root / name
@@ -260,13 +261,20 @@ def test_bad_adapter_folders_and_targets_are_refused_alike(cpu_pool, made):
 
     unknown = copy("unknown-module")
     config = json.loads((unknown / "adapter_config.json").read_text())
+    full_paths = copy("full-paths")  # peft's "all-linear" on a model of fewer than 20 linears: every module's path
+    names = sorted({k.split("base_model.model.", 1)[1].rsplit(".lora_", 1)[0]
+                    for k in load_file(str(full_paths / "adapter_model.safetensors"))})
+    assert "model.layers.0.mlp.down_proj" in names
+    (full_paths / "adapter_config.json").write_text(json.dumps({**config, "target_modules": names}))
+    experts = copy("expert-parameters")  # what peft's "all-linear" writes for Mixtral: experts' weights too
+    (experts / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": ["gate_up_proj"],
+                                                             "rank_pattern": {".*\\.gate_up_proj": 4}}))
     (unknown / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "w9"]}))
     rank = copy("rank-mismatch")
     (rank / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
     missing = copy("no-weights")
     (missing / "adapter_model.safetensors").unlink()
     layer9 = copy("layer-9")  # a module this 4-layer model has not
-    from safetensors.torch import load_file, save_file
 
     weights = load_file(str(layer9 / "adapter_model.safetensors"))
     save_file({k.replace("layers.0.", "layers.9."): v for k, v in weights.items()}, str(layer9 / "adapter_model.safetensors"))
@@ -275,6 +283,8 @@ def test_bad_adapter_folders_and_targets_are_refused_alike(cpu_pool, made):
         (str(unknown), ["unknown-module/adapter_config.json: unknown target module 'w9'"]),
         (str(rank), ["rank-mismatch/adapter_model.safetensors: rank mismatch:", "says r=8"]),
         (str(missing), ["no-weights/adapter_model.safetensors is missing"]),
+        (str(experts), ["expert-parameters/adapter_config.json: target_parameters is ['gate_up_proj']",
+                        "MoE experts' weights"]),
         (str(layer9), ["layer-9/adapter_model.safetensors: unknown target module model.layers.9.mlp.down_proj"]),
         (gpt2_adapter, ["gpt2-adapter/adapter_config.json: unknown target module 'c_", "for this model (llama)"]),
     ]
@@ -288,9 +298,11 @@ def test_bad_adapter_folders_and_targets_are_refused_alike(cpu_pool, made):
     with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
         cpu_pool.run(f"mnb.lora(mnb.from_hf({base!r}), targets=('c_attn',))", layout=ParallelConfig(tp=2), quiet=True)
     assert "has no projection 'c_attn'; its projections are" in str(info.value), str(info.value)
-    # the pool is still usable, and the good folder loads after all that
-    assert cpu_pool.run(f"mnb.load_adapter(mnb.from_hf({base!r}), {good!r}).trainable > 0",
-                        layout=ParallelConfig(tp=2), quiet=True) == {0: True, 1: True}
+    # the pool is still usable, and the folder naming each module by its path loads after all that, as peft's
+    got = cpu_pool.run(f"_m = mnb.from_hf({base!r})\nmnb.load_adapter(_m, {str(full_paths)!r})\n"
+                       f"mnb.logits(_m, {made['tokens']!r}).numpy()", layout=ParallelConfig(tp=2), quiet=True)
+    for logits in got.values():
+        assert float(np.abs(logits - made["models"]["llama"][2]).max()) < ATOL
 
 
 def test_lora_under_zero3_trains_as_under_ddp(cpu_pool, made):

@@ -184,7 +184,12 @@ def read_folder(path: str | os.PathLike, model) -> tuple[LoraConfig, dict[str, d
     for key, bad, why in (("use_dora", True, "DoRA"), ("use_rslora", True, "rsLoRA's alpha/sqrt(r) scaling")):
         if config.get(key) == bad:
             raise ValueError(f"{config_file}: {key} is true; mnb's adapters do not do {why}")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform", "target_parameters"):
+    if config.get("target_parameters"):  # peft's "all-linear" on Mixtral adds these (and a rank_pattern for them)
+        raise ValueError(f"{config_file}: target_parameters is {config['target_parameters']!r}: the adapter trains "
+                         "parameters outside the projections (MoE experts' weights, as peft's target_modules="
+                         "'all-linear' does for Mixtral); mnb's adapters cover the attention and dense MLP "
+                         "projections: make it with target_modules naming those (e.g. q_proj, k_proj, v_proj, o_proj)")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
         if config.get(key):
             raise ValueError(f"{config_file}: {key} is {config[key]!r}; mnb.load_adapter reads adapters with one "
                              "rank and alpha on whole projections (no per-module patterns or saved modules)")
@@ -199,7 +204,9 @@ def read_folder(path: str | os.PathLike, model) -> tuple[LoraConfig, dict[str, d
     names = sorted({short for _, short, _ in modules.values()})
     listed = config.get("target_modules")
     if isinstance(listed, list):
-        unknown = [t for t in listed if t not in names and t != "all-linear"]
+        # peft matches an entry by the module name's ending: a short name, or a full path (peft's expansion of
+        # "all-linear" writes paths such as model.layers.0.mlp.down_proj); the weights file says which modules
+        unknown = [t for t in listed if t.rsplit(".", 1)[-1] not in names and t != "all-linear"]
         if unknown:
             raise ValueError(f"{config_file}: unknown target module {unknown[0]!r} for this model "
                              f"({model.config.name}); its projections are {', '.join(names)}")

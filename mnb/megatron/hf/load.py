@@ -146,8 +146,15 @@ def from_hf(path: str | Path, *, fusions: bool | str = "auto", **overrides: Any)
         cfg.check_parallel(parallel)
     except ValueError as exc:
         raise ValueError(f"{folder.name} ({arch}) under {parallel.describe()}: {exc}") from None
-    rules = family_tensors(arch, cfg)
     checkpoint = Checkpoint(folder)
+    if (cfg.share_embeddings_and_output_weights and "lm_head.weight" in checkpoint.tensors
+            and "share_embeddings_and_output_weights" not in overrides):
+        # transformers 5 reads such a folder untied (and warns): the logits come from the file's lm_head
+        logger.warning("%s: config.json ties the output layer to the embedding (tie_word_embeddings), but the "
+                       "weights hold their own lm_head.weight; reading it untied, as transformers does (pass "
+                       "share_embeddings_and_output_weights=True to tie it and ignore lm_head.weight)", folder)
+        cfg = cfg.with_overrides(share_embeddings_and_output_weights=False)
+    rules = family_tensors(arch, cfg)
     checkpoint.check(expected_tensors(rules), str(folder / "config.json"))
     tokenizer = load_hf_tokenizer(folder)  # None without tokenizer.json; bad files refused before building
 

@@ -117,7 +117,10 @@ class Checkpoint:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         index = self.folder / INDEX
-        if index.is_file():
+        if (self.folder / SINGLE).is_file():  # before an index, as transformers reads a folder holding both
+            files = [SINGLE]
+            weight_map = None
+        elif index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -129,9 +132,6 @@ class Checkpoint:
                 raise ValueError(f"{index} names shard {missing[0]}, which is missing from {self.folder}"
                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                                  + "; copy the whole checkpoint folder")
-        elif (self.folder / SINGLE).is_file():
-            files = [SINGLE]
-            weight_map = None
         else:
             others = sorted(p.name for p in self.folder.glob("*.bin")) + sorted(p.name for p in self.folder.glob("*.pt"))
             hint = (f"; it has {', '.join(others[:3])}: save it as safetensors (transformers' "
