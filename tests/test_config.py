@@ -275,3 +275,18 @@ def test_fp8_takes_the_local_recipes_and_refuses_transformer_engines_spelling():
     with pytest.raises(ValueError, match="covers dense models"):
         model_config("moe-tiny", fp8="tensorwise")
     assert TrainConfig(fp8=True).fp8 is True  # Transformer Engine's, where TE is installed
+
+
+def test_top1_routing_and_a_sliding_window_are_refused_where_megatron_or_its_attention_would_fail():
+    """moe_router_topk=1 without Megatron's pre-softmax is refused at the config (Megatron refused it inside the
+    model build, naming its command-line flag); a sliding window shorter than seq_length likewise."""
+    from mnb.config import ModelConfig
+
+    with pytest.raises(ValueError, match=r"moe_router_topk=1 .*no gradient.*moe_router_pre_softmax=True"):
+        ModelConfig(num_moe_experts=4, moe_router_topk=1)
+    assert ModelConfig(num_moe_experts=4, moe_router_topk=1, extra={"moe_router_pre_softmax": True}).moe_router_topk == 1
+    with pytest.raises(ValueError, match=r"seq_length\(128\) exceeds sliding_window\(64\).*pass seq_length<=64"):
+        ModelConfig(sliding_window=64)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig(sliding_window=0, seq_length=1)
+    assert ModelConfig(sliding_window=128).sliding_window == 128
