@@ -499,6 +499,22 @@ def batch_problem(global_batch_size: int, micro_batch_size: int, dp: int) -> str
             "micro batch size, or another layout")
 
 
+def interleave_problem(num_microbatches: int, pp: int, vpp: int, per_microbatch: int | None = None) -> str:
+    """Why Megatron-Core's interleaved 1F1B schedule (``vpp > 1``) refuses ``num_microbatches`` ('' when it takes
+    them): it runs microbatches in groups of pp (``microbatch_group_size_per_vp_stage``'s default), needs at
+    least one group and refuses a last group shorter than pp, so the count must be a multiple of pp.  The one
+    statement of the rule, for training, the %%megatron check, the estimators, the explorer and the plan.
+    ``per_microbatch``: samples a microbatch adds to the global batch (micro_batch_size * dp), for the hint."""
+    if vpp <= 1 or (num_microbatches >= pp and num_microbatches % pp == 0):
+        return ""
+    hint = ""
+    if per_microbatch:
+        low = max(pp, num_microbatches - num_microbatches % pp)
+        hint = f"; use global_batch_size {low * per_microbatch} or {(low + pp) * per_microbatch}, or another layout"
+    return (f"the interleaved pipeline schedule (vpp={vpp}) runs microbatches in groups of pp({pp}), and "
+            f"num_microbatches({num_microbatches}) is not a multiple of {pp} (Megatron-Core refuses it){hint}")
+
+
 def load_preset(name: str) -> ModelConfig:
     """Read a model preset (templates/presets/NAME.json, :mod:`mnb.presets`) into a ModelConfig."""
     return ModelConfig(name=name, **preset_fields(name))

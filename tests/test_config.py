@@ -290,3 +290,26 @@ def test_top1_routing_and_a_sliding_window_are_refused_where_megatron_or_its_att
     with pytest.raises(ValueError, match="sliding_window"):
         ModelConfig(sliding_window=0, seq_length=1)
     assert ModelConfig(sliding_window=128).sliding_window == 128
+
+
+def test_the_interleaved_schedule_takes_a_multiple_of_pp_microbatches_everywhere_it_is_checked():
+    """Megatron-Core's interleaved 1F1B runs microbatches in groups of pp and refuses a short last group: 3
+    microbatches on pp 2 failed inside the schedule, while the plan ranked such layouts first and %%megatron
+    let them run.  The rule is one function; the plan, the cell check and the estimators use it."""
+    from mnb import estimate
+    from mnb.config import TrainConfig, interleave_problem
+    from mnb.controller.preflight import check_cell
+
+    assert interleave_problem(4, 2, 2) == "" and interleave_problem(3, 2, 1) == ""
+    assert "num_microbatches(3) is not a multiple of 2" in interleave_problem(3, 2, 2, 1)
+    assert "use global_batch_size 2 or 4" in interleave_problem(3, 2, 2, 1)
+    assert "num_microbatches(1) is not a multiple of 2" in interleave_problem(1, 2, 2)
+    rows = list(estimate.plan("llama-8b", gpus=8, train=TrainConfig(global_batch_size=20, micro_batch_size=1, bf16=True)))
+    interleaved = [r for r in rows if r.parallel.vpp > 1]
+    assert interleaved and all(r.num_microbatches % r.parallel.pp == 0 for r in interleaved)
+    cell = "m = mnb.gpt('tiny')\nmnb.train(m, steps=2, micro_batch_size=1, global_batch_size=3)"
+    problems = check_cell(cell, ParallelConfig(pp=2, vpp=2, dp=1))
+    assert len(problems) == 1 and "num_microbatches(3) is not a multiple of 2" in problems[0], problems
+    assert check_cell(cell.replace("=3", "=4"), ParallelConfig(pp=2, vpp=2, dp=1)) == []
+    with pytest.raises(ValueError, match="not a multiple of 2"):
+        estimate.memory("tiny", ParallelConfig(pp=2, vpp=2), TrainConfig(micro_batch_size=1, global_batch_size=3), gpus=2)

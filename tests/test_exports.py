@@ -334,7 +334,7 @@ def test_megatron_lms_own_parser_reads_the_same_values(monkeypatch, tmp_path):
              layout=ParallelConfig(pp=2, vpp=2)),
         dict(model=model_config("tiny", num_layers=8, num_layers_in_first_pipeline_stage=2,
                                 num_layers_in_last_pipeline_stage=2), nodes=1, gpus_per_node=3,
-             micro_batch_size=1, global_batch_size=8, layout=ParallelConfig(pp=3, vpp=2)),
+             micro_batch_size=1, global_batch_size=9, layout=ParallelConfig(pp=3, vpp=2)),
     ]
     for case in cases:
         e = export("megatron-lm", **case)
@@ -445,3 +445,12 @@ def test_megatron_lm_reads_the_fp8_arguments(monkeypatch):
         assert args.fp8 == fmt and args.fp8_recipe == pairs(e.args)["--fp8-recipe"]
         if recipe == "delayed":
             assert (args.fp8_amax_history_len, args.fp8_amax_compute_algo) == (16, "max")
+
+
+def test_an_interleaved_layout_with_a_short_last_group_of_microbatches_is_refused():
+    """Megatron-LM's interleaved schedule refuses 8 microbatches on pp 3 at its first step: the export says so
+    before writing a launch that would fail on the cluster."""
+    with pytest.raises(ValueError, match=r"num_microbatches\(8\) is not a multiple of 3 \(Megatron-Core refuses it\) "
+                                         r"on 1 node\(s\) x 3 GPU\(s\)"):
+        export("megatron-lm", model=model_config("tiny", num_layers=6), nodes=1, gpus_per_node=3, micro_batch_size=1,
+               global_batch_size=8, layout=ParallelConfig(pp=3, vpp=2))

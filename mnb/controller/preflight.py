@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from mnb.config import ParallelConfig, TrainConfig, model_config
+from mnb.config import ParallelConfig, TrainConfig, interleave_problem, model_config
 from mnb.model_source import tokenizer_folder
 
 _MODEL_FUNCS = {"gpt"}
@@ -70,7 +70,10 @@ def check_cell(code: str, parallel: ParallelConfig) -> list[str]:
             fields = set(TrainConfig.__dataclass_fields__)
             try:
                 train = TrainConfig(**{k: v for k, v in kwargs.items() if k in fields})
-                train.num_microbatches(parallel.dp or 1)
+                m = train.num_microbatches(parallel.dp or 1)
+                problem = interleave_problem(m, parallel.pp, parallel.vpp, train.micro_batch_size * (parallel.dp or 1))
+                if problem:
+                    raise ValueError(problem)
             except (ValueError, TypeError) as exc:
                 problems.append(f"mnb.train(...) under {parallel.describe()}: {exc}")
     return problems

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mnb.config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, lora_config
+from mnb.config import LoraConfig, ModelConfig, ParallelConfig, TrainConfig, interleave_problem, lora_config
 from mnb.units import Text, format_bytes
 
 from . import hardware
@@ -239,11 +239,9 @@ def memory(
         raise ValueError(f"overhead_fraction must be >= 0, got {overhead_fraction}")
     m = resolve_microbatches(train, parallel, num_microbatches)
     pp, tp, cp, ep, dp = parallel.pp, parallel.tp, parallel.cp, parallel.ep, parallel.dp or 1
-    if parallel.vpp > 1 and m < pp:
-        raise ValueError(
-            f"interleaved schedule (vpp={parallel.vpp}) needs num_microbatches({m}) >= pp({pp}); "
-            f"raise global_batch_size to at least {pp * train.micro_batch_size * dp}"
-        )
+    problem = interleave_problem(m, pp, parallel.vpp, train.micro_batch_size * dp)
+    if problem:
+        raise ValueError(problem)
     sp = parallel.sequence_parallel and tp > 1
     e = 2 if (train.bf16 or train.fp8) else 4
     s_local = model.seq_length // cp

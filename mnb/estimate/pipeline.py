@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence, Iterable
 
-from mnb.config import ParallelConfig, as_vpp
+from mnb.config import ParallelConfig, as_vpp, interleave_problem
 
 COMPUTE_KINDS = ("forward", "backward")
 
@@ -116,10 +116,9 @@ def simulate_schedule(
     pp, m, v = parallel.pp, num_microbatches, parallel.vpp
     if m < 1:
         raise ValueError(f"num_microbatches must be positive, got {m}")
-    if v > 1 and m < pp:
-        raise ValueError(
-            f"the interleaved schedule needs num_microbatches({m}) >= pp({pp}) (Megatron-Core check)"
-        )
+    problem = interleave_problem(m, pp, v)
+    if problem:
+        raise ValueError(problem)
     fwd_order = _chunk_order(pp, m, v)
     bwd_order = [(v - 1 - c, mb) for c, mb in fwd_order]
     tf = [t / v for t in _per_stage(forward_s, pp, "forward_s")]

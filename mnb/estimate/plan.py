@@ -9,8 +9,8 @@ Rules: tp divides heads and query groups and stays within a node; pp divides
 the layers; tp*pp*cp divides the GPUs, cp a power of two that splits the sequence
 into 2*cp chunks; sequence parallel is on when tp > 1;
 the distributed optimizer is on when dp*cp > 1 (Megatron shards it over both); vpp in ``vpps`` where layers
-split evenly and m >= pp; ep (MoE) divides the experts and dp*cp; recompute
-in ``recomputes``; Megatron-FSDP's levels in ``fsdps`` where dp*cp > 1 (with one rank
+split evenly and m a multiple of pp (:func:`mnb.config.interleave_problem`); ep (MoE) divides
+the experts and dp*cp; recompute in ``recomputes``; Megatron-FSDP's levels in ``fsdps`` where dp*cp > 1 (with one rank
 in the group they shard nothing; ``optim`` is left out by default: it keeps and moves
 what the distributed optimizer does) and ParallelConfig accepts the layout (not with pp > 1: Megatron-FSDP's device mesh has no pipeline dimension).  Rows are sorted: fitting layouts first, then by predicted
 step time, then by memory.
@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from mnb.config import FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors
+from mnb.config import (FSDP_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig, as_vpp, batch_problem, divisors,
+                        interleave_problem)
 from mnb.units import Text, format_bytes, format_percent, format_seconds
 
 from . import hardware
@@ -177,7 +178,7 @@ def plan(
                     continue
                 m = gbs // (mbs * dp)
                 for vpp in vpp_choices:
-                    if vpp > 1 and (pp < 2 or m < pp):  # the layers' split: check_parallel below
+                    if vpp > 1 and (pp < 2 or interleave_problem(m, pp, vpp)):  # the layers' split: below
                         continue
                     for ep in ep_choices:
                         if (dp * cp) % ep:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from mnb.config import TrainConfig
+from mnb.config import TrainConfig, interleave_problem
 from mnb.megatron import background_compile, events, fp8, interrupts, schedule, wgrad_fusion
 from mnb.megatron import layout as _layout
 from mnb.megatron.batches import BatchPlan, microbatch_iterators
@@ -342,6 +342,9 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
             instructions.check(model, data, truncate=tc.truncate)
     parallel = model.parallel
     num_microbatches = tc.num_microbatches(parallel.dp)
+    problem = interleave_problem(num_microbatches, parallel.pp, parallel.vpp, tc.micro_batch_size * parallel.dp)
+    if problem:  # alike on every rank, before any collective: Megatron's own refusal comes from inside the schedule
+        raise ValueError(problem)
     device = device_of()
     _prepare(model, tc)
     scheduler = schedule.scheduler_for(model, tc, _sub_optimizers(model.optimizer))

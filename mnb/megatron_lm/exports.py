@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mnb import writes
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem, interleave_problem
 from mnb.megatron_lm.export_args import megatron_lm_args
 from mnb.launch_templates import render_template
 from mnb.model_source import resolve_model, tokenizer_folder
@@ -235,6 +235,12 @@ def check_target(model: ModelConfig, train: TrainConfig, layout: ParallelConfig,
         raise ValueError(f"{exc} ({where})") from None
     problem = batch_problem(train.global_batch_size or train.micro_batch_size * resolved.dp,
                             train.micro_batch_size, resolved.dp)
+    if problem:
+        head, _, advice = problem.partition("; ")
+        raise ValueError(f"{head} {where} with {resolved.describe()}; {advice}")
+    gbs = train.global_batch_size or train.micro_batch_size * resolved.dp
+    problem = interleave_problem(gbs // (train.micro_batch_size * resolved.dp), resolved.pp, resolved.vpp,
+                                 train.micro_batch_size * resolved.dp)
     if problem:
         head, _, advice = problem.partition("; ")
         raise ValueError(f"{head} {where} with {resolved.describe()}; {advice}")

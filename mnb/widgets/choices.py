@@ -3,7 +3,7 @@
 Every rule comes from the config classes: each candidate is tried against
 :meth:`mnb.config.ParallelConfig.resolve`, :meth:`mnb.config.ModelConfig.check_parallel`
 and :meth:`mnb.config.TrainConfig.num_microbatches` (plus Megatron-Core's
-interleaving rule ``num_microbatches >= pp``), and the message of the first
+interleaving rule, :func:`mnb.config.interleave_problem`), and the message of the first
 rule that fails is the reason shown to the user::
 
     >>> from mnb.config import load_preset, ParallelConfig
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import mnb.estimate as est
-from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem, divisors
+from mnb.config import ModelConfig, ParallelConfig, TrainConfig, batch_problem, divisors, interleave_problem
 from mnb.presets import preset_names
 from mnb.model_source import checkpoint_folder, resolve_model
 from mnb.estimate import hardware
@@ -187,12 +187,9 @@ def check_layout(
         else:
             per = train.micro_batch_size * dp
             m = -(-(train.global_batch_size or per) // per)
-        if resolved.vpp > 1 and m < resolved.pp:
-            raise ValueError(
-                f"the interleaved schedule (vpp={resolved.vpp}) needs num_microbatches({m}) >= "
-                f"pp({resolved.pp}); raise global_batch_size to at least "
-                f"{resolved.pp * train.micro_batch_size * dp}"
-            )
+        problem = interleave_problem(m, resolved.pp, resolved.vpp, train.micro_batch_size * dp)
+        if problem:
+            raise ValueError(problem)
     return resolved
 
 

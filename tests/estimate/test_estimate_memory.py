@@ -188,7 +188,7 @@ def test_invalid_inputs_carry_numbers():
     # Without a world size, dp is the fewest replicas the layout allows.
     assert est.memory("llama-7b", ParallelConfig(tp=2)).parallel.dp == 1
     assert est.memory("mixtral-8x7b", ParallelConfig(ep=4)).parallel.dp == 4
-    with pytest.raises(ValueError, match=r"num_microbatches\(2\) >= pp\(4\)"):
+    with pytest.raises(ValueError, match=r"num_microbatches\(2\) is not a multiple of 4.*global_batch_size 4 or 8"):
         est.memory("llama-7b", ParallelConfig(pp=4, vpp=2), TrainConfig(global_batch_size=2), gpus=4)
     with pytest.raises(ValueError, match=r"global_batch_size\(6\).*= 4"):
         est.memory("llama-7b", ParallelConfig(), TrainConfig(global_batch_size=6), gpus=4)

@@ -64,7 +64,7 @@ def test_vpp_none_is_accepted_as_plain_1f1b():
 def test_bubble_errors():
     with pytest.raises(ValueError, match="num_microbatches must be a positive integer, got 0"):
         est.bubble(ParallelConfig(pp=2, dp=1), 0)
-    with pytest.raises(ValueError, match=r"num_microbatches\(2\) >= pp\(4\)"):
+    with pytest.raises(ValueError, match=r"num_microbatches\(2\) is not a multiple of 4"):
         est.simulate_schedule(ParallelConfig(pp=4, vpp=2, dp=1), 2)
 
 

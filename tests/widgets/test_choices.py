@@ -42,8 +42,9 @@ def test_each_kind_of_adjustment_names_its_rule():
         "global_batch_size 8 -> 16: a multiple of micro_batch_size(4) * dp(4) = 16",)
     few = derive(Settings(model="tiny", gpus=4, gpu="cpu", pp=2, vpp=2, micro_batch_size=4, global_batch_size=8))
     assert (few.settings.pp, few.settings.vpp) == (2, 1) and few.adjustments == (
-        "vpp 2 -> 1: the interleaved schedule (vpp=2) needs num_microbatches(1) >= pp(2); "
-        "raise global_batch_size to at least 16",)
+        "vpp 2 -> 1: the interleaved pipeline schedule (vpp=2) runs microbatches in groups of pp(2), and "
+        "num_microbatches(1) is not a multiple of 2 (Megatron-Core refuses it); use global_batch_size 16 or 32, "
+        "or another layout",)
     sp = derive(Settings(model="tiny", gpus=2, gpu="cpu", sequence_parallel=True))
     assert sp.settings.sequence_parallel is False and sp.adjustments == ()  # off with tp 1, as Megatron has it
 
