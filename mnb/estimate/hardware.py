@@ -30,6 +30,7 @@ replaces numbers with your own measurement::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -76,6 +77,11 @@ class Device:
     """Share of ``inter_node_bytes_per_s`` a large collective across nodes reaches."""
     sources: tuple[tuple[str, str], ...] = ()
     """(field, source) for every calibration number; see :meth:`source_of`."""
+    nominal: bool = False
+    """Its peak and efficiencies are placeholders, not a model of any machine (the table's CPU): the plan
+    predicts no step time or MFU on it (``%mnb plan --calibrate`` measures one)."""
+    host_memory: bool = False
+    """Its ranks allocate from this machine's RAM (CPU ranks): :func:`rank_capacity_bytes` shares it out."""
 
     def source_of(self, name: str) -> str:
         """Where the number in field ``name`` comes from."""
@@ -161,6 +167,8 @@ DEVICES: dict[str, Device] = {
             intra_node_bytes_per_s=5e9,
             inter_node_bytes_per_s=1e9,
             source="nominal 1 TFLOP/s so that CPU runs get an MFU figure; not a measurement",
+            nominal=True,
+            host_memory=True,
         ),
     )
 }
@@ -277,6 +285,21 @@ def device_from_name(device_name: str | None) -> Device | None:
     for key in ("b200", "h200", "h100", "a100"):
         if key in text:
             return DEVICES[key]
+    return None
+
+
+def host_memory_bytes() -> int:
+    """This machine's RAM (Linux: mnb's ranks run there)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rank_capacity_bytes(dev: Device, ranks_on_host: int) -> int | None:
+    """Memory one rank may use: the device's own, or for CPU ranks this machine's RAM shared by the ranks
+    on it (every CPU rank of a node allocates from the one host memory).  None where unknown."""
+    if dev.capacity_bytes is not None:
+        return dev.capacity_bytes
+    if dev.host_memory:
+        return host_memory_bytes() // max(1, ranks_on_host)
     return None
 
 

@@ -54,8 +54,8 @@ def register_measurement(measurement: dict[str, Any], *, name: str | None = None
     what = (f"measured by %mnb plan --calibrate on {measurement.get('device_name', base)} "
             f"({measurement.get('world_size', 1)} rank(s), {when})")
     numbers: dict[str, Any] = {"gemm_curve": tuple(sorted(best.items())), "hbm_bytes_per_s": copy_bw}
-    if on_cpu:
-        numbers.update(bf16_flops=peak, fp32_flops=peak)
+    if on_cpu:  # measured: no longer the nominal placeholder
+        numbers.update(bf16_flops=peak, fp32_flops=peak, nominal=False)
     bus = measurement.get("allreduce_bus_bytes_per_s")
     if bus:
         if measurement.get("intra_node", True):

@@ -313,7 +313,9 @@ def memory(
                 other_bytes=overhead_fraction * (acts + logits),
             )
         )
-    capacity = hardware.device(gpu).capacity_bytes if gpu else None
+    # CPU ranks share the host's RAM: the world (at most a node's 8) divides it
+    world = parallel.model_parallel_size * (parallel.dp or 1)
+    capacity = hardware.rank_capacity_bytes(hardware.device(gpu), min(8, world)) if gpu else None
     return MemoryEstimate(
         model=model.name,
         parallel=parallel,

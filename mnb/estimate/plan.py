@@ -18,6 +18,8 @@ step time, then by memory.
 
 from __future__ import annotations
 
+import math
+import textwrap
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
@@ -78,16 +80,26 @@ class Plan(list):
         return self.table()
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{c}</th>" for c in ("layout", "memory/rank", "fits", "step", "MFU", "HFU", "tokens/s"))
+        head = "".join(f"<th>{c}</th>" for c in ("layout", "memory/rank", *_HEADER[2:]))
         body = []
         for r in self[:30]:
             style = "" if r.fits else ' style="color:#999"'
-            body.append(
-                f"<tr{style}><td>{r.describe()}</td><td>{format_bytes(r.memory_bytes)}</td>"
-                f"<td>{'yes' if r.fits else 'no'}</td><td>{format_seconds(r.step_time_s)}</td>"
-                f"<td>{format_percent(r.mfu)}</td><td>{format_percent(r.hfu)}</td><td>{r.tokens_per_s:,.0f}</td></tr>"
-            )
-        return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+            body.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in _cells(r)) + "</tr>")
+        note = f"<p><small>{_NOMINAL_NOTE}</small></p>" if any(math.isnan(r.step_time_s) for r in self[:30]) else ""
+        return f"<table><tr>{head}</tr>{''.join(body)}</table>{note}"
+
+
+_HEADER = ("layout", "mem/rank", "fits", "step", "MFU", "HFU", "tokens/s")
+_NOMINAL_NOTE = ("CPU: the hardware table's CPU is a nominal 1 TFLOP/s, not a model of this machine: no step time, "
+                 "MFU or tokens/s is predicted, and the rows are in the order that nominal model gives; %mnb plan "
+                 "--calibrate measures the pool's own CPUs. mem/rank fits this machine's RAM shared by the ranks on it.")
+
+
+def _cells(r: PlanRow) -> tuple[str, ...]:
+    """One row's columns as text (the one rendering of a row, for the table and its HTML)."""
+    speed = (("—",) * 4 if math.isnan(r.step_time_s) else
+             (format_seconds(r.step_time_s), format_percent(r.mfu), format_percent(r.hfu), f"{r.tokens_per_s:,.0f}"))
+    return (r.describe(), format_bytes(r.memory_bytes), "yes" if r.fits else "no", *speed)
 
 
 def format_plan(rows: Iterable[PlanRow]) -> str:
@@ -96,13 +108,16 @@ def format_plan(rows: Iterable[PlanRow]) -> str:
     Each memory and time carries its own unit (GiB..B, s..µs): a tiny model's plan read
     '0.0 GiB' and '0.000 s' in fixed columns.
     """
-    lines = [f"{'layout':<50} {'mem/rank':>10} {'fits':>5} {'step':>9} {'MFU':>7} {'HFU':>7} {'tokens/s':>10}"]
-    for r in rows:
-        lines.append(
-            f"{r.describe():<50} {format_bytes(r.memory_bytes):>10} {'yes' if r.fits else 'no':>5} "
-            f"{format_seconds(r.step_time_s):>9} {format_percent(r.mfu):>7} {format_percent(r.hfu):>7} "
-            f"{r.tokens_per_s:10,.0f}"
-        )
+    rows = list(rows)
+    cells = [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in [_HEADER, *cells]) for i in range(len(_HEADER))]  # long layouts stay aligned
+
+    def line(values) -> str:
+        return " ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths)))
+
+    lines = [line(_HEADER), *(line(c) for c in cells)]
+    if any(math.isnan(r.step_time_s) for r in rows):
+        lines += textwrap.wrap(f"({_NOMINAL_NOTE})", 100)
     return "\n".join(lines)
 
 
@@ -150,8 +165,8 @@ def plan(
     gbs = gbs or base.global_batch_size or 4 * gpus * mbs
     if gbs % mbs:
         raise ValueError(f"gbs({gbs}) is not divisible by mbs({mbs})")
-    capacity = capacity_bytes if capacity_bytes is not None else hardware.device(gpu).capacity_bytes
     node = min(gpus_per_node, gpus)
+    capacity = capacity_bytes if capacity_bytes is not None else hardware.rank_capacity_bytes(hardware.device(gpu), node)
     tp_choices = list(tps) if tps is not None else [
         t for t in divisors(gpus) if t <= node and model.num_attention_heads % t == 0
         and model.query_groups % t == 0
@@ -205,7 +220,9 @@ def plan(
             f"layers {model.num_layers}, heads {model.num_attention_heads}, "
             f"query groups {model.query_groups}; try another gbs or GPU count"
         )
-    rows.sort(key=lambda r: (not r.fits, r.step_time_s, r.memory_bytes))
+    # on a nominal device (the CPU) the nominal step time still orders the rows (recompute, communication),
+    # though it is not shown
+    rows.sort(key=lambda r: (not r.fits, r.time_estimate.total_s, r.memory_bytes))
     return Plan(rows)
 
 
@@ -226,6 +243,9 @@ def _row(model, parallel, train, gpu, capacity, gpus_per_node, achievable_fracti
         achievable_fraction=achievable_fraction,
     )
     fits = capacity is None or mem.peak_bytes <= capacity
+    step, mfu, hfu, tokens = t.total_s, t.mfu, t.hfu, t.tokens_per_s
+    if hardware.device(gpu).nominal:  # a placeholder peak: no time, MFU or tokens/s to claim
+        step = mfu = hfu = tokens = float("nan")
     return PlanRow(
         parallel=parallel,
         recompute=train.recompute,
@@ -234,10 +254,10 @@ def _row(model, parallel, train, gpu, capacity, gpus_per_node, achievable_fracti
         memory_bytes=mem.peak_bytes,
         capacity_bytes=capacity,
         fits=fits,
-        step_time_s=t.total_s,
-        mfu=t.mfu,
-        hfu=t.hfu,
-        tokens_per_s=t.tokens_per_s,
+        step_time_s=step,
+        mfu=mfu,
+        hfu=hfu,
+        tokens_per_s=tokens,
         bubble=bubble(parallel, mem.num_microbatches),
         memory_estimate=mem,
         time_estimate=t,

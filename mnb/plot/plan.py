@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from mnb.estimate import PlanRow
@@ -25,15 +26,21 @@ def plot_plan(rows: Sequence[PlanRow], ax=None, *, label_top: int = 5):
     if not rows:
         ax.text(0.5, 0.5, "no layouts", ha="center", va="center", transform=ax.transAxes)
         return ax
+    nominal = any(math.isnan(r.mfu) for r in rows)  # a placeholder device (the CPU): no MFU to plot
+    order = {id(r): i + 1 for i, r in enumerate(rows)}
+
+    def y(r: PlanRow) -> float:
+        return order[id(r)] if nominal else r.mfu * 100
+
     largest = max(r.memory_bytes for r in rows)
     unit, scale = next(((u, size) for u, size in (("GiB", GIB), ("MiB", MIB)) if largest >= size), ("KiB", KIB))
     fit = [r for r in rows if r.fits]
     nofit = [r for r in rows if not r.fits]
     if fit:
-        ax.scatter([r.memory_bytes / scale for r in fit], [r.mfu * 100 for r in fit],
+        ax.scatter([r.memory_bytes / scale for r in fit], [y(r) for r in fit],
                    color=COLORS["weights"], s=28, label=f"fits ({len(fit)})", zorder=3)
     if nofit:
-        ax.scatter([r.memory_bytes / scale for r in nofit], [r.mfu * 100 for r in nofit],
+        ax.scatter([r.memory_bytes / scale for r in nofit], [y(r) for r in nofit],
                    color="#999999", marker="x", s=24, label=f"does not fit ({len(nofit)})", zorder=2)
     capacity = next((r.capacity_bytes for r in rows if r.capacity_bytes), None)
     if capacity and capacity <= 10 * largest:
@@ -49,16 +56,22 @@ def plot_plan(rows: Sequence[PlanRow], ax=None, *, label_top: int = 5):
             labelled.append(r)
     if fit:
         best = fit[0]
-        ax.scatter([best.memory_bytes / scale], [best.mfu * 100], marker="*", s=220,
+        ax.scatter([best.memory_bytes / scale], [y(best)], marker="*", s=220,
                    color="#F0B400", edgecolor="black", zorder=4, label="best")
     ax.set_xlabel(f"predicted peak memory per rank ({unit})")
-    ax.set_ylabel("predicted MFU (%)")
-    ax.set_title(f"{len(rows)} layouts, each a prediction (no run): peak memory per rank vs MFU", fontsize=10)
+    if nominal:
+        ax.set_ylabel("place in the plan (1 = first)")
+        ax.invert_yaxis()
+        ax.set_title(f"{len(rows)} layouts on CPU, each a prediction (no run): peak memory per rank; no MFU is "
+                     "predicted for the nominal CPU", fontsize=9)
+    else:
+        ax.set_ylabel("predicted MFU (%)")
+        ax.set_title(f"{len(rows)} layouts, each a prediction (no run): peak memory per rank vs MFU", fontsize=10)
     # beside the axes: inside, "best" would cover points or labels
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    points = [(r.memory_bytes / scale, r.mfu * 100) for r in rows]
-    big = [(best.memory_bytes / scale, best.mfu * 100)] if fit else []
-    label_points(ax, [(r.describe(), (r.memory_bytes / scale, r.mfu * 100)) for r in labelled], points, big)
+    points = [(r.memory_bytes / scale, y(r)) for r in rows]
+    big = [(best.memory_bytes / scale, y(best))] if fit else []
+    label_points(ax, [(r.describe(), (r.memory_bytes / scale, y(r))) for r in labelled], points, big)
     return ax
 
 

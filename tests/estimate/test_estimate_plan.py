@@ -127,3 +127,28 @@ def test_the_plan_interleaves_a_model_whose_end_stages_are_uneven():
     uneven = base.with_overrides(num_layers_in_first_pipeline_stage=7, num_layers_in_last_pipeline_stage=7)
     plain = est.plan(uneven, gpus=128, gpu="h100", mbs=1, gbs=256, tps=[8], recomputes=["full"], fsdps=[None])
     assert {r.parallel.vpp for r in plain if r.parallel.pp == 16} == {1}  # Megatron's first/last: no vpp 2 (7 % 2)
+
+
+def test_a_cpu_plan_fits_this_machines_ram_and_claims_no_speed_until_calibrated():
+    """The table's CPU is a nominal 1 TFLOP/s: a plan on it printed every layout of llama-70b as fitting and at
+    about 90 % MFU.  Now CPU ranks share this machine's RAM (what fits is measured against it) and no step
+    time, MFU or tokens/s is claimed; a calibrated CPU (%mnb plan --calibrate's measurement) gets numbers."""
+    from mnb.estimate import hardware
+    from mnb.estimate.measured import register_measurement
+
+    big = est.plan("llama-70b", gpus=2, gpu="cpu", gbs=8)
+    share = hardware.host_memory_bytes() // 2
+    assert all(r.capacity_bytes == share and r.fits == (r.memory_bytes <= share) for r in big)
+    assert not big[0].fits  # 600 GiB a rank: no CI or laptop has 1.2 TB of RAM
+    rows = est.plan("tiny", gpus=2, gpu="cpu", gbs=8)
+    assert all(r.fits for r in rows) and all(r.step_time_s != r.step_time_s for r in rows)  # NaN: not predicted
+    assert rows[0].time_estimate.total_s <= rows[-1].time_estimate.total_s  # still ordered by the nominal model
+    text = est.format_plan(rows[:3])
+    assert "%" not in text.splitlines()[1] and "—" in text and "no step time" in text
+    assert "no step time" in rows._repr_html_()
+    assert est.memory("tiny", gpus=2, gpu="cpu").capacity_bytes == share
+    measured = register_measurement({"gemm": [[512, 512, 512, 2e10], [1024, 1024, 1024, 3e10]],
+                                     "copy_bytes_per_s": 5e9, "device_name": "cpu", "world_size": 2})
+    calibrated = est.plan("tiny", gpus=2, gpu=measured.name, gbs=8)
+    assert not measured.nominal and calibrated[0].capacity_bytes == share
+    assert 0 < calibrated[0].mfu <= 1 and calibrated[0].step_time_s > 0
