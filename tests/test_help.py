@@ -19,7 +19,8 @@ PARSERS = {**{f"%mnb {name}": make for name, make in SUBCOMMAND_PARSERS.items()}
 
 
 def option_strings(parser: argparse.ArgumentParser) -> list[str]:
-    return [s for action in parser._actions for s in action.option_strings]
+    """Every listed option (a hidden one, such as --dp, which only answers with an error, aside)."""
+    return [s for action in parser._actions if action.help != argparse.SUPPRESS for s in action.option_strings]
 
 
 def positional_choices(parser: argparse.ArgumentParser) -> list[str]:
@@ -60,7 +61,7 @@ def test_help_lists_every_option_with_its_default_and_an_example(name):
     assert_full_help(text, parser)
     formatter = parser._get_formatter()
     for action in parser._actions:
-        if isinstance(action, argparse._HelpAction):
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:  # --dp: only an error
             continue
         described = formatter._get_help_string(action)
         assert "default" in described or "required" in described, (name, action.option_strings, described)

@@ -35,10 +35,10 @@ FLAGS = {
     "%mnb plan": ["--calibrate", "--fp8", "--gbs", "--gpu", "--gpus", "--mbs", "--model", "--seq", "--top"],
     "%mnb run": ["--grace", "--isolated", "--ranks", "--timeout"],
     "%mnb profile": ["delete", "list", "open"],
-    "%mnb export": ["--cp", "--data", "--ep", "--fp8", "--fsdp", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--no-sp",
+    "%mnb export": ["--cp", "--data", "--dp", "--ep", "--fp8", "--fsdp", "--gbs", "--gpus-per-node", "--lr", "--mbs", "--model", "--no-sp",
                     "--nodes", "--output", "--overwrite", "--pp", "--sbatch-arg", "--seq", "--sp", "--steps", "--tp", "--vpp", "-o",
                     "megatron-lm", "slurm", "torchrun"],
-    "%%megatron": ["--cp", "--debug-ranks", "--ep", "--fsdp", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
+    "%%megatron": ["--cp", "--debug-ranks", "--dp", "--ep", "--fsdp", "--grace", "--memory", "--no-sp", "--output", "--pp", "--profile", "--profile-ranks",
                    "--ranks", "--sp", "--timeout", "--tp", "--vpp", "-o"],
 }
 """Every magic's flags and positional choices (-h/--help aside): a contract, so any change is deliberate."""
@@ -62,6 +62,15 @@ def test_flags_are_a_frozen_contract():
     found = {f"%mnb {name}": _flags(make()) for name, make in SUBCOMMAND_PARSERS.items()}
     found["%%megatron"] = _flags(megatron_parser())
     assert found == FLAGS
+
+
+def test_dp_is_not_a_flag_and_the_error_says_how_it_is_set(shell):
+    """--dp (hidden from the help) answers what users try with how data parallelism is set, before any cell runs."""
+    for line, call in (("--dp 2", lambda: shell.run_cell_magic("megatron", "--dp 2", "1")),
+                       ("export", lambda: shell.run_line_magic("mnb", "export --model tiny --gpus-per-node 8 --dp 2"))):
+        with pytest.raises(UsageError, match=r"--dp is not a flag: .*dp = ranks / \(tp \* pp \* cp\)"):
+            call()
+    assert "--dp" not in megatron_parser().format_help()
 
 
 def test_ntasks_per_node_is_slurms_name_for_ranks_per_node_and_only_applies_with_slurm(shell):

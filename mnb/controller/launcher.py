@@ -283,8 +283,10 @@ class Launcher:
 
     def not_ready_error(self, ready: int, world: int, timeout_s: float) -> str:
         """What the notebook is told when only ``ready`` of ``world`` ranks joined within ``timeout_s``."""
-        return (f"only {ready} of {world} ranks were ready after {timeout_s:.0f} s; raise --timeout, or read the "
-                f"log {self.spec.log_file}:\n" + self.log_tail())
+        tail = self.log_tail()
+        return (f"only {ready} of {world} ranks were ready after {timeout_s:.3g} s; raise --timeout, or read the "
+                f"log {self.spec.log_file}" + (f":\n{tail}" if tail.strip() else
+                                               " (empty so far: torchrun had not started the ranks)"))
 
     def log_tail(self, lines: int = 30) -> str:
         try:

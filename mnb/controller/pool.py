@@ -233,7 +233,7 @@ class Pool:
         try:
             pool._repair.launch()
         except BaseException:
-            pool._remove_files()
+            pool._remove_files(keep_logs=True)  # the error names the log: it must still be there to read
             raise
         _POOLS.add(pool)
         return pool
@@ -277,9 +277,10 @@ class Pool:
             self._repair.launch(target)
         return self
 
-    def _remove_files(self) -> None:
-        """The connection file holds the pool's secret: remove it, and the folder mnb made."""
-        if self._owns_workdir:
+    def _remove_files(self, *, keep_logs: bool = False) -> None:
+        """The connection file holds the pool's secret: remove it, and the folder mnb made (``keep_logs``: a
+        start that failed keeps the folder with its logs, which its error names, and loses only the secret)."""
+        if self._owns_workdir and not keep_logs:
             shutil.rmtree(self.workdir(), ignore_errors=True)
         else:
             for path in (self.spec.connection_file, self.spec.connection_file.with_name("pool.json.tmp")):

@@ -399,9 +399,10 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
     events.publish_record(record)
     if stopped or flag.requested:
         # Every rank stopped after the same step (see mnb.megatron.interrupts): the cell ends here.
+        # step numbers are the model's, counting on across calls (as mnb.last_run's are)
         raise KeyboardInterrupt(
-            f"mnb.train stopped after step {len(step_rows)} of {tc.steps} on every rank "
-            f"(steps_done={model.steps_done}); mnb.train(model, ...) continues from there"
+            f"mnb.train stopped after step {model.steps_done} on every rank ({len(step_rows)} of this call's "
+            f"{tc.steps}); mnb.train(model, ...) continues from there"
         )
     return TrainResult(record)  # the same dict, shown as one line (mnb.results)
 

@@ -111,6 +111,20 @@ def layout_arguments(p: MagicArgumentParser, title: str, sizes: dict[str, str], 
     g.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off (default: see --sp)")
     g.add_argument("--fsdp", nargs="?", const="optim_grads_params", default=None, choices=FSDP_STRATEGIES,
                    metavar="{" + ",".join(FSDP_STRATEGIES) + "}", help=f"{fsdp} (default: {default('fsdp')})")
+    g.add_argument("--dp", action=_DerivedDp, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+class _DerivedDp(argparse.Action):
+    """``--dp``, which users try (Megatron-LM has no such flag either): an error that says how dp is set."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs.pop("nargs", None)
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--dp is not a flag: data parallelism is what the other sizes leave, dp = ranks / (tp * pp * "
+                     "cp), as in Megatron; set those (with --tp 1 --pp 1 --cp 1 every rank is a data-parallel "
+                     "replica)")
 
 MNB_COMMANDS = ("start", "status", "stop", "restart", "stacks", "debug", "plot", "plan", "run", "export", "profile")
 

@@ -360,3 +360,25 @@ def test_bf16_training_on_cpu_ranks_reports_an_mfu_below_one(cpu_pool):
     run = mnb.last_run
     assert "best of float32, bfloat16" in run.peak_source
     assert all(0 < m < 1 for m in run.mfu[1:]), run.mfu
+
+
+def test_a_start_that_times_out_keeps_its_log_and_loses_its_secret():
+    """A start past its --timeout names torchrun's log: the log is still there to read (the folder went with
+    it), the connection file (the pool's secret) is gone, and no process of it is left."""
+    import shutil
+    from pathlib import Path
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(PoolError) as info:
+        Pool.start(2, device="cpu", timeout=0.5)
+    message = str(info.value)
+    assert "only 0 of 2 ranks were ready after 0.5 s; raise --timeout, or read the log " in message, message
+    log = Path(re.search(r"read the log (\S+torchrun\.log)", message).group(1))
+    try:
+        assert log.is_file() and not (log.parent / "pool.json").exists()
+        wait_for = time.monotonic() + 30
+        while {p.pid for p in psutil.Process().children(recursive=True)} - before and time.monotonic() < wait_for:
+            time.sleep(0.1)
+        assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
+    finally:
+        shutil.rmtree(log.parent, ignore_errors=True)
