@@ -21,6 +21,10 @@ Collectives of one group pair up by their order on it (its sequence number), wha
 them; sends and receives pair up per peer.  So a rank whose count on a group is behind the others'
 skipped a call (or they ran one more), and ranks in calls with the same number but different
 operations are in a mismatch.
+
+Only calls that have waited :data:`SETTLED_S` or more say so.  Ranks that are still running (a cell
+past its timeout in the middle of healthy training) answer at different moments, each a fraction
+of a second into some call, and their counts differ without anything being skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ from __future__ import annotations
 from typing import Any
 
 Snapshot = dict[str, Any]
+SETTLED_S = 1.0
+"""How long a call must have waited before the diagnosis reads anything into it (a Flight Recorder
+entry, which has no waited time, counts as settled)."""
+
+
+def _settled(call: dict[str, Any] | None) -> bool:
+    return call is not None and (call.get("for_s") is None or call["for_s"] >= SETTLED_S)
 
 
 def group_text(group: dict[str, Any]) -> str:
@@ -116,7 +127,7 @@ def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[st
     values = sorted(set(position.values()))
     if len(values) == 1:
         ops = sorted(set(op.values()))
-        if len(ops) == 1:
+        if len(ops) == 1 or not all(_settled(_first_collective(by_rank[r].get(key))) for r in members):
             return ""
         parts = [f"{_who([r for r in members if op[r] == o])} {'is ' if i == 0 else ''}in {o}"
                  for i, o in enumerate(sorted(ops, key=lambda o: min(r for r in members if op[r] == o)))]
@@ -124,6 +135,8 @@ def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[st
     low, high = values[0], values[-1]
     behind = [r for r in members if position[r] == low]
     ahead = [r for r in members if position[r] == high]
+    if not all(_settled(_first_collective(by_rank[r].get(key))) for r in ahead):
+        return ""  # the ranks ahead have only just entered their call: they may all be running
     if all(r in raised for r in behind):  # they ended the cell with an exception: nothing was skipped
         waits = "waits" if len(ahead) == 1 else "wait"
         their = "its" if len(behind) == 1 else "their"
@@ -140,7 +153,7 @@ def _collective_line(key: str, group: dict[str, Any], by_rank: dict[int, dict[st
 def _p2p_line(rank: int, call: dict[str, Any], key: str, group: dict[str, Any],
               by_rank: dict[int, dict[str, Any]], raised: dict[int, str]) -> str:
     op, peer, seq = call.get("op"), call.get("peer"), call.get("seq", 0)
-    if op not in ("send", "recv") or peer is None or peer < 0 or peer not in by_rank:
+    if op not in ("send", "recv") or peer is None or peer < 0 or peer not in by_rank or not _settled(call):
         return ""
     theirs = by_rank[peer].get(key) or {}
     name = group_text(group)

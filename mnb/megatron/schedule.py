@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from mnb.config import TrainConfig
@@ -97,7 +99,17 @@ def warn_past_end(model: Any, tc: TrainConfig, rank: int) -> None:
             f"mnb.train: the {tc.lr_decay_style} schedule of {tc.schedule_steps} steps is at step {done}; "
             f"the {done + tc.steps - tc.schedule_steps} step(s) of this call after its end run at "
             f"min_lr={tc.min_lr}; pass schedule_steps=... (counted from the model's first step) for a "
-            "longer schedule", stacklevel=3)
+            "longer schedule", stacklevel=_outside_mnb())
+
+
+def _outside_mnb() -> int:
+    """``warnings.warn``'s stacklevel, for a warning called from here, of the first frame outside mnb: the
+    user's cell line (``mnb.train(...)``), not mnb's own (Python 3.12's ``skip_file_prefixes``, on 3.11 too)."""
+    root = str(Path(__file__).resolve().parents[1])
+    frame, level = sys._getframe(1), 1  # the function that calls warnings.warn: stacklevel 1
+    while frame is not None and frame.f_code.co_filename.startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def state(model: Any) -> dict | None:

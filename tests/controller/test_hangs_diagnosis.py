@@ -89,3 +89,21 @@ def test_a_peer_that_raised_is_named_in_point_to_point_lines():
     snapshots = {0: {"groups": [group(sent={"1": 3}, pending=[send])]}, 1: {"groups": [group(received={"0": 2})]}}
     assert hangs.diagnose(snapshots, raised={1: "ValueError"}) == [
         "rank 0 is in send #3 to rank 1 of pp group [0,1]; rank 1 raised ValueError after receiving 2"]
+
+
+def test_ranks_only_just_in_their_calls_are_running_not_hung():
+    """A cell past its timeout in healthy training: each rank answers a fraction of a second into some call, at
+    counts that differ.  Nothing is read into that (it said 'rank 0 skipped 6'); the same counts after a second
+    of waiting are a hang."""
+    def snapshots(waited):
+        call = lambda seq: {"op": "all_reduce", "seq": seq, "peer": None, "for_s": waited}  # noqa: E731
+        tp = dict(key="5", name="tp", ranks=(0, 1))
+        return {0: {"groups": [group(**tp, calls=583, last="all_reduce", pending=[call(583)])]},
+                1: {"groups": [group(**tp, calls=589, last="all_reduce", pending=[call(589)])]}}
+
+    assert hangs.diagnose(snapshots(0.0)) == []
+    assert hangs.diagnose(snapshots(hangs.SETTLED_S)) == [
+        "rank 0 is at all_reduce #583 of tp group [0,1]; rank 1 is at #589 — rank 0 skipped 6 (or rank 1 ran 6 more)"]
+    recv = {"op": "recv", "seq": 5, "peer": 0, "for_s": 0.2}
+    moving = {0: {"groups": [group(sent={"1": 4})]}, 1: {"groups": [group(pending=[recv])]}}
+    assert hangs.diagnose(moving) == []

@@ -225,6 +225,7 @@ def rank_schedule_continues(path: str) -> dict:
         warnings.simplefilter("always")
         past = run(model, steps=1)  # past the schedule's end: min_lr, and rank 0 says so
     past["warned"] = [str(w.message) for w in caught if "mnb.train" in str(w.message)]
+    past["warned_at"] = [Path(w.filename).name for w in caught if "mnb.train" in str(w.message)]
     resumed = {}
     for name, (tp, pp) in (("same-layout", (2, 1)), ("pp2", (1, 2))):
         fresh = build(tp=tp, pp=pp, seed=999)  # other weights: everything comes from the checkpoint
@@ -497,6 +498,7 @@ def test_schedule_and_data_continue_across_calls_saves_and_layouts(scenarios):
         assert r["past"]["lr"] == [pytest.approx(3e-4)] and r["past"]["step"] == [11]
         assert len(r["past"]["warned"]) == (1 if r is ok(scenarios[0]["schedule"]) else 0)
         assert all("schedule of 10 steps is at step 10" in w and "schedule_steps" in w for w in r["past"]["warned"])
+        assert all(name == "test_checkpoint.py" for name in r["past"]["warned_at"])  # the caller's line, not mnb's
         for name, resumed in r["resumed"].items():
             assert resumed["schedule_loaded"] and resumed["step"] == [6, 7, 8, 9, 10], name
             assert resumed["info"].endswith(": step 5, saved under tp2 pp1 dp1; weights, optimizer, schedule"
