@@ -16,6 +16,7 @@ import ast
 import linecache
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _RESULT = "_mnb_cell_value_"
@@ -112,13 +113,43 @@ def describe_exception(exc: BaseException) -> Outcome:
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
     hidden = _debugger_files() if type(exc).__name__ in ("BdbQuit", "NoStdinError") else ()
-    if hidden:
+    if _refused_by_mnb(exc, tb):
+        text = _refusal_text(exc, traceback.extract_tb(tb))
+    elif hidden:
         frames = [f for f in traceback.extract_tb(tb) if f.filename not in hidden]
         text = (("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))) if frames else ""
                 ) + "".join(traceback.format_exception_only(type(exc), exc))
     else:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     return Outcome(ok=False, ename=type(exc).__name__, evalue=str(exc), traceback=text)
+
+
+MNB_ROOT = str(Path(__file__).resolve().parents[1])
+"""The mnb package's folder: frames from files under it are mnb's own."""
+
+
+def _refused_by_mnb(exc: BaseException, tb) -> bool:
+    """A ValueError, TypeError or FileNotFoundError that mnb's own checks raised (its innermost frame is mnb's),
+    with no chained exception to show: the user's input was refused."""
+    frames = traceback.extract_tb(tb)
+    return (isinstance(exc, (ValueError, TypeError, FileNotFoundError)) and bool(frames) and frames[-1].filename.startswith(MNB_ROOT)
+            and exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__))
+
+
+def _refusal_text(exc: BaseException, frames: traceback.StackSummary) -> str:
+    """The traceback of a refusal: the user's frames and the line that raised; each run of mnb's frames between
+    them is one line (how the check was reached is not where to change anything)."""
+    lines = ["Traceback (most recent call last):\n"]
+    skipped = 0
+    for index, frame in enumerate(frames):
+        if frame.filename.startswith(MNB_ROOT) and index < len(frames) - 1:
+            skipped += 1
+            continue
+        if skipped:
+            lines.append(f"  ... {skipped} frame(s) inside mnb ...\n")
+            skipped = 0
+        lines.extend(traceback.format_list([frame]))
+    return "".join(lines) + "".join(traceback.format_exception_only(type(exc), exc))
 
 
 def _debugger_files() -> set[str]:
