@@ -59,10 +59,15 @@ EXTRAS=""; WANT="import mnb, megatron.core, safetensors, tokenizers, nbconvert"
 if [ "$MODE" = tests ]; then
   EXTRAS="[test]"; WANT="$WANT, nbclient, pytest_timeout, transformers, hta"  # hta: HolisticTraceAnalysis
 fi
-# Reinstall when anything is missing, or when `mnb` resolves to another checkout.
+# Reinstall when anything is missing, or when `mnb` resolves to another checkout (say which: the install
+# replaces it for this Python).
+OTHER=$("$PY" -I -c "import os, mnb; d = os.path.dirname(os.path.dirname(os.path.abspath(mnb.__file__))); \
+print(d if d != os.path.abspath('.') else '')" 2>/dev/null || true)
 if ! "$PY" -I -c "$WANT, os, sys; \
 sys.exit(os.path.dirname(os.path.abspath(mnb.__file__)) != os.path.abspath('mnb'))" 2>/dev/null \
    || [ "${MNB_REINSTALL:-0}" = 1 ]; then
+  [ -n "$OTHER" ] && say "mnb: this Python's mnb is the one in $OTHER; installing this checkout replaces it" \
+      "(PYTHON=/path/to/another/python keeps it)"
   if [ "$MODE" = tests ]; then
     say "mnb: installing this checkout with its test extras (megatron-core, JupyterLab, matplotlib," \
         "pytest, transformers, playwright, ...): roughly 200 MB to download where none is present"

@@ -273,7 +273,8 @@ def test_magics_end_to_end(shell, capsys):
 
     shell.run_line_magic("mnb", "status")
     out = capsys.readouterr().out
-    assert "idle" in out and "layout: tp2 pp1 dp1" in out and "torchrun.log" in out  # where warnings went
+    assert "idle" in out and "layout: tp2 pp1 dp1; 2 x cpu ranks, running\n" in out and "torchrun.log" in out
+    assert out.count("tp2 pp1 dp1") == 1  # the layout once (it was also inside the pool's repr)
     assert "versions: torch " in out and ", megatron-core " in out  # the ranks' own, from their hello
     assert "standby: none (off)" in out
 

@@ -431,10 +431,13 @@ class Pool:
         targets = [r for r in (ranks if ranks is not None else table) if r in table and table[r].state != "dead"]
         return dict(sorted(transport.ask("stacks", targets, ASK_TIMEOUT_S).items()))
 
+    @property
+    def state(self) -> str:
+        """'running', 'restarting', 'stopped', or why the pool is broken."""
+        return "restarting" if self.restarting else "running" if self.running else (self._repair.broken or "stopped")
+
     def __repr__(self) -> str:
-        state = ("restarting" if self.restarting
-                 else "running" if self.running else (self._repair.broken or "stopped"))
-        return f"<mnb.Pool {self.world_size} x {self.spec.device} ranks, {self.layout.describe()}, {state}>"
+        return f"<mnb.Pool {self.world_size} x {self.spec.device} ranks, {self.layout.describe()}, {self.state}>"
 
 
 @atexit.register

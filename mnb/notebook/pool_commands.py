@@ -56,7 +56,7 @@ def status_command(args: argparse.Namespace, pool: Pool | None) -> None:
         [[r["rank"], r["pid"], r["host"], r["state"], r["device"], format_bytes(r["memory_bytes"]), r["coords"]]
          for r in rows],
     ))
-    print(f"layout: {pool.layout.describe()}  ({pool!r})")
+    print(f"layout: {pool.layout.describe()}; {pool.world_size} x {pool.spec.device} ranks, {pool.state}")
     versions = sorted({(r["torch"], r["megatron"]) for r in rows if r.get("torch")})
     if versions:
         print("versions: " + "; ".join(f"torch {t}, megatron-core {m}" for t, m in versions))

@@ -25,7 +25,10 @@ def plot_loss(run: Any, ax=None):
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", color="#4C72B0",
                 label="evaluation loss")
+    from matplotlib.ticker import MaxNLocator  # matplotlib loads when a plot is drawn, not at import
+
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: a 3-step run had ticks at 1.25, 1.5
     ax.set_ylabel("loss (per token)")
     ax.legend(fontsize=8)
     ax.set_title(f"{run.model.name} | {run.layout.describe()}: loss at each of {step_span(numbers)}"
