@@ -385,6 +385,8 @@ def install(chunks, name: str) -> int:
             module.fp8_recipe = name
             if rc.delayed:
                 module.fp8_amax = (fp8_delayed.AmaxHistory(), fp8_delayed.AmaxHistory())  # inputs, output gradients
+                if count == 0:  # its probe builds the cast kernels now, not inside the first step's forward
+                    fp8_delayed.runs_on(module.weight.device)
             count += 1
     return count
 
