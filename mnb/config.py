@@ -499,6 +499,18 @@ def batch_problem(global_batch_size: int, micro_batch_size: int, dp: int) -> str
             "micro batch size, or another layout")
 
 
+TRAIN_CALL_EXTRAS = ("forward_step_func", "data_iterator", "seq_length", "profile")
+"""``mnb.train``'s keyword arguments that are not :class:`TrainConfig` fields."""
+
+
+def train_settings_problem(names) -> str:
+    """Why ``mnb.train`` does not take settings named ``names`` ('' when it takes them all): the one statement
+    of the rule, for the ranks and for the %%megatron check before a cell runs."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(names) - known - set(TRAIN_CALL_EXTRAS))
+    return f"train() got unknown settings {unknown}; valid: {sorted(known)}" if unknown else ""
+
+
 def interleave_problem(num_microbatches: int, pp: int, vpp: int, per_microbatch: int | None = None) -> str:
     """Why Megatron-Core's interleaved 1F1B schedule (``vpp > 1``) refuses ``num_microbatches`` ('' when it takes
     them): it runs microbatches in groups of pp (``microbatch_group_size_per_vp_stage``'s default), needs at

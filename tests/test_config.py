@@ -313,3 +313,20 @@ def test_the_interleaved_schedule_takes_a_multiple_of_pp_microbatches_everywhere
     assert check_cell(cell.replace("=3", "=4"), ParallelConfig(pp=2, vpp=2, dp=1)) == []
     with pytest.raises(ValueError, match="not a multiple of 2"):
         estimate.memory("tiny", ParallelConfig(pp=2, vpp=2), TrainConfig(micro_batch_size=1, global_batch_size=3), gpus=2)
+
+
+def test_unknown_train_settings_are_refused_before_the_cell_runs_by_the_ranks_rule():
+    """mnb.train(model, bogus=1) is refused by the %%megatron check with the ranks' own message (one rule), also for
+    a non-literal value; the extras the rule lets through are exactly mnb.train's own non-field arguments."""
+    import inspect
+
+    from mnb.config import TRAIN_CALL_EXTRAS, TrainConfig, train_settings_problem
+    from mnb.controller.preflight import check_cell
+    from mnb.megatron.train import train
+
+    problems = check_cell("m = mnb.gpt('tiny')\nmnb.train(m, steps=2, bogus_kw=x)", ParallelConfig(dp=2))
+    assert problems == ["mnb.train(...): " + train_settings_problem(["steps", "bogus_kw"])], problems
+    assert "train() got unknown settings ['bogus_kw']; valid: [" in problems[0]
+    assert check_cell("m = mnb.gpt('tiny')\nmnb.train(m, steps=2, profile=p, seq_length=64)", ParallelConfig(dp=2)) == []
+    own = set(inspect.signature(train).parameters) - {"model", "fields"} - set(TrainConfig.__dataclass_fields__)
+    assert own == set(TRAIN_CALL_EXTRAS)

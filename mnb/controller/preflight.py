@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from mnb.config import ParallelConfig, TrainConfig, interleave_problem, model_config
+from mnb.config import ParallelConfig, TrainConfig, interleave_problem, model_config, train_settings_problem
 from mnb.model_source import tokenizer_folder
 
 _MODEL_FUNCS = {"gpt"}
@@ -68,6 +68,11 @@ def check_cell(code: str, parallel: ParallelConfig) -> list[str]:
         elif name in _TRAIN_FUNCS:
             kwargs = _literal_kwargs(node)
             fields = set(TrainConfig.__dataclass_fields__)
+            names = [k.arg for k in node.keywords if k.arg is not None]  # literal or not: a name is a name
+            problem = train_settings_problem(names)
+            if problem:
+                problems.append(f"mnb.train(...): {problem}")
+                continue
             try:
                 train = TrainConfig(**{k: v for k, v in kwargs.items() if k in fields})
                 m = train.num_microbatches(parallel.dp or 1)

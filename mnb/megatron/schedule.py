@@ -24,18 +24,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from mnb.config import TrainConfig
+from mnb.config import TrainConfig, train_settings_problem
 
 logger = logging.getLogger(__name__)
 
-TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
-
-
 def check_names(given: dict[str, Any]) -> None:
     """TypeError naming the settings that are not TrainConfig fields, with the valid ones."""
-    unknown = sorted(set(given) - TRAIN_FIELDS)
-    if unknown:
-        raise TypeError(f"train() got unknown settings {unknown}; valid: {sorted(TRAIN_FIELDS)}")
+    problem = train_settings_problem(given)  # mnb.train's own arguments are bound before: never in ``given``
+    if problem:
+        raise TypeError(problem)
 
 
 def call_config(model: Any, given: dict[str, Any]) -> TrainConfig:
