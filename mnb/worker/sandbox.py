@@ -18,6 +18,13 @@ the script's run, cheaply:
 - **library singletons**: accelerate's ``PartialState``/``AcceleratorState``/
   ``GradientState`` start empty (Megatron's globals and RNG tracker: :mod:`mnb.megatron.adopt`);
   torch's default dtype and grad mode are restored after.
+- **the process's own settings** (:class:`ProcessState`): warnings filters, the root logger's level
+  and handlers, the recursion limit, ``sys.stdin``/``stdout``/``stderr`` and the display and except
+  hooks, signal handlers (a script ignoring SIGINT made Kernel -> Interrupt restart the pool), the
+  umask, ``random``'s and numpy's global generators, torch's deterministic-algorithms switch, and
+  functions of ``torch``, ``torch.distributed``, ``torch.nn.functional`` and ``torch.cuda`` that the
+  script replaced are put back after it; one line names what was.  Threads the script started keep
+  running (a process cannot take them back).
 - **mnb's names** (``rank``, ``device``, ``dist``, ``ps``, ``mnb``, ``torch``, ...) are
   mnb's again after the script; a script value that differed is named in one line.
 """
@@ -25,8 +32,13 @@ the script's run, cheaply:
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import random
+import signal
 import sys
+import threading
+import warnings
 from typing import Any
 
 ORIGINAL_SYS_PATH = tuple(os.path.realpath(p or os.curdir) for p in sys.path)
@@ -115,6 +127,82 @@ def forget_modules(script_dir: str, before: set[str] | None = None) -> list[str]
     return gone
 
 
+PATCHABLE_MODULES = ("torch", "torch.distributed", "torch.nn.functional", "torch.cuda")
+"""Modules whose functions a script may replace (a tracing or monkeypatching script): put back after it."""
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM")
+                if hasattr(signal, name))
+
+
+class ProcessState:
+    """What a script can change in the rank's process beyond its own names (module doc): taken before the
+    script, :meth:`restore` puts it back and says what differed."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.filters = list(warnings.filters)
+        self.logging = (logging.root.level, list(logging.root.handlers), logging.root.manager.disable)
+        self.recursion = sys.getrecursionlimit()
+        self.streams = (sys.stdin, sys.stdout, sys.stderr, sys.displayhook, sys.excepthook)
+        main = threading.current_thread() is threading.main_thread()
+        self.signals = {s: signal.getsignal(s) for s in SIGNALS} if main else {}
+        self.umask = os.umask(0)
+        os.umask(self.umask)
+        self.random = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
+        self.functions = {name: {k: v for k, v in vars(sys.modules[name]).items() if callable(v)}
+                          for name in PATCHABLE_MODULES if name in sys.modules}
+
+    def restore(self) -> list[str]:
+        """Put everything back; the names of what the script had changed."""
+        import torch
+
+        changed = []
+        if warnings.filters != self.filters:
+            warnings.filters[:] = self.filters
+            getattr(warnings, "_filters_mutated", lambda: None)()
+            changed.append("warnings filters")
+        root = logging.root
+        if (root.level, root.handlers, root.manager.disable) != self.logging:
+            root.setLevel(self.logging[0])
+            root.handlers[:] = self.logging[1]
+            logging.disable(self.logging[2])
+            changed.append("the root logger")
+        if sys.getrecursionlimit() != self.recursion:
+            sys.setrecursionlimit(self.recursion)
+            changed.append("the recursion limit")
+        now = (sys.stdin, sys.stdout, sys.stderr, sys.displayhook, sys.excepthook)
+        for name, mine, theirs in zip(("sys.stdin", "sys.stdout", "sys.stderr", "sys.displayhook", "sys.excepthook"),
+                                      self.streams, now):
+            if theirs is not mine:
+                setattr(sys, name.split(".")[1], mine)
+                changed.append(name)
+        for sig, handler in self.signals.items():
+            if signal.getsignal(sig) != handler and handler is not None:
+                signal.signal(sig, handler)
+                changed.append(f"the {signal.Signals(sig).name} handler")
+        if os.umask(self.umask) != self.umask:
+            changed.append("the umask")
+        random.setstate(self.random)  # not named: a script seeding its own run is what scripts do
+        numpy = sys.modules.get("numpy")
+        if self.numpy is not None and numpy is not None:
+            numpy.random.set_state(self.numpy)
+        if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) \
+                != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+            changed.append("torch.use_deterministic_algorithms")
+        for name, functions in self.functions.items():
+            module = sys.modules.get(name)
+            for key, value in functions.items():
+                if module is not None and vars(module).get(key) is not value:
+                    setattr(module, key, value)
+                    changed.append(f"{name}.{key}")
+        return changed
+
+
 def _reset_accelerate() -> None:
     state = sys.modules.get("accelerate.state")
     if state is None:
@@ -143,6 +231,8 @@ class ScriptSandbox:
         apply_environ(self.kernel.get("environ"))
         self._names = {k: self.namespace[k] for k in MNB_NAMES if k in self.namespace}
         self._torch_state = (torch.get_default_dtype(), torch.is_grad_enabled())
+        self._process = ProcessState()
+        self.restored: list[str] = []
         _reset_accelerate()
         return self
 
@@ -156,6 +246,14 @@ class ScriptSandbox:
         os.environ.update(self._environ)
         torch.set_default_dtype(self._torch_state[0])
         torch.set_grad_enabled(self._torch_state[1])
+        self.restored = self._process.restore()
+
+    def restored_line(self) -> str | None:
+        """The line naming the process settings the script changed and the sandbox put back (None: none)."""
+        if not self.restored:
+            return None
+        shown = ", ".join(self.restored[:8]) + (f" and {len(self.restored) - 8} more" if len(self.restored) > 8 else "")
+        return f"mnb: put back after the script, as a fresh process would have them: {shown}"
 
     def restore_names(self) -> str | None:
         """mnb's names again after the script's globals joined the namespace; the line saying

@@ -79,7 +79,7 @@ def run_script(request: dict[str, Any], namespace: dict[str, Any], *, ranks: lis
         release_frames(exc)  # a failed script's step must not keep its tensors (executor.py says why)
     _keep_globals(module.__dict__, namespace)
     once = [gpu_idioms.summary_line(notes)] if min(ranks) == int(os.environ.get("RANK", "0")) else []
-    for line in (*once, sandbox.restore_names()):
+    for line in (*once, sandbox.restored_line(), sandbox.restore_names()):
         if line:
             print(line)
     return outcome

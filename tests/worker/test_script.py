@@ -8,6 +8,7 @@ unmodified.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -207,3 +208,40 @@ def test_mnb_train_with_your_own_model_and_step(cpu_pool):
     assert cpu_pool.run("gpt._mnb_model.steps_done") == {0: 3, 1: 3}  # the same DDP and optimizer continued
     with pytest.raises(CompositeRankError, match="pass your forward_step_func"):
         cpu_pool.run("mnb.train(gpt, steps=1)", quiet=True)
+
+
+PROCESS_SETTINGS = """
+import io, logging, signal, sys, warnings
+import torch.distributed as dist
+warnings.filterwarnings("error")                 # every later warning would raise: mnb.gpt failed
+logging.getLogger().setLevel(logging.DEBUG)
+sys.setrecursionlimit(200)
+signal.signal(signal.SIGINT, signal.SIG_IGN)     # graceful-shutdown code: Kernel -> Interrupt restarted the pool
+_real = dist.all_reduce
+def traced(*args, **kwargs):
+    return _real(*args, **kwargs)
+dist.all_reduce = traced
+sys.stdout = io.StringIO()                       # every later print vanished
+"""
+
+
+def test_a_scripts_process_settings_are_put_back_and_said(cpu_pool, tmp_path, capsys):
+    """What a script sets for the whole process does not outlive it: warnings filters, the root logger, the
+    recursion limit, signal handlers, sys.stdout and torch.distributed's functions are put back, one line
+    says which, and the next cell builds a model, prints, and stops on an interrupt's signal handler."""
+    script = tmp_path / "settings.py"
+    script.write_text(PROCESS_SETTINGS)
+    capsys.readouterr()
+    cpu_pool.run_script(script)
+    out = capsys.readouterr().out
+    assert ("mnb: put back after the script, as a fresh process would have them: warnings filters, the root "
+            "logger, the recursion limit, sys.stdout, the SIGINT handler, torch.distributed.all_reduce") in out, out
+    state = cpu_pool.run("import logging, signal, sys, warnings\n"
+                         "(warnings.filters[0][0] != 'error', logging.getLogger().level, sys.getrecursionlimit() > 200,"
+                         " signal.getsignal(signal.SIGINT) is signal.default_int_handler, dist.all_reduce.__name__)",
+                         quiet=True)
+    assert set(state.values()) == {(True, logging.WARNING, True, True, "all_reduce")}, state
+    capsys.readouterr()
+    assert cpu_pool.run("m = mnb.gpt('tiny')\nprint('seen after the script', rank)\nm.config.num_layers",
+                        layout=ParallelConfig(tp=2)) == {0: 4, 1: 4}  # tiny has 4 layers
+    assert "seen after the script 0" in capsys.readouterr().out
