@@ -11,7 +11,7 @@ Megatron's parallel state) is adopted by :mod:`mnb.megatron.adopt`; on CPU ranks
 the script's GPU idioms run on the CPU (:mod:`mnb.megatron.gpu_idioms`; one line in
 the cell names those used).  Each run starts as clean as a fresh process -- its
 modules, the notebook's directory and environment, library singletons
-(:mod:`mnb.worker.sandbox`).
+(:mod:`mnb.worker.sandbox`) -- and what it sets for the whole process is put back after it.
 
 ``sys.exit(0)`` (or ``sys.exit()``) is success; another exit code or an exception is
 the rank's error.  Afterwards the script's globals join the rank's namespace, as
