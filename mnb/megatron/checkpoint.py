@@ -135,6 +135,9 @@ def _chunks(model) -> list[torch.nn.Module]:
         raise TypeError(
             f"expected an mnb model, a module or a list of modules, got {type(model).__name__}"
         )
+    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
+        # an empty list would save a checkpoint of nothing over a real one
+        raise TypeError(f"expected an mnb model, a module or a non-empty list of modules, got {model!r:.80}")
     return unwrap_model(chunks)
 
 
@@ -199,7 +202,7 @@ def read_meta(path: str | os.PathLike) -> dict | None:
     :func:`load` reads the files again with :func:`_read_json` to say what is wrong.
     """
     try:
-        meta = json.loads((Path(path) / META_FILE).read_text())
+        meta = json.loads((Path(path).expanduser() / META_FILE).read_text())
     except (OSError, ValueError):  # missing, a folder, not UTF-8, not JSON
         return None
     return meta if isinstance(meta, dict) else None
@@ -269,7 +272,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     leaves ``path.tmp-<id>`` (complete: has ``mnb.json``) and ``path.old-<id>``;
     the newer complete one wins (:func:`mnb.writes.find`).
     """
-    return writes.find(Path(path).absolute(), writes.MNB_CHECKPOINT)
+    return writes.find(Path(path).expanduser().absolute(), writes.MNB_CHECKPOINT)
 
 
 # -- save / load -------------------------------------------------------------------
@@ -300,7 +303,7 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
     sharded = fsdp.sharded_chunks(model)
     if step is None:
         step = getattr(model, "steps_done", None)
-    path = Path(path).absolute()
+    path = Path(path).expanduser().absolute()  # '~/ckpt' is the home folder's, as a shell has it
     rank = dist.get_rank()
     save_id = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
     tmp = path.with_name(f"{path.name}.tmp-{save_id}")
@@ -460,7 +463,7 @@ def load(path: str | os.PathLike, model=None, optimizer=None, *, load_optimizer:
     model = _current_model() if model is None else model
     chunks = _chunks(model)
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-    found, meta = _locate(Path(path).absolute())
+    found, meta = _locate(Path(path).expanduser().absolute())
     t0 = time.perf_counter()
     _check_same_shape(meta, model)
     from mnb.megatron import fsdp

@@ -586,3 +586,19 @@ def test_every_rank_reports_the_same_damage(damaged_loads):
 
 def test_intact_checkpoint_loads_after_the_damaged_ones(damaged_loads):
     assert [r["intact"] for r in damaged_loads] == [True, True]
+
+
+def test_save_refuses_a_model_of_nothing_and_paths_follow_the_home_folder(tmp_path, monkeypatch):
+    """mnb.save(path, []) wrote a checkpoint of no chunks over a real one (and load then failed on it); '~/ckpt'
+    made a folder named '~' in the current directory."""
+    from mnb.megatron import checkpoint
+
+    for nothing in ([], (), ["not a module"]):
+        with pytest.raises(TypeError, match="non-empty list of modules"):
+            checkpoint._chunks(nothing)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / checkpoint.META_FILE).write_text(json.dumps({"format": 1}))
+    (tmp_path / "ckpt" / "metadata.json").write_text("{}")  # Megatron's: with mnb.json, a complete checkpoint
+    assert checkpoint.find_checkpoint("~/ckpt") == tmp_path / "ckpt"
+    assert checkpoint.read_meta("~/ckpt") == {"format": 1}

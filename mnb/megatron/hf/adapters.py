@@ -113,7 +113,7 @@ def save_adapter(path: str | os.PathLike, model, *, overwrite: bool = False) -> 
     if getattr(model, "lora", None) is None:
         raise ValueError("this model has no LoRA adapters: add them with mnb.lora(model, ...) or "
                          "mnb.load_adapter(model, folder) first")
-    path = Path(path).absolute()
+    path = Path(path).expanduser().absolute()
     rank = dist.get_rank()
     tmp = path.with_name(f"{path.name}.tmp-{_broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)}")
     problem = writes.prepare(path, tmp, writes.PEFT_ADAPTER, overwrite=overwrite, writer="mnb.save_adapter") \

@@ -195,7 +195,7 @@ def save_hf(path: str | os.PathLike, model, *, dtype=None, max_shard_bytes: int 
     dtype = _dtype(model, dtype)
     arch, config = hf_config_dict(model, dtype)
     rules = family_tensors(arch, model.config)
-    path = Path(path).absolute()
+    path = Path(path).expanduser().absolute()
     rank = dist.get_rank()
     t0 = time.perf_counter()
     tmp = path.with_name(f"{path.name}.tmp-{_broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)}")
