@@ -433,8 +433,8 @@ class TrainConfig:
                 "recipe")
         check_fields(self)
         _positive(self, ("steps", "schedule_steps", "micro_batch_size", "global_batch_size", "log_every"))
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 < self.lr < float("inf"):  # nan and inf too: nan failed later as "min_lr must be ... lr(nan)"
+            raise ValueError(f"lr must be a positive, finite number, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr must be between 0 and lr({self.lr}), got {self.min_lr}")
         for name in ("warmup_steps", "weight_decay", "clip_grad"):

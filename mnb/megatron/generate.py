@@ -29,6 +29,9 @@ decode loop is mnb's, the modules and the KV cache are Megatron-Core's:
 - sampling draws one uniform number per prompt and step from a CPU generator seeded with
   ``seed`` and inverts the cumulative distribution of the fp32 logits: the same draws under
   every layout, so the same tokens unless two logits differ only in rounding at a boundary.
+  The draws are taken in prompt order, so a sampled continuation depends on the prompt's place
+  in the batch and on the other prompts (the same batch and seed give the same tokens; greedy
+  decoding does not depend on the batch).
 - sequence parallelism is switched off for the call (Megatron's own
   ``set_model_to_sequence_parallel``): one new token cannot be split over tp ranks.
 """
@@ -36,6 +39,7 @@ decode loop is mnb's, the modules and the KV cache are Megatron-Core's:
 from __future__ import annotations
 
 import contextlib
+import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -111,7 +115,7 @@ def _encode(text: str, tokenizer) -> list[int]:
 
 
 def check_settings(model: MegatronModel, max_new_tokens: int, temperature: float, top_k: int,
-                   top_p: float, stop) -> list[str]:
+                   top_p: float, stop, seed: int = 0) -> list[str]:
     """Clear errors before any rank starts a collective; the stop strings as a list."""
     if not isinstance(model, MegatronModel):
         raise TypeError(f"mnb.generate needs a model built by mnb (mnb.gpt, mnb.from_hf), got "
@@ -124,6 +128,9 @@ def check_settings(model: MegatronModel, max_new_tokens: int, temperature: float
         raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k cut), got {top_k!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1] (1 = no nucleus cut), got {top_p!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an integer (the sampling draws' seed; the same seed, the same draws), "
+                        f"got {seed!r}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stops):
         raise TypeError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
@@ -168,7 +175,7 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
     Must run on every rank of the pool (a ``%%megatron`` cell).  Kernel -> Interrupt stops
     every rank after the same token (KeyboardInterrupt); the pool stays usable.
     """
-    stops = check_settings(model, max_new_tokens, temperature, top_k, top_p, stop)
+    stops = check_settings(model, max_new_tokens, temperature, top_k, top_p, stop, seed)
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, not {compile!r}")
     tokenizer = tokenizer_of(model)

@@ -392,6 +392,8 @@ def test_bad_arguments_are_refused_before_any_collective(cpu_pool):
         ("mnb.generate(model, 'x', max_new_tokens=200)", "exceeds the model's max_position_embeddings"),
         ("mnb.generate(model, [[1, 9999]])", r"outside the model's vocabulary \[0, 512\)"),
         ("mnb.generate(model, 'x', compile='yes')", "compile must be True or False"),
+        ("mnb.generate(model, 'x', temperature=1.0, seed=None)", "seed must be an integer"),
+        ("mnb.train(model, steps=1, lr=float('nan'))", r"lr must be a positive, finite number, got nan"),
     ):
         with pytest.raises(Exception, match=match):
             cpu_pool.run(call, quiet=True)
