@@ -205,6 +205,16 @@ class Session:
     def _range(self) -> tuple[int, int]:
         return self.steps or (2, 3)
 
+    def past_the_end(self, steps: int) -> str:
+        """Why a training call of ``steps`` steps would profile none of them ('' when it profiles some):
+        said before any step, where a profile of nothing said nothing and kept the last cell's profile."""
+        first, last = self._range()
+        if self.done or first <= steps:
+            return ""
+        return (f"the profile's steps {first}-{last} start after this call's {steps} step(s), so nothing would be "
+                f"profiled: name steps of this call (e.g. profile='{min(2, steps)}-{steps}' or --profile "
+                f"{min(2, steps)}-{steps}), or train {first} steps or more")
+
     def _chosen(self, index: int) -> bool:
         first, last = self._range()
         return first <= index <= last

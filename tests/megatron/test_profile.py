@@ -116,6 +116,12 @@ def test_profile_rank_one_only_and_a_raising_cell(cpu_pool, shell, tmp_path):
     assert [len(Profile(again).steps(r)) for r in (0, 1)] == [1, 1]
     with pytest.raises(CompositeRankError, match="steps count from 1"):
         cpu_pool.run("mnb.train(model, steps=1, profile='0-1')", quiet=True)
+    before = mnb.last_profile
+    with pytest.raises(CompositeRankError, match=r"the profile's steps 5-9 start after this call's 3 step\(s\), so "
+                                                 r"nothing would be profiled: name steps of this call \(e.g. "
+                                                 r"profile='2-3'"):
+        cpu_pool.run("mnb.train(model, steps=3, profile='5-9')", quiet=True)  # it profiled nothing, silently
+    assert mnb.last_profile is before
     # pp2, mnb.train(profile=) in a plain cell: into the cell's folder under the pool's, shown after the cell
     shell.run_cell_magic("megatron", "--pp 2", TRAIN.replace("steps=3", "steps=2, profile=2")
                          .replace("num_layers=1", "num_layers=2"))
