@@ -119,6 +119,8 @@ def _row(file: str, line: int, text: str) -> Row:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a JSON object with 'prompt' and 'completion' or "
                          f"'messages', got {type(row).__name__}")
+    if "messages" in row and ("prompt" in row or "completion" in row):  # which one would train is a guess
+        raise ValueError(f"{where}: a row has 'messages' and 'prompt'/'completion': give one form per row")
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:

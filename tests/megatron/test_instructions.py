@@ -182,7 +182,9 @@ def test_bad_rows_are_refused_alike_on_every_rank(cpu_pool, sft):
     broken = str(root / "broken.jsonl")
     no_role = _write_rows(root / "no-role.jsonl", [{"messages": [{"content": "hi"}]}])
     long = _write_rows(root / "long.jsonl", [ROWS[0], ROWS[1], {"prompt": "word " * 150, "completion": "end"}])
+    both = _write_rows(root / "both.jsonl", [{**ROWS[0], "messages": [{"role": "user", "content": "hi"}]}])
     cases = [
+        (both, sft["folder"], ["both.jsonl, line 1: a row has 'messages' and 'prompt'/'completion': give one form"]),
         (missing, sft["folder"], ["missing.jsonl, line 2: 'completion' is missing"]),
         (broken, sft["folder"], ["broken.jsonl, line 3: not JSON"]),
         (no_role, sft["folder"], ["no-role.jsonl, line 1: messages[0] 'role' is missing"]),
