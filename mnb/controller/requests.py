@@ -254,7 +254,7 @@ class Requests:
         for rank, reply in outcome.replies.items():  # label by the pool's coordinates, not the script's
             reply.header["coords"] = self.ranks[rank].coords
         errors, _ = self._absorb(outcome)
-        self._keep_failure(targets, [])  # a script's failure keeps no frames (mnb.worker.script)
+        self._keep_failure(targets, errors, died=outcome.died)  # %mnb debug: a script's as a cell's
         records = self.last_cell_records
         if not (outcome.died or outcome.unreleased or outcome.cancelled):
             # Every rank is idle (an interrupted script's waiting ranks were released): rebuild the pool's

@@ -170,7 +170,8 @@ class Rank:
         if message.get("post_mortem"):  # %mnb debug: the kept failure stays for another look
             debugging.post_mortem(self, message)
             return
-        debugging.forget_failure(self)  # the next cell: the failed one's frames (and tensors) go
+        if not message.get("after_script"):  # the pool's layout after a script: its failure stays for %mnb debug
+            debugging.forget_failure(self)  # the next cell: the failed one's frames (and tensors) go
         self.late.finish()  # the first cell waits for Megatron-Core and the default layout, and says so
         with stdin.forwarded(self.channel, self.rank, message.id, message.get("debug_ranks")):
             self._execute(message)
@@ -213,6 +214,7 @@ class Rank:
 
             outcome = run_script(message["script"], self.namespace, ranks=message.get("ranks") or [self.rank],
                                  cpu_ranks=self.device.type == "cpu", kernel=kernel)
+            self.last_failure = outcome.exception  # %mnb debug looks at a failed script as at a failed cell
         elif outcome is None and message.get("after_script"):
             from mnb.worker.script import restore_pool_state
 

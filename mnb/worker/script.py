@@ -28,7 +28,7 @@ import sys
 import traceback
 from typing import Any
 
-from mnb.worker.executor import Outcome, release_frames
+from mnb.worker.executor import Outcome
 from mnb.worker.sandbox import ScriptSandbox
 
 _KEEP_OUT = frozenset({"__builtins__", "__name__", "__file__", "__doc__", "__spec__", "__loader__",
@@ -76,7 +76,7 @@ def run_script(request: dict[str, Any], namespace: dict[str, Any], *, ranks: lis
         outcome = _exit_outcome(exc)
     except BaseException as exc:  # the rank reports every failure, KeyboardInterrupt included
         outcome = _failure(exc)
-        release_frames(exc)  # a failed script's step must not keep its tensors (executor.py says why)
+        outcome.exception = exc  # kept for %mnb debug until the next cell, as a failed cell's (debugging.py)
     _keep_globals(module.__dict__, namespace)
     once = [gpu_idioms.summary_line(notes)] if min(ranks) == int(os.environ.get("RANK", "0")) else []
     for line in (*once, sandbox.restored_line(), sandbox.restore_names()):

@@ -137,3 +137,19 @@ def test_mnb_debug_post_mortem_on_the_root_cause_then_gone_after_a_restart(kerne
             "since (rank(s) [1] died)") in gone.text, gone.text
     assert "back 1" in kernel.ok("%%megatron\nprint('back', rank)")
     assert "UsageError: no failed cell to debug" in kernel.execute("%mnb debug", answers=[]).text
+
+
+def test_mnb_debug_after_a_failed_script_as_after_a_failed_cell(kernel, tmp_path):
+    """api.md: a script's errors are a cell's; %mnb debug opened nothing after a failed %mnb run (the rank dropped
+    the frames, and the pool's layout request after the script forgot them)."""
+    script = tmp_path / "fails.py"
+    script.write_text("import os\nrank = int(os.environ['RANK'])\n\ndef g(x):\n    local = x + 1\n"
+                      "    raise RuntimeError('script failed')\n\ng(rank + 6)\n")
+    failed = kernel.execute(f"%mnb run {script}")
+    assert failed.error["ename"] == "CompositeRankError", traceback_text(failed)
+    result = kernel.execute("%mnb debug 1", answers=["p local", "q"])
+    assert not result.errors, traceback_text(result)
+    label = result.text.split("]", 1)[0] + "]"  # the pool's layout here (dp2): [r1 tp0 pp0 dp1]
+    assert label.startswith("[r1 ") and result.prompts == [(f"{label} (Pdb) ", False)] * 2, result.prompts
+    assert f"{label} post-mortem of RuntimeError: script failed" in result.text and f"{label} 8" in result.text
+    assert "back 1" in kernel.ok("%%megatron\nprint('back', rank)")
