@@ -311,6 +311,9 @@ SENDER = textwrap.dedent("""
     sock.send_multipart([b"0" * 64, header, bytes(int(sys.argv[2]))], copy=False)
     if monitor.poll(60000):
         print("disconnected", recv_monitor_message(monitor)["event"], flush=True)
+    # every socket closed without lingering, the monitor's too: left to exit, the context's termination
+    # waited on the monitor socket's pending events, once for 120 s on CI ("pyzmq-gc send failed")
+    context.destroy(linger=0)
 """)
 
 
