@@ -1,8 +1,8 @@
 """Where mnb's own files are: the data folders it ships and its cache folder.
 
-Two rules, each stated once: :func:`package_data` finds ``templates/`` (presets, launch scripts) and
+Three rules, each stated once: :func:`package_data` finds ``templates/`` (presets, launch scripts) and
 ``kernels/`` (the kernelspec) in a wheel or a source checkout; :func:`cache_dir` is the one cache folder
-(tokenised corpora, dataset indices, compiled kernels).  Level 1: imports nothing of mnb.
+(tokenised corpora, dataset indices, compiled kernels); :func:`in_mnb` tells mnb's own source files.  Level 1: imports nothing of mnb.
 """
 
 from __future__ import annotations
@@ -34,6 +34,16 @@ def package_data(folder: str) -> Traversable:
         f"mnb's {folder}/ folder is missing: neither {packaged} (an installed wheel) nor "
         f"{checkout / folder} (a source checkout) exists; reinstall mnb"
     )
+
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+"""The ``mnb`` package's folder, as frames name their files (not symlink-resolved), with a trailing separator."""
+
+
+def in_mnb(filename: str) -> bool:
+    """Whether a frame's file is mnb's own: the one rule for tracebacks, stacks and warnings that point past
+    mnb's frames to the user's."""
+    return filename.startswith(PACKAGE_DIR)
 
 
 def cache_dir() -> Path:

@@ -34,7 +34,6 @@ A rank that has not returned a short while after its interrupt is
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import re
 import sys
@@ -45,6 +44,7 @@ from typing import Any, Callable
 from mnb.controller.guards import NO_LATCH, InterruptLatch
 from mnb.controller.output import GeneratedText, LineFolder, ProgressLine, show_bundle
 from mnb.controller.stdin import Ask, StdinServer, ask_kernel
+from mnb.paths import in_mnb
 from mnb.protocol import Message
 from mnb.timeouts import ASK_TIMEOUT_S, DEFERRED_STOP_S, INTERRUPT_ACK_S, INTERRUPT_RELEASE_MAX_S, RELEASE_S
 
@@ -472,7 +472,6 @@ def last_frame(stack_text: str) -> str:
     return place if _users(inner[0]) else f"{place} -> {where}"
 
 
-_MNB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY = re.compile(r"/lib/python3\.\d+/|/(site|dist)-packages/|/mnb/(worker|megatron|controller|plot|widgets)/")
 """A frame of the standard library, an installed package or mnb itself (also on a rank whose paths differ)."""
 
@@ -480,7 +479,7 @@ _LIBRARY = re.compile(r"/lib/python3\.\d+/|/(site|dist)-packages/|/mnb/(worker|m
 def _users(path: str) -> bool:
     if path.startswith("<"):  # <cell-3> is the user's; <frozen runpy>, <string> are not
         return path.startswith("<cell-")
-    return not path.startswith(_MNB_DIR) and not _LIBRARY.search(path)
+    return not in_mnb(path) and not _LIBRARY.search(path)
 
 
 def user_place(stack_text: str) -> str:

@@ -76,11 +76,12 @@ def check_cell(code: str, parallel: ParallelConfig) -> list[str]:
             try:
                 train = TrainConfig(**{k: v for k, v in kwargs.items() if k in fields})
                 m = train.num_microbatches(parallel.dp or 1)
-                problem = interleave_problem(m, parallel.pp, parallel.vpp, train.micro_batch_size * (parallel.dp or 1))
-                if problem:
-                    raise ValueError(problem)
             except (ValueError, TypeError) as exc:
                 problems.append(f"mnb.train(...) under {parallel.describe()}: {exc}")
+                continue
+            problem = interleave_problem(m, parallel.pp, parallel.vpp, train.micro_batch_size * (parallel.dp or 1))
+            if problem:
+                problems.append(f"mnb.train(...) under {parallel.describe()}: {problem}")
     return problems
 
 

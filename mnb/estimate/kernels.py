@@ -219,8 +219,9 @@ def stage_work(
         gemm_f += count * gemm_time(dev, linear_peak, m, n, k)
         gemm_b += count * gemm_time(dev, linear_peak, m, n, k, backward=True)
         if model.fp8:
-            cast_f += FP8_CAST_SLOWDOWN * count * fp8_cast_bytes(model.fp8, n, k)[0] * m / tokens
-            cast_b += FP8_CAST_SLOWDOWN * count * fp8_cast_bytes(model.fp8, n, k)[1] * m / tokens
+            forward, backward = fp8_cast_bytes(model.fp8, n, k)
+            cast_f += FP8_CAST_SLOWDOWN * count * forward * m / tokens
+            cast_b += FP8_CAST_SLOWDOWN * count * backward * m / tokens
     q = model.num_attention_heads * model.head_dim
     core = 4 * tokens * model.seq_length * q / parallel.tp  # forward FLOPs, full s x s
     if attention == "flash":

@@ -70,14 +70,19 @@ class AmaxHistory:
         last = self.positions()[0]
         self.state[last * self.programs] = x.detach().abs().amax().float()
 
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(last call's amax, the amax the next scale comes from)`` as the kernel reads them, on the device: the
+        last call's per-program maxima, and every slot but the oldest (the one the next call writes over)."""
+        last, _, slot = self.positions()
+        p = self.programs
+        newest = self.state[last * p:(last + 1) * p].max()
+        older = self.state[2 * p:2 * p + self.length].clone()
+        older[slot] = 0.0
+        return newest, torch.maximum(newest, older.max())
+
     def amax(self) -> float:
         """The amax the next call's scale comes from (a host read: tests and diagnostics)."""
-        if self.state is None:
-            return 0.0
-        last, _, slot = self.positions()
-        newest = self.state[last * self.programs:(last + 1) * self.programs].max()
-        older = [self.state[2 * self.programs + s] for s in range(self.length) if s != slot]
-        return float(torch.stack([newest, *older]).max()) if older else float(newest)
+        return 0.0 if self.state is None else float(self.read()[1])
 
 
 def programs_on(device: str) -> int:
@@ -112,12 +117,9 @@ def _cast_torch(x: torch.Tensor, dtype: torch.dtype, history: AmaxHistory, rows:
     """The kernel's arithmetic and history update as torch ops (where the kernel does not run)."""
     fmax = torch.finfo(dtype).max
     state, p = history.state, history.programs
-    last, current, slot = history.positions()
-    newest = state[last * p:(last + 1) * p].max()
-    older = state[2 * p:2 * p + history.length].clone()
-    older[slot] = 0.0  # the slot the last call's amax goes into: the oldest, now out of the history
-    amax = torch.maximum(newest, older.max())
-    state[2 * p + slot] = newest
+    _, current, slot = history.positions()
+    newest, amax = history.read()
+    state[2 * p + slot] = newest  # over the oldest slot, which the read left out
     scale = torch.tensor(fmax, dtype=torch.float32, device=x.device) / amax.clamp(min=1e-12)
     state[current * p:(current + 1) * p] = 0.0
     state[current * p] = x.abs().amax().float()

@@ -21,10 +21,10 @@ import dataclasses
 import logging
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 from mnb.config import TrainConfig, train_settings_problem
+from mnb.paths import in_mnb
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,8 @@ def warn_past_end(model: Any, tc: TrainConfig, rank: int) -> None:
 def _outside_mnb() -> int:
     """``warnings.warn``'s stacklevel, for a warning called from here, of the first frame outside mnb: the
     user's cell line (``mnb.train(...)``), not mnb's own (Python 3.12's ``skip_file_prefixes``, on 3.11 too)."""
-    root = str(Path(__file__).resolve().parents[1])
     frame, level = sys._getframe(1), 1  # the function that calls warnings.warn: stacklevel 1
-    while frame is not None and frame.f_code.co_filename.startswith(root):
+    while frame is not None and in_mnb(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level
 

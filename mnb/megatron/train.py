@@ -335,8 +335,9 @@ def _train(model: MegatronModel, flag: interrupts.InterruptFlag, own=None, sessi
         raise ValueError(f"eval_every={tc.eval_every} needs eval_data= (held-out data: 'stdlib', a text "
                          "folder, a .bin/.idx prefix or 'mock')")
     model.check_layout()
-    if session is not None and session.past_the_end(tc.steps):
-        raise ValueError(session.past_the_end(tc.steps))
+    unprofiled = session.past_the_end(tc.steps) if session is not None else ""
+    if unprofiled:
+        raise ValueError(unprofiled)
     if own is None:  # instruction rows read and checked alike on every rank, before any collective
         from mnb.megatron import instructions
 

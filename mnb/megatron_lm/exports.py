@@ -233,14 +233,10 @@ def check_target(model: ModelConfig, train: TrainConfig, layout: ParallelConfig,
         model.check_parallel(resolved)
     except ValueError as exc:
         raise ValueError(f"{exc} ({where})") from None
-    problem = batch_problem(train.global_batch_size or train.micro_batch_size * resolved.dp,
-                            train.micro_batch_size, resolved.dp)
-    if problem:
-        head, _, advice = problem.partition("; ")
-        raise ValueError(f"{head} {where} with {resolved.describe()}; {advice}")
-    gbs = train.global_batch_size or train.micro_batch_size * resolved.dp
-    problem = interleave_problem(gbs // (train.micro_batch_size * resolved.dp), resolved.pp, resolved.vpp,
-                                 train.micro_batch_size * resolved.dp)
+    per_microbatch = train.micro_batch_size * resolved.dp
+    gbs = train.global_batch_size or per_microbatch
+    problem = batch_problem(gbs, train.micro_batch_size, resolved.dp) or \
+        interleave_problem(gbs // per_microbatch, resolved.pp, resolved.vpp, per_microbatch)
     if problem:
         head, _, advice = problem.partition("; ")
         raise ValueError(f"{head} {where} with {resolved.describe()}; {advice}")

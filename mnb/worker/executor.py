@@ -16,8 +16,9 @@ import ast
 import linecache
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from mnb.paths import in_mnb
 
 _RESULT = "_mnb_cell_value_"
 """The name the cell's last expression is assigned to while the cell runs (then removed)."""
@@ -124,15 +125,11 @@ def describe_exception(exc: BaseException) -> Outcome:
     return Outcome(ok=False, ename=type(exc).__name__, evalue=str(exc), traceback=text)
 
 
-MNB_ROOT = str(Path(__file__).resolve().parents[1])
-"""The mnb package's folder: frames from files under it are mnb's own."""
-
-
 def _refused_by_mnb(exc: BaseException, tb) -> bool:
     """A ValueError, TypeError or FileNotFoundError that mnb's own checks raised (its innermost frame is mnb's),
     with no chained exception to show: the user's input was refused."""
     frames = traceback.extract_tb(tb)
-    return (isinstance(exc, (ValueError, TypeError, FileNotFoundError)) and bool(frames) and frames[-1].filename.startswith(MNB_ROOT)
+    return (isinstance(exc, (ValueError, TypeError, FileNotFoundError)) and bool(frames) and in_mnb(frames[-1].filename)
             and exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__))
 
 
@@ -142,7 +139,7 @@ def _refusal_text(exc: BaseException, frames: traceback.StackSummary) -> str:
     lines = ["Traceback (most recent call last):\n"]
     skipped = 0
     for index, frame in enumerate(frames):
-        if frame.filename.startswith(MNB_ROOT) and index < len(frames) - 1:
+        if in_mnb(frame.filename) and index < len(frames) - 1:
             skipped += 1
             continue
         if skipped:
