@@ -47,7 +47,7 @@ import psutil
 import zmq
 
 from mnb.protocol import MAX_MESSAGE_BYTES, ConnectionInfo, Message, ProtocolError, Signer, drain
-from mnb.timeouts import CONTROLLER_SILENCE_S, FIRST_CONTACT_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from mnb.timeouts import CONTROLLER_SILENCE_S, FIRST_CONTACT_TIMEOUT_S, HEARTBEAT_INTERVAL_S, INTERRUPT_NUDGE_S
 from mnb.units import MIB
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,14 @@ SEND_HWM = 64
 RETRY_INTERVAL_S = 0.02
 CREATE_TIME_TOLERANCE_S = 1.0
 KILL_GRACE_S = 1.0
+NUDGE_SIGNAL = signal.SIGURG
+"""Sent after an interrupt to wake a wait that missed its SIGINT (``INTERRUPT_NUDGE_S``).  Its handler does
+nothing, so a nudge after the interrupt was raised changes nothing (a second SIGINT could land in the
+first one's ``except`` blocks); SIGURG, because nothing a rank runs uses it (sockets' out-of-band data)."""
+
+
+def _nudged(signum: int, frame: object) -> None:
+    """NUDGE_SIGNAL's handler: none needed; being a Python handler is what makes the signal interrupt a wait."""
 
 
 class _Chunk:
@@ -131,6 +139,9 @@ class Channel:
         self._socket.connect(info.address)
         self._last_heard = time.monotonic()
         self._heard_once = False
+        self._nudges: collections.deque[float] = collections.deque()  # when the main thread is nudged next
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(NUDGE_SIGNAL, _nudged)
         self._thread = threading.Thread(target=self._loop, name="mnb-io", daemon=True)
         self._thread.start()
 
@@ -201,6 +212,8 @@ class Channel:
                 wake = min(next_beat, next_check)
                 if self._backlog:
                     wake = min(wake, now + RETRY_INTERVAL_S)
+                if self._nudges:
+                    wake = min(wake, self._nudges[0])
                 with self._outbox_lock:
                     if self._urgent:
                         wake = now
@@ -213,6 +226,7 @@ class Channel:
                     drain(self._socket, self._handle)
                 now = time.monotonic()
                 self._pump(now)
+                self._nudge(now)
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL_S
                     self._send_heartbeat()
@@ -336,6 +350,17 @@ class Channel:
         """
         if self.busy.is_set() and self._main_ident is not None:
             signal.pthread_kill(self._main_ident, signal.SIGINT)
+            now = time.monotonic()
+            self._nudges = collections.deque(now + after for after in INTERRUPT_NUDGE_S)
+
+    def _nudge(self, now: float) -> None:
+        """The nudges due after an interrupt (``INTERRUPT_NUDGE_S``), while the cell still runs (I/O thread)."""
+        if self._nudges and not self.busy.is_set():
+            self._nudges.clear()
+        if self._nudges and now >= self._nudges[0] and self._main_ident is not None:
+            while self._nudges and now >= self._nudges[0]:
+                self._nudges.popleft()
+            signal.pthread_kill(self._main_ident, NUDGE_SIGNAL)
 
     def _controller_gone(self, now: float) -> str:
         """Why the controller counts as gone ('' while it lives)."""

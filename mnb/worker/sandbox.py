@@ -41,6 +41,8 @@ import threading
 import warnings
 from typing import Any
 
+from mnb.worker.channel import NUDGE_SIGNAL
+
 ORIGINAL_SYS_PATH = tuple(os.path.realpath(p or os.curdir) for p in sys.path)
 """The rank's ``sys.path`` when the worker started (imported by mnb.worker.main at start-up)."""
 
@@ -130,7 +132,8 @@ def forget_modules(script_dir: str, before: set[str] | None = None) -> list[str]
 PATCHABLE_MODULES = ("torch", "torch.distributed", "torch.nn.functional", "torch.cuda")
 """Modules whose functions a script may replace (a tracing or monkeypatching script): put back after it."""
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM")
-                if hasattr(signal, name))
+                if hasattr(signal, name)) + (NUDGE_SIGNAL,)
+"""The handlers a script may replace; NUDGE_SIGNAL's too, which the rank's interrupts rely on."""
 
 
 class ProcessState:
