@@ -42,7 +42,36 @@ from gpu_measure import Rows  # noqa: E402
 RECIPES = (None, "tensorwise", "rowwise", "delayed")
 LOSS_STEPS = 200
 SPEED = (("llama-1b", "", 8, 32), ("llama-3b", "", 4, 16), ("llama-8b", "num_layers=20", 2, 8))
-"""(preset, overrides, micro batch, global batch): 4 microbatches a step, seq 2048."""
+"""(preset, overrides, micro batch, global batch): 4 microbatches a step, seq 2048 (one H200; ``--shapes``
+for a smaller card, e.g. an H100's ``llama-1b::8:32,llama-3b::2:8,llama-8b:num_layers=8:1:4``)."""
+
+
+def parse_shapes(text: str) -> tuple:
+    """``preset:overrides:mbs:gbs,...`` (three of them: the 1B, 3B and 8B rows) as :data:`SPEED`'s tuples."""
+    shapes = []
+    for item in text.split(","):
+        preset, overrides, mbs, gbs = item.split(":")
+        shapes.append((preset, overrides, int(mbs), int(gbs)))
+    if len(shapes) != 3:
+        raise SystemExit(f"--shapes takes three shapes (1B, 3B, 8B rows), got {len(shapes)}")
+    return tuple(shapes)
+
+
+def after_failure(pool) -> None:
+    """A failed row (out of memory on a smaller card) must not leave the next row less memory: a fresh pool
+    (whether a failed cell gives its memory back is bench/gpu_oom_probe.py's question)."""
+    try:
+        pool.restart()
+    except Exception as exc:  # the next rows say what is wrong
+        print("the pool did not restart:", exc, flush=True)
+
+
+def error_line(exc: BaseException) -> str:
+    """A failed row's cause in one line: the rank's error line of a pool error, else the exception's last."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    rank_lines = [line for line in lines if line.startswith("[r")]
+    text = (rank_lines or lines or [type(exc).__name__])[0]
+    return f"{type(exc).__name__}: {text}"[:400]
 
 
 def gemm_rows(bench: Rows) -> None:
@@ -132,8 +161,9 @@ def loss_row(bench: Rows, pool, recipe: str | None, curves: dict) -> None:
             bench.add("linears", {"recipe": label, "linears": len(errors), "max_rel_err": round(max(errors.values()), 4),
                                   "mean_rel_err": round(sum(errors.values()) / len(errors), 4),
                                   "per_linear": {k: round(v, 4) for k, v in errors.items()}})
-    except Exception:
-        bench.add("loss", {"recipe": label, "error": traceback.format_exc()[-1500:]})
+    except Exception as exc:
+        bench.add("loss", {"recipe": label, "error": error_line(exc)})
+        after_failure(pool)
 
 
 def speed_row(bench: Rows, pool, shape: tuple, recipe: str | None, base: dict) -> None:
@@ -159,8 +189,9 @@ def speed_row(bench: Rows, pool, shape: tuple, recipe: str | None, base: dict) -
         elif preset in base:
             row["vs_bf16"] = round(tps / base[preset], 3)
         bench.add("speed", row)
-    except Exception:
-        bench.add("speed", {"model": label, "error": traceback.format_exc()[-1500:]})
+    except Exception as exc:
+        bench.add("speed", {"model": label, "error": error_line(exc)})
+        after_failure(pool)
 
 
 def profile_row(bench: Rows, pool, shape: tuple, recipe: str | None) -> None:
@@ -177,8 +208,9 @@ def profile_row(bench: Rows, pool, shape: tuple, recipe: str | None) -> None:
         bench.add("profile", {"model": label, "step_wall_s": profile["wall_s"], "busy_share": profile["busy_share"],
                               **{f"{k}_s": v for k, v in profile["groups_s"].items()},
                               "top_kernels": profile["top_kernels"][:12]})
-    except Exception:
-        bench.add("profile", {"model": label, "error": traceback.format_exc()[-1500:]})
+    except Exception as exc:
+        bench.add("profile", {"model": label, "error": error_line(exc)})
+        after_failure(pool)
 
 
 def cast_rows(bench: Rows) -> None:
@@ -226,6 +258,8 @@ def main() -> None:
     parser.add_argument("--sections", default="gemm,loss,speed")
     parser.add_argument("--recipes", default=",".join(r or "bf16" for r in RECIPES),
                         help="rows of these recipes only (bf16 included where a row compares)")
+    parser.add_argument("--shapes", default=None, help="the speed rows' shapes, preset:overrides:mbs:gbs x 3 "
+                        "(default: SPEED, sized for one H200)")
     args = parser.parse_args()
     recipes = {None if r == "bf16" else r for r in args.recipes.split(",")}
     out = Path(args.out)
@@ -255,7 +289,7 @@ def main() -> None:
     try:
         # by priority, so that a call cut short keeps the rows that matter most
         curves, base = {}, {}
-        one, three, eight = SPEED
+        one, three, eight = parse_shapes(args.shapes) if args.shapes else SPEED
         plan = [("loss", None), ("loss", "tensorwise"), ("speed", (three, None)), ("speed", (three, "tensorwise")),
                 ("profile", (three, "tensorwise")), ("profile", (three, None)),
                 ("speed", (eight, None)), ("speed", (eight, "tensorwise")), ("speed", (one, None)),

@@ -1,12 +1,14 @@
 """After an out-of-memory failure in ``mnb.train`` on a GPU rank, is the memory given back?
 
-    python bench/gpu_oom_probe.py
+    python bench/gpu_oom_probe.py                                        # OOM in the first forward
+    python bench/gpu_oom_probe.py --preset llama-3b --mbs 4 --gbs 16     # on an H100: OOM at step 2
 
-Builds llama-1b, trains at a micro batch that cannot fit (OOM in the first forward), then drops
-the model and collects: prints what is still allocated and, if much is, which objects hold the
-largest CUDA tensors (their referrers' types, two levels up).
+Builds the model, trains at a micro batch that cannot fit, then drops the model and collects: prints
+what is still allocated and, if much is, which objects hold the largest CUDA tensors (paths of
+referrers up to a module, a frame or the Rank); then whether the next model trains.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -64,12 +66,19 @@ torch._dynamo.reset(); import gc; gc.collect(); torch.cuda.empty_cache()
 print(f"after torch._dynamo.reset(): {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
 '''
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--preset", default="llama-1b")
+parser.add_argument("--mbs", type=int, default=96, help="a micro batch that does not fit")
+parser.add_argument("--gbs", type=int, default=96)
+parser.add_argument("--steps", type=int, default=2)
+args = parser.parse_args()
 pool = Pool.start(1, gpus=[0], timeout=600)
 try:
-    pool.run("model = mnb.gpt('llama-1b', seq_length=2048)\nbefore = torch.cuda.memory_allocated() / 2**30\n"
+    pool.run(f"model = mnb.gpt({args.preset!r}, seq_length=2048)\nbefore = torch.cuda.memory_allocated() / 2**30\n"
              "print(f'model built: {before:.2f} GiB')")
     try:
-        pool.run("mnb.train(model, steps=2, micro_batch_size=96, global_batch_size=96, bf16=True)")
+        pool.run(f"mnb.train(model, steps={args.steps}, micro_batch_size={args.mbs}, global_batch_size={args.gbs}, "
+                 "bf16=True)")
     except Exception as exc:
         print("provoked:", str(exc).splitlines()[1][:160])
     pool.run(PROBE)
