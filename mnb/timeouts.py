@@ -45,11 +45,11 @@ INTERRUPT_ACK_S = 1.0
 RELEASE_S = 1.0
 """How long a rank may take to return after its interrupt before it counts as unreleased."""
 INTERRUPT_NUDGE_S = (0.2, 0.5, 1.0, 2.0)
-"""After an interrupt, when (seconds after it) a rank still running the cell gets a no-op signal besides
-(``mnb.worker.channel.NUDGE_SIGNAL``): a SIGINT that lands after Python last checked for signals but before
-the main thread blocks in a lock is only noted, and the thread sleeps on (CPython's lost wake-up: a rank in
-``Event.wait`` 'did not stop' and was restarted, CI leg 2 on 50ca0f1); the nudge wakes the wait, which then
-runs the noted handler.  All within ``RELEASE_S``'s second but the last."""
+"""After an interrupt, when (seconds after it) a rank still running the cell, where the interrupt found it,
+gets a no-op signal besides (``mnb.worker.channel.NUDGE_SIGNAL``): a SIGINT that lands after Python last
+checked for signals but before the main thread blocks in a lock is only noted, and the thread sleeps on
+(CPython's lost wake-up: a rank in ``Event.wait`` 'did not stop' and was restarted, CI leg 2 on 50ca0f1);
+the nudge wakes the wait, which then runs the noted handler.  All but the last within ``RELEASE_S``."""
 INTERRUPT_RELEASE_MAX_S = 60.0
 """At most this long for an interrupted cell's ranks to return (grace plus two step times)."""
 DEFERRED_STOP_S = 300.0

@@ -140,6 +140,7 @@ class Channel:
         self._last_heard = time.monotonic()
         self._heard_once = False
         self._nudges: collections.deque[float] = collections.deque()  # when the main thread is nudged next
+        self._nudge_at: tuple[int, int] | None = None  # where the main thread stood when it was interrupted
         if threading.current_thread() is threading.main_thread():
             signal.signal(NUDGE_SIGNAL, _nudged)
         self._thread = threading.Thread(target=self._loop, name="mnb-io", daemon=True)
@@ -349,18 +350,29 @@ class Channel:
         calls such as ``time.sleep`` return at once with EINTR.
         """
         if self.busy.is_set() and self._main_ident is not None:
+            self._nudge_at = self._main_position()
             signal.pthread_kill(self._main_ident, signal.SIGINT)
             now = time.monotonic()
             self._nudges = collections.deque(now + after for after in INTERRUPT_NUDGE_S)
 
+    def _main_position(self) -> tuple[int, int] | None:
+        """Where the main thread's Python code stands (its innermost frame and instruction): unchanged while
+        it sits in one call, as a wait that missed its SIGINT does."""
+        frame = sys._current_frames().get(self._main_ident)
+        return None if frame is None else (id(frame), frame.f_lasti)
+
     def _nudge(self, now: float) -> None:
-        """The nudges due after an interrupt (``INTERRUPT_NUDGE_S``), while the cell still runs (I/O thread)."""
-        if self._nudges and not self.busy.is_set():
+        """The nudges due after an interrupt (``INTERRUPT_NUDGE_S``, I/O thread): only while the cell runs and
+        the main thread has not moved since the interrupt (once it moved, the interrupt was taken or the code
+        goes on, and a signal there would only make a call return early)."""
+        if not self._nudges or now < self._nudges[0]:
+            return
+        while self._nudges and now >= self._nudges[0]:
+            self._nudges.popleft()
+        if not self.busy.is_set() or self._main_position() != self._nudge_at:
             self._nudges.clear()
-        if self._nudges and now >= self._nudges[0] and self._main_ident is not None:
-            while self._nudges and now >= self._nudges[0]:
-                self._nudges.popleft()
-            signal.pthread_kill(self._main_ident, NUDGE_SIGNAL)
+            return
+        signal.pthread_kill(self._main_ident, NUDGE_SIGNAL)
 
     def _controller_gone(self, now: float) -> str:
         """Why the controller counts as gone ('' while it lives)."""
