@@ -99,8 +99,11 @@ class LoraLinear(torch.nn.Module):
             for piece in t.pieces:
                 rows = t.out_features if kind == "row" else piece.length
                 self.B[piece.key] = torch.nn.Parameter(torch.zeros(rows, r, device=device, dtype=dtype))
-        for name, param in list(self.A.items()) + list(self.B.items()):
-            sharded = (kind == "row") == (name in self.A)
+        # A is split over tp where the base weight's input is (row), B where its output is (column); the other
+        # is whole on every rank.  (By role, not by key: a one-piece target's B has its A's key.)
+        roles = [(param, kind == "row") for param in self.A.values()]
+        roles += [(param, kind == "column") for param in self.B.values()]
+        for param, sharded in roles:
             if sharded and tp > 1:
                 set_tensor_model_parallel_attributes(param, True, 1 if kind == "row" else 0, 1)
             elif sequence_parallel:

@@ -136,6 +136,26 @@ def test_peft_adapters_give_peft_logits_under_each_layout(cpu_pool, made):
     assert len(counts["gpt2"]) == 1 and len(counts["mixtral"]) == 1, counts
 
 
+def test_lora_trains_alike_under_pp2_tp2_and_sequence_parallel(cpu_pool, made):
+    """User trial 12-05: a one-piece adapter's B (down_proj's, q_proj's) has its A's key, and was set up as its
+    A is: under tp2 a whole B counted twice in the gradient norm (sqrt 2 times: clipping clipped other steps),
+    and under tp2 + sp a whole B missed the sum of its two sequence halves while a split one added them, so
+    the losses left pp2's from the second step.  Now each step's loss and gradient norm are the same."""
+    base = made["models"]["llama"][0]
+    cell = (f"_m = mnb.from_hf({base!r})\n"
+            "mnb.lora(_m, rank=4, alpha=8, targets=('q_proj', 'down_proj'))\n"
+            "_r = mnb.train(_m, steps=3, micro_batch_size=2, global_batch_size=4, lr=5e-2, data='mock')\n"
+            "[(s['loss'], s['grad_norm']) for s in _r['steps']]")
+    layouts = {"pp2": ParallelConfig(pp=2), "tp2": ParallelConfig(tp=2),
+               "tp2 + sp": ParallelConfig(tp=2, sequence_parallel=True)}
+    steps = {label: cpu_pool.run(cell, layout=layout, quiet=True)[0] for label, layout in layouts.items()}
+    for label, run in steps.items():
+        for (loss, norm), (ref_loss, ref_norm) in zip(run, steps["pp2"]):
+            assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4), (
+                label, run, steps["pp2"])
+    assert steps["pp2"][2][0] < steps["pp2"][0][0] - 0.05, steps["pp2"]  # it trained
+
+
 def test_lora_trains_under_tp2_then_peft_transformers_and_pp2_agree(cpu_pool, made):
     """Train LoRA 3 steps under tp2 (only the adapters get gradients and Adam's state); save_adapter -> peft
     and save_hf -> transformers give mnb's logits; merging changes only the targeted projections; pp2
