@@ -209,9 +209,8 @@ class Encoder:
             for i, message in enumerate(messages):
                 if message["role"] != "assistant":
                     continue
-                before = self.hf.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) \
-                    if i else ""
                 through = self.hf.apply_chat_template(messages[:i + 1], tokenize=False)
+                before = self._prompt_before(messages[:i], message, through)
                 if not (text.startswith(through) and through.startswith(before)):
                     raise ValueError(
                         f"{row.where}: the chat template of {self.folder} renders a conversation's start "
@@ -229,6 +228,28 @@ class Encoder:
         # a token that starts before the turn but reaches into it, e.g. " The" after "assistant:").
         in_loss = [any(start < hi and end > lo for lo, hi in spans) for start, end in enc["offset_mapping"]]
         return ids, in_loss
+
+
+    def _prompt_before(self, messages: list[dict], answer: dict, through: str) -> str:
+        """The text before the assistant turn ``answer`` that follows ``messages`` (``through``: their rendering
+        with it): their rendering with the generation prompt, the role header the model is given, not asked
+        to write.  A conversation that opens with the assistant's turn (a user trial found its header counted
+        as the answer's): an empty conversation's generation prompt, or, where the template renders none
+        (transformers refuses an empty conversation), ``through`` less the turn as it renders after a user's
+        message; nothing before it where neither is found."""
+        render = self.hf.apply_chat_template
+        if messages:
+            return render(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return render([], tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - "Cannot apply chat template to an empty conversation"
+            pass
+        asked = [{"role": "user", "content": "."}]
+        prompt, whole = render(asked, tokenize=False, add_generation_prompt=True), render(asked + [answer], tokenize=False)
+        turn = whole[len(prompt):]
+        if whole.startswith(prompt) and turn and through.endswith(turn):
+            return through[:len(through) - len(turn)]
+        return ""
 
 
 def _marks_generation(template: str) -> bool:

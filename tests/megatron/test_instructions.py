@@ -47,6 +47,10 @@ CHATS = [
     {"messages": [{"role": "user", "content": "Split weights?"}, {"role": "assistant", "content": "Tensor parallel."},
                   {"role": "user", "content": "And layers?"}, {"role": "assistant", "content": "Pipeline stages."}]},
     {"messages": [{"role": "user", "content": "import os"}, {"role": "assistant", "content": "import sys"}]},
+    # the assistant speaks first: its role header is the prompt's, not the answer's (user trial 12-05; the
+    # template renders no empty conversation, so the header is found from the turn after a user's message)
+    {"messages": [{"role": "assistant", "content": "Ready."}, {"role": "user", "content": "Go on."},
+                  {"role": "assistant", "content": "Done."}]},
 ]
 
 
