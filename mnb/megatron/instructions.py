@@ -264,9 +264,14 @@ class Example:
     in_loss: np.ndarray  # bool [n]: token k is a label in the loss (k >= 1)
 
 
-def examples(rows: list[Row], encoder: Encoder, seq_length: int, truncate: bool) -> list[Example]:
-    """Each row's tokens; a row longer than ``seq_length + 1`` tokens refused (or cut with ``truncate``)."""
-    out = []
+def examples(rows: list[Row], encoder: Encoder, seq_length: int, truncate: bool) -> tuple[list[Example], list[str]]:
+    """Each row's tokens; a row longer than ``seq_length + 1`` tokens refused (or cut with ``truncate``).
+
+    A cut row that keeps none of its answer tokens has nothing to learn from: it is left out and named
+    (the second value: ``"row 3 (data.jsonl line 3)"``), and all of them left out is refused.  Kept, each
+    step made only of such rows reported a NaN loss and still took its optimizer step (user trial).
+    """
+    out, empty = [], []
     for number, row in enumerate(rows, start=1):
         ids, in_loss = encoder.encode(row)
         if len(ids) - 1 > seq_length:
@@ -276,8 +281,15 @@ def examples(rows: list[Row], encoder: Encoder, seq_length: int, truncate: bool)
                     f"holds at most {seq_length + 1} (inputs and the last label): shorten the row, build the "
                     "model with a larger seq_length, or pass truncate=True to cut such rows")
             ids, in_loss = ids[:seq_length + 1], in_loss[:seq_length + 1]
+            if not any(in_loss[1:]):
+                empty.append(f"row {number} ({row.where})")
+                continue
         out.append(Example(np.asarray(ids, dtype=np.int64), np.asarray(in_loss, dtype=bool)))
-    return out
+    if not out:
+        raise ValueError(f"truncate=True cut every row to seq_length={seq_length} tokens before its answer "
+                         f"began ({', '.join(empty[:3])}{', ...' if len(empty) > 3 else ''}): nothing is left to "
+                         "learn from; build the model with a larger seq_length or shorten the prompts")
+    return out, empty
 
 
 # -- sequences ------------------------------------------------------------------------
@@ -396,13 +408,8 @@ def samples(model, files: list[Path], seed: int, *, pack: bool = True, truncate:
     packed = bool(pack)
     if packed:
         packed, why = can_pack(model)
-        if not packed and why not in _said:
-            _said.add(why)
-            import torch
-
-            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                print(f"mnb: instruction data is padded, one example per sequence, not packed ({why})",
-                      flush=True)
+        if not packed:
+            _say_once(f"mnb: instruction data is padded, one example per sequence, not packed ({why})")
     tokenizer = getattr(model, "tokenizer", None)
     digest = hashlib.sha256()
     for path in files:
@@ -412,7 +419,11 @@ def samples(model, files: list[Path], seed: int, *, pack: bool = True, truncate:
     items = _cache.get(key)
     if items is None:
         encoder = Encoder(tokenizer)
-        items = examples(read_rows(files), encoder, seq_length, truncate)
+        items, empty = examples(read_rows(files), encoder, seq_length, truncate)
+        if empty:
+            _say_once(f"mnb: {len(empty)} row(s) of {files[0].name if len(files) == 1 else 'the data'} kept no "
+                      f"answer token once truncate=True cut them to seq_length={seq_length} tokens, and are left out: "
+                      f"{', '.join(empty[:3])}{', ...' if len(empty) > 3 else ''}")
         top = max(int(e.ids.max()) for e in items)
         if top >= model.config.vocab_size:
             raise ValueError(f"instruction data {files[0]} has token ids up to {top} but the model's "
@@ -423,6 +434,17 @@ def samples(model, files: list[Path], seed: int, *, pack: bool = True, truncate:
         _cache[key] = items = (items, encoder.eos)
     items, eos = items
     return InstructionSamples(items, seq_length, packed=packed, pad_id=eos, seed=seed, shuffle=shuffle)
+
+
+def _say_once(line: str) -> None:
+    """``line`` on rank 0, once per process (every rank computes it alike)."""
+    if line in _said:
+        return
+    _said.add(line)
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
 
 
 def check(model, data, *, truncate: bool = False) -> None:

@@ -219,7 +219,15 @@ def test_bad_rows_are_refused_alike_on_every_rank(cpu_pool, sft):
         "sequences": f"mnb.megatron.batches.samples(_m, {str(text)!r}, 1234).epoch_size",
     }), layout=ParallelConfig(tp=2), quiet=True)
     assert out[0] == out[1], out
-    assert out[0]["long"] > 0 and out[0]["text"] == out[0]["sequences"] * SEQ, out
+    # the long row's answer is past the cut: it has nothing to learn from and is left out (it gave a NaN loss)
+    assert out[0]["long"] == _reference(sft["folder"], ROWS[:2])[1], out
+    assert out[0]["text"] == out[0]["sequences"] * SEQ, out
+    only_long = _write_rows(root / "only-long.jsonl", [{"prompt": "word " * 150, "completion": "end"}])
+    with pytest.raises(CompositeRankError, match="2 of 2 ranks raised") as info:
+        cpu_pool.run(f"_m = mnb.from_hf({sft['folder']!r}, seq_length={SEQ})\n"
+                     f"mnb.train(_m, steps=1, data={only_long!r}, truncate=True)", layout=ParallelConfig(tp=2), quiet=True)
+    assert "[r0-1] ValueError: truncate=True cut every row to seq_length=96 tokens before its answer began (row 1 (" \
+        in str(info.value) and "nothing is left to learn from" in str(info.value), str(info.value)
     # a model without a checkpoint tokenizer reads prompt/completion as UTF-8 bytes, then its eod;
     # it has no chat template
     out = cpu_pool.run(f"_g = mnb.gpt('tiny', seq_length={SEQ})\n"
