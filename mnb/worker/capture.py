@@ -165,6 +165,22 @@ def close_figures() -> None:
         pyplot.close("all")
 
 
+def plain_streams_after_fork() -> None:
+    """A forked child (``multiprocessing``'s default on Linux, ``os.fork()``) writes ``sys.stdout``/``stderr``
+    to fds 1 and 2, which :class:`FdCapture` carries to the running cell: its copy of :class:`RankStream`
+    would queue every print for a channel whose I/O thread the fork did not copy (a user trial saw a
+    child's ``print`` never arrive).  Registered once, where the rank takes over its streams."""
+    import os
+
+    def plain() -> None:
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            if isinstance(getattr(sys, name), RankStream):
+                setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                                    errors="replace", line_buffering=True))
+
+    os.register_at_fork(after_in_child=plain)
+
+
 class FdCapture:
     """File-descriptor level capture: what child processes (``subprocess.run(["echo", ...])``,
     ``make``) and C code write to fds 1 and 2 reaches the running cell, and the pool log.

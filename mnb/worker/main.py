@@ -30,9 +30,10 @@ from typing import Any
 
 from mnb.worker.startup import StartClock  # first: its import time is when the rank's own code began
 from mnb.worker import sandbox  # noqa: F401  (second: it records the rank's original sys.path)
+from mnb.errors import MessageTooLarge
 from mnb.protocol import ConnectionInfo, Message, ProtocolError, version_mismatch
 from mnb.worker import boot, debugging, stdin
-from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures
+from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures, plain_streams_after_fork
 from mnb.worker.channel import Channel
 from mnb.worker.executor import Outcome, describe_exception, portable, run_cell
 from mnb.worker.faults import record_fatal_stacks
@@ -132,6 +133,7 @@ class Rank:
     def serve(self) -> None:
         self.fd_capture.start()  # child processes' output reaches the cells (capture.FdCapture)
         sys.stdout, sys.stderr = self.stdout, self.stderr
+        plain_streams_after_fork()
         while True:
             try:
                 message = self.channel.inbox.get()
@@ -257,12 +259,22 @@ class Rank:
     def reply_cell(self, message: Message, outcome: Outcome, *, value: Any = None,
                    records: list[dict[str, Any]] | None = None, **extra: Any) -> None:
         """Every execute's reply: how it ended, the value and run records, and the coordinates and layout
-        this rank has now (what the controller confirms the cell's layout against)."""
+        this rank has now (what the controller confirms the cell's layout against).  A value whose reply
+        would pass the protocol's limit stays here: a note saying so travels instead (``values.too_large``)."""
         from mnb.megatron import layout
+        from mnb.values import too_large
 
-        self.channel.reply(message, payload={"value": value, "records": records or []}, ok=outcome.ok,
-                           ename=outcome.ename, evalue=outcome.evalue, traceback=outcome.traceback,
-                           coords=layout.coordinates(), layout=self.layout, **extra)
+        def reply(value: Any) -> None:
+            self.channel.reply(message, payload={"value": value, "records": records or []}, ok=outcome.ok,
+                               ename=outcome.ename, evalue=outcome.evalue, traceback=outcome.traceback,
+                               coords=layout.coordinates(), layout=self.layout, **extra)
+
+        try:
+            reply(value)
+        except MessageTooLarge as exc:  # the cell succeeded: only its value cannot travel, so a note goes instead
+            if value is None:
+                raise
+            reply(too_large(outcome.value, exc.size_bytes, exc.limit_bytes, self.rank))
 
     def _on_push(self, message: Message) -> None:
         """Bind the pushed names: each arrives pickled on its own (``values.encode_push``); all or none."""

@@ -31,6 +31,17 @@ def test_ranks_report_identity_and_names_persist(cpu_pool, capsys):
     assert cpu_pool.run("x + world_size") == {0: 2, 1: 12}
 
 
+def test_what_a_forked_child_prints_reaches_the_cell(cpu_pool, capsys):
+    """User trial 12-05: a ``multiprocessing`` child (fork on Linux) printed into its copy of the rank's stream,
+    whose channel thread the fork did not copy: nothing arrived.  It now prints to the captured fds."""
+    cpu_pool.run("import multiprocessing as _mp\n"
+                 "_p = _mp.get_context('fork').Process(target=print, args=('forked child of', rank))\n"
+                 "_p.start(); _p.join()\n"
+                 "_p.exitcode")
+    out = capsys.readouterr().out
+    assert re.search(r"\[r0 [^\]]*\] forked child of 0", out) and re.search(r"\[r1 [^\]]*\] forked child of 1", out), out
+
+
 def test_push_pull_and_tensors_arrive_as_numpy(cpu_pool):
     cpu_pool.push({"lr": 0.5, "name": "a"}, ranks=[1])
     assert cpu_pool.pull("lr", ranks=[1]) == {1: 0.5}
@@ -106,6 +117,49 @@ def test_invalid_requests_are_refused_before_ranks_run(cpu_pool):
         cpu_pool.run("x = 1", ranks=[5])
     with pytest.raises(ValueError, match="needs every rank"):
         cpu_pool.run("x = 1", ranks=[0], layout=ParallelConfig(tp=2))
+    # the magics' rules for --timeout and --grace (mnb.fields.check_seconds), the argument named
+    for bad, error, words in ((dict(timeout=0), ValueError, "timeout must be a positive number of seconds, got 0"),
+                              (dict(timeout=-1), ValueError, "timeout must be a positive number"),
+                              (dict(timeout="x"), TypeError, r"timeout must be a positive number of seconds, got 'x'"),
+                              (dict(grace=-5), ValueError, "grace must be a number, zero or positive")):
+        with pytest.raises(error, match=words):
+            cpu_pool.run("x = 1", **bad)
+    with pytest.raises(TypeError, match=r"code must be a str of Python source, got bytes .*code\.decode\(\)"):
+        cpu_pool.run(b"rank")
+    with pytest.raises(TypeError, match="code must be a str of Python source, got NoneType"):
+        cpu_pool.run(None)
+    with pytest.raises(TypeError, match=r"args is a list of the script's arguments.*shlex\.split"):
+        cpu_pool.run_script(__file__, "--lr 3e-4")
+    with pytest.raises(ValueError, match="grace must be"):
+        cpu_pool.run_script(__file__, grace=-1)
+    with pytest.raises(ValueError, match=r"push would rebind mnb's own name\(s\) \['rank'\]"):
+        cpu_pool.push({"rank": 0})
+    assert cpu_pool.run("rank") == {0: 0, 1: 1}
+
+
+def test_a_request_over_the_message_limit_is_refused_and_leaves_the_pool_as_it_was(cpu_pool, tmp_path, monkeypatch):
+    """A push, a cell or a script's arguments past the limit of one message: refused before any rank is
+    marked busy, so the next request runs on the same ranks with every name and the layout kept."""
+    from mnb import protocol
+    from mnb.errors import MessageTooLarge
+
+    cpu_pool.run("kept = rank")
+    pids, restarts, layout = cpu_pool.pids(), cpu_pool.restarts, cpu_pool.layout
+    script = tmp_path / "script.py"
+    script.write_text("pass\n")
+    big = "x" * (2 * 2**20)
+    monkeypatch.setattr(protocol, "MAX_MESSAGE_BYTES", 2**20)  # the kernel's limit of one message: 1 MiB
+    with pytest.raises(MessageTooLarge, match=r"a push message would be 2(\.\d)? MiB.*nothing was sent"):
+        cpu_pool.push({"big": big})
+    with pytest.raises(MessageTooLarge, match="an execute message .*the cell's code"):
+        cpu_pool.run(f"# {big}", layout=ParallelConfig(tp=2))  # a layout change too: it must not be taken
+    with pytest.raises(MessageTooLarge, match="an execute message"):
+        cpu_pool.run_script(script, [big])
+    monkeypatch.undo()
+    assert [row["state"] for row in cpu_pool.status()] == ["idle", "idle"]
+    assert cpu_pool.layout == layout and cpu_pool.ranks[1].coords == layout.coordinates(1)
+    assert cpu_pool.run("kept") == {0: 0, 1: 1}
+    assert (cpu_pool.pids(), cpu_pool.restarts) == (pids, restarts)
 
 
 def test_interruptible_python_loop_times_out_and_pool_stays_usable(cpu_pool):
