@@ -163,9 +163,10 @@ class Encoder:
                 raise ImportError(f"instruction data with a checkpoint's tokenizer needs transformers "
                                   f"(pip install transformers): {err}") from err
             self.hf = AutoTokenizer.from_pretrained(str(self.folder))
-            if self.hf.eos_token_id is None:
-                raise ValueError(f"{self.folder} names no eos token, which ends every completion")
-            self.eos = int(self.hf.eos_token_id)
+            # chat rows end with the template's own end-of-turn text: only prompt/completion rows need an eos
+            # (:meth:`encode`); padding, which no loss reads, takes the pad token or 0 without one
+            eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else self.hf.pad_token_id
+            self.eos = int(eos) if eos is not None else 0
         else:
             from mnb.megatron.tokenizer import EOD_ID
 
@@ -177,6 +178,10 @@ class Encoder:
             return self._chat(row)
         if self.hf is None:
             prompt, completion = list(row.prompt.encode()), list(row.completion.encode())
+        elif self.hf.eos_token_id is None:
+            raise ValueError(f"{row.where}: {self.folder} names no eos token, which ends every completion of a "
+                             "prompt/completion row: add 'eos_token' to its tokenizer_config.json, or write the rows "
+                             "as chat 'messages' (their template ends each turn)")
         else:
             prompt = list(self.hf(row.prompt)["input_ids"])
             completion = list(self.hf(row.completion, add_special_tokens=False)["input_ids"])

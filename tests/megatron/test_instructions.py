@@ -187,12 +187,18 @@ def test_bad_rows_are_refused_alike_on_every_rank(cpu_pool, sft):
     no_role = _write_rows(root / "no-role.jsonl", [{"messages": [{"content": "hi"}]}])
     long = _write_rows(root / "long.jsonl", [ROWS[0], ROWS[1], {"prompt": "word " * 150, "completion": "end"}])
     both = _write_rows(root / "both.jsonl", [{**ROWS[0], "messages": [{"role": "user", "content": "hi"}]}])
+    no_eos = root / "no-eos"  # chat rows end with the template's end of turn; prompt/completion rows need an eos
+    shutil.copytree(sft["folder"], no_eos)
+    config = json.loads((no_eos / "tokenizer_config.json").read_text())
+    (no_eos / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eos_token"}))
     cases = [
         (both, sft["folder"], ["both.jsonl, line 1: a row has 'messages' and 'prompt'/'completion': give one form"]),
         (missing, sft["folder"], ["missing.jsonl, line 2: 'completion' is missing"]),
         (broken, sft["folder"], ["broken.jsonl, line 3: not JSON"]),
         (no_role, sft["folder"], ["no-role.jsonl, line 1: messages[0] 'role' is missing"]),
         (long, sft["folder"], ["row 3 (", "long.jsonl:3) has ", "truncate=True"]),
+        (sft["rows"], str(no_eos), ["rows.jsonl:1: ", "no-eos names no eos token, which ends every completion of a "
+                                    "prompt/completion row"]),
         (sft["chats"], sft["plain"], ["chats.jsonl:1: a messages row needs a chat template",
                                       "add 'chat_template' to tokenizer_config.json or a chat_template.jinja"]),
     ]
@@ -219,6 +225,9 @@ def test_bad_rows_are_refused_alike_on_every_rank(cpu_pool, sft):
         "sequences": f"mnb.megatron.batches.samples(_m, {str(text)!r}, 1234).epoch_size",
     }), layout=ParallelConfig(tp=2), quiet=True)
     assert out[0] == out[1], out
+    chats = cpu_pool.run(f"mnb.evaluate(mnb.from_hf({str(no_eos)!r}, seq_length={SEQ}), data={sft['chats']!r}, "
+                         "batches=None)['tokens']", layout=ParallelConfig(tp=2), quiet=True)
+    assert chats == {0: sft["ref_chats"][1], 1: sft["ref_chats"][1]}, chats
     # the long row's answer is past the cut: it has nothing to learn from and is left out (it gave a NaN loss)
     assert out[0]["long"] == _reference(sft["folder"], ROWS[:2])[1], out
     assert out[0]["text"] == out[0]["sequences"] * SEQ, out
