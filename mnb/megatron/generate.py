@@ -120,8 +120,9 @@ def check_settings(model: MegatronModel, max_new_tokens: int, temperature: float
     if not isinstance(model, MegatronModel):
         raise TypeError(f"mnb.generate needs a model built by mnb (mnb.gpt, mnb.from_hf), got "
                         f"{type(model).__name__}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0 (0: empty continuations, as transformers "
+                         f"gives them), got {max_new_tokens!r}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
     if not isinstance(top_k, int) or top_k < 0:
@@ -154,7 +155,7 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
             of ints (one prompt; returns a list of ints) or a list of id lists (a list of id
             lists).  Strings are tokenized with the model's tokenizer (mnb's byte tokenizer
             for ``mnb.gpt`` models).
-        max_new_tokens: tokens generated per prompt at most.
+        max_new_tokens: tokens generated per prompt at most (0: empty continuations).
         temperature: 0 = greedy (deterministic); > 0 samples from softmax(logits / temperature).
         top_k / top_p: keep the k most likely tokens (0 = all) / the smallest set whose
             probability reaches p (1 = all) before sampling.
@@ -196,6 +197,8 @@ def generate(model: MegatronModel, prompts: Any, *, max_new_tokens: int = 64, te
     bad = sorted({t for p in batch.ids for t in p if not 0 <= t < vocab})
     if bad:
         raise ValueError(f"token ids {bad[:5]} lie outside the model's vocabulary [0, {vocab})")
+    if max_new_tokens == 0:  # nothing to decode: no forward, no collective (every rank returns alike)
+        return answer(batch, [[] for _ in batch.ids], tokenizer, stops)
     view = Stream(batch, tokenizer) if stream else None
     from mnb.megatron import decode_graphs
 

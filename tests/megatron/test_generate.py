@@ -386,7 +386,7 @@ def test_bad_arguments_are_refused_before_any_collective(cpu_pool):
     for call, match in (
         ("mnb.generate(model, [])", "prompts must be"),
         ("mnb.generate(model, [[1, 2], 'x'])", "mixes them"),
-        ("mnb.generate(model, 'x', max_new_tokens=0)", "max_new_tokens must be a positive integer"),
+        ("mnb.generate(model, 'x', max_new_tokens=-1)", "max_new_tokens must be an integer >= 0"),
         ("mnb.generate(model, 'x', top_p=0)", r"top_p must lie in \(0, 1\]"),
         ("mnb.generate(model, 'x', temperature=-1)", "temperature must be >= 0"),
         ("mnb.generate(model, 'x', max_new_tokens=200)", "exceeds the model's max_position_embeddings"),
@@ -399,6 +399,10 @@ def test_bad_arguments_are_refused_before_any_collective(cpu_pool):
             cpu_pool.run(call, quiet=True)
     assert cpu_pool.run("mnb.generate(model, 'ok', max_new_tokens=2, stream=False) is not None", quiet=True) == {
         0: True, 1: True}
+    # nothing to generate: empty continuations in the prompts' shape, as transformers gives (user trial)
+    assert cpu_pool.run("(mnb.generate(model, 'ok', max_new_tokens=0), mnb.generate(model, ['a', 'b'], max_new_tokens=0),"
+                        " mnb.generate(model, [[1, 2]], max_new_tokens=0))", quiet=True) == {
+        0: ("", ["", ""], [[]]), 1: ("", ["", ""], [[]])}
     cpu_pool.run("model = mnb.gpt('tiny')", layout=ParallelConfig(cp=2), quiet=True)
     with pytest.raises(Exception, match=r"does not run under context parallelism \(cp=2\).*--tp 2"):
         cpu_pool.run("mnb.generate(model, 'x')", quiet=True)
