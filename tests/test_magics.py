@@ -168,6 +168,7 @@ def test_rank_lists():
     ("line", "run --timeout 0 x.py", "argument --timeout: must be a positive number, got '0'"),
     ("line", "plan --model tiny --gpus 0", "argument --gpus: must be a positive integer, got '0'"),
     ("line", "export --model tiny --lr 0", "argument --lr: must be a positive number, got '0'"),
+    ("line", "start 2 --device cpu", "%mnb start takes the number of ranks as a flag: %mnb start -n 2 --device cpu"),
 ])
 def test_a_bad_number_names_the_flag_the_rule_and_the_value(magic, line, message):
     """Refused while parsing, before any pool is looked up or started (no function name of mnb's in it)."""
@@ -362,8 +363,7 @@ def started(shell):
     from tests.shared_pools import reset_pool, shared_pool
 
     before = current_pool(required=False)  # one an earlier test left: the module's `%mnb stop` ends it
-    pool = shared_pool(2, timeout=180)
-    reset_pool(pool)
+    pool = reset_pool(shared_pool(2, timeout=180))
     set_current_pool(pool)
     yield pool
     set_current_pool(before)

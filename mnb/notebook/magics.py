@@ -112,6 +112,9 @@ class MegatronMagics(Magics):
         if wants_help(before_script(rest) if command == "run" else rest):
             print(parser.format_help())
             return None
+        if command == "start" and rest and rest[0].isdigit():  # ipcluster's habit, and a user trial's first try
+            raise UsageError(f"%mnb start takes the number of ranks as a flag: %mnb start -n {rest[0]}"
+                             + "".join(f" {w}" for w in rest[1:]))
         args = parser.parse_args(rest)
         return getattr(self, f"_cmd_{command}")(args, current_pool(required=False))
 
@@ -175,8 +178,9 @@ class MegatronMagics(Magics):
         debug_ranks = parse_ranks(args.debug_ranks, pool.world_size, "--debug-ranks")
         try:
             with pool_request("cell"):
-                pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, grace=args.grace,
-                         kernel=kernel_changes(pool), profile=profile, debug_ranks=debug_ranks)
+                # the display ranks show the cell's result; no rank sends its value, which nothing here reads
+                pool.run(cell, ranks=ranks, timeout=args.timeout, layout=layout, show_result=True, want_value=False,
+                         grace=args.grace, kernel=kernel_changes(pool), profile=profile, debug_ranks=debug_ranks)
         finally:
             shown = take_profile(pool.last_cell_profile or (profile["dir"] if profile else None))
         if pool.last_cell_records:  # the ranks' record of what the cell trained: mnb.last_run, %mnb export
