@@ -33,6 +33,17 @@ two renames; the next save completes that swap and deletes leftovers). The
 checkpoint folder must be on storage that every rank sees (one host, or a
 shared filesystem). Both functions are collectives: call them on every rank.
 
+Rank 0 decides where and how before any rank writes, and every rank gets the same
+plan (:func:`mnb.writes.prepare`): a ``path`` that is a link to a folder is followed (the
+checkpoint goes into that folder; the link stays); a folder that cannot be renamed (a
+mount point such as a docker volume, tmpfs or NFS export; a folder whose parent is
+read-only) is written inside, into ``<path>/.mnb-tmp-<id>``, and its files moved in with
+``mnb.json`` last (:func:`mnb.writes.fill`: the old checkpoint stays complete in
+``<path>/.mnb-old-<id>`` until then); a target nothing can be written to is refused on
+every rank with ``OSError`` before anything is written. A save that fails on any rank
+raises the same error on every rank (``OSError`` when the cause was one, else
+``RuntimeError``), removes what it wrote and leaves the last checkpoint and the pool usable.
+
 RNG states are saved per (pp, tp) rank and restored only under the same layout.
 """
 
@@ -43,7 +54,6 @@ import logging
 import os
 import random
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -305,39 +315,71 @@ def save(path: str | os.PathLike, model=None, optimizer=None, *, step: int | Non
         step = getattr(model, "steps_done", None)
     path = Path(path).expanduser().absolute()  # '~/ckpt' is the home folder's, as a shell has it
     rank = dist.get_rank()
-    save_id = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
-    tmp = path.with_name(f"{path.name}.tmp-{save_id}")
     t0 = time.perf_counter()
-
-    problem = writes.prepare(path, tmp, writes.MNB_CHECKPOINT, overwrite=overwrite, writer="mnb.save") \
+    # rank 0 decides where and how (a link followed, a mount point written inside) and every rank
+    # receives the same plan, or raises the same refusal, before anything is written
+    prepared = writes.prepare(path, writes.MNB_CHECKPOINT, overwrite=overwrite, writer="mnb.save") \
         if rank == 0 else None
-    writes.raise_problem(_broadcast(problem))  # the same on every rank, before anything is written
+    plan = writes.agree(_broadcast(prepared))
+    tmp = plan.tmp
 
-    with fsdp.whole_parameters(sharded):  # Megatron-FSDP's dp shards gathered: the same layout-free tensors
-        state = _model_sharded_state_dict(chunks)
-        if optimizer is not None:
-            state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, sharded, is_loading=False)
-        state["mnb_rng"] = _rng_sharded_object(_rng_state())
-        with cuda_calls_on_cpu():
-            dist_checkpointing.save(state, str(tmp))  # ends with a barrier
-    meta = {
-        "format": FORMAT_VERSION, "step": step, "layout": _layout(),
-        "num_chunks": len(chunks), "optimizer": optimizer is not None,
-        "optimizer_config": _optimizer_config(optimizer),
-        "consumed_samples": getattr(model, "consumed_samples", None),
-        "model_config": _model_config(model), "extra": extra or {}, "time": time.time(),
-        "schedule": schedule.state(model),  # settings + Megatron's opt_param_scheduler state, or None
-    }
-    if rank == 0:
-        (tmp / (META_FILE + ".part")).write_text(json.dumps(meta, indent=1, default=str))
-        os.replace(tmp / (META_FILE + ".part"), tmp / META_FILE)
-    dist.barrier()  # every rank finished writing; the new checkpoint is complete
+    error = None
+    try:
+        with fsdp.whole_parameters(sharded):  # Megatron-FSDP's dp shards gathered: the same layout-free tensors
+            state = _model_sharded_state_dict(chunks)
+            if optimizer is not None:
+                state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, sharded, is_loading=False)
+            state["mnb_rng"] = _rng_sharded_object(_rng_state())
+            with cuda_calls_on_cpu():
+                dist_checkpointing.save(state, str(tmp))  # ends with a barrier
+        meta = {
+            "format": FORMAT_VERSION, "step": step, "layout": _layout(),
+            "num_chunks": len(chunks), "optimizer": optimizer is not None,
+            "optimizer_config": _optimizer_config(optimizer),
+            "consumed_samples": getattr(model, "consumed_samples", None),
+            "model_config": _model_config(model), "extra": extra or {}, "time": time.time(),
+            "schedule": schedule.state(model),  # settings + Megatron's opt_param_scheduler state, or None
+        }
+        if rank == 0:
+            (tmp / (META_FILE + ".part")).write_text(json.dumps(meta, indent=1, default=str))
+            os.replace(tmp / (META_FILE + ".part"), tmp / META_FILE)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it at the next collective
+        error = exc
+    # every rank finished writing (the gather is the barrier); the new checkpoint is complete unless one failed
+    _raise_first(path, plan, _gather_errors(dist, error), error)
 
     if rank == 0:
-        writes.swap(tmp, path, writes.MNB_CHECKPOINT)
-    dist.barrier()
+        try:
+            writes.finish(plan, writes.MNB_CHECKPOINT)  # on failure: tmp removed, the old checkpoint in place
+        except Exception as exc:  # noqa: BLE001 - broadcast below, raised on every rank
+            error = exc
+    _raise_first(path, plan, _broadcast(_describe(0, error) if rank == 0 else None), error)
     logger.info("saved %s (step %s) in %.2f s", path, step, time.perf_counter() - t0)
     return path
+
+
+def _describe(rank: int, error: BaseException | None) -> tuple[int, str, str, bool] | None:
+    """An exception as plain data that travels: (rank, name, message, is an OSError)."""
+    return None if error is None else (rank, type(error).__name__, str(error), isinstance(error, OSError))
+
+
+def _gather_errors(dist, error: BaseException | None) -> tuple[int, str, str, bool] | None:
+    """The lowest rank's error among every rank's (a collective: every rank must call it), or None."""
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, _describe(dist.get_rank(), error))
+    return next((r for r in reports if r is not None), None)
+
+
+def _raise_first(path: Path, plan, report: tuple[int, str, str, bool] | None, local: BaseException | None) -> None:
+    """Raise ``report`` (the same on every rank: an OSError for an OSError, else RuntimeError) after rank 0
+    removed what the save wrote; nothing when ``report`` is None."""
+    if report is None:
+        return
+    if _dist().get_rank() == 0:
+        writes.discard(plan)
+    rank, name, message, is_os = report
+    text = f"mnb.save({str(path)!r}) failed on rank {rank}, the last checkpoint is unchanged: {name}: {message}"
+    raise (OSError if is_os else RuntimeError)(text) from local
 
 
 def _optimizer_sharded_state_dict(optimizer, model_state: dict, sharded: list, *, is_loading: bool) -> dict:
@@ -422,7 +464,7 @@ def _locate(requested: Path) -> tuple[Path, dict]:
     """
     found = find_checkpoint(requested)
     if found is not None:
-        if found != requested:
+        if found != Path(os.path.realpath(requested)):  # a link's target is no interrupted save
             logger.warning("%s was being replaced when a save stopped; loading %s", requested, found)
         meta = _read_mnb_meta(found)
     elif not requested.exists():

@@ -166,6 +166,7 @@ def users_files_and_crash(path: Path, model) -> dict:
     except OverwriteRefusedError as exc:
         out["refused"] = str(exc)
     out["after_refusal"] = _listing(theirs) | {"entries": sorted(os.listdir(theirs))}
+    torch.distributed.barrier()  # rank 0's next save may create theirs.tmp-ID before its first collective
     checkpoint.save(theirs, model, overwrite=True, extra={"which": "theirs"})  # the ranks are still in step
     out["overwritten"] = _listing(theirs) | {"extra": checkpoint.load(theirs, model)["extra"]}
     # a save stopped between its renames: the new checkpoint complete in path.tmp-<id>, the old one moved aside
@@ -390,6 +391,115 @@ def rank_load_damaged(path: str) -> dict:
     return {"path": path, "errors": errors, "intact": bool(torch.equal(fresh.w, torch.full((2, 3), rank + 1.0)))}
 
 
+def _saved(path: Path) -> dict:
+    """What a save left: the entries of ``path`` (through a link) and of its parent, and the loaded value."""
+    import torch
+
+    from mnb.megatron import checkpoint
+
+    fresh = _sharded(-1.0)
+    info = checkpoint.load(path, fresh)
+    return {"entries": sorted(os.listdir(path)), "beside": sorted(os.listdir(path.parent)),
+            "value": fresh.w[0, 0].item(), "extra": info["extra"], "same": bool(torch.equal(fresh.w, fresh.w[0, 0]
+                                                                                        .expand_as(fresh.w)))}
+
+
+def _failure(run) -> str | None:
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - the test compares type and message across ranks
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def rank_links_and_mount_points(root: str) -> dict:
+    """A link to a folder is followed (the link stays); a folder that cannot be renamed (a mount point:
+    ``writes.is_mount_point`` says so and renaming it fails with EBUSY, as the kernel's does) is written
+    inside; a failed write, a failed rename and an unwritable target raise the same error on every rank."""
+    import errno
+
+    import torch
+
+    from mnb import writes
+    from mnb.config import ParallelConfig
+    from mnb.megatron import checkpoint
+    from mnb.megatron.layout import apply_layout
+    from megatron.core import dist_checkpointing
+
+    apply_layout(ParallelConfig())
+    rank, base = torch.distributed.get_rank(), Path(root)
+    out: dict = {}
+    real, link, vol, plain = base / "disk" / "target", base / "link", base / "mnt" / "vol", base / "plain" / "ck"
+    if rank == 0:
+        for folder in (real, vol, plain.parent):
+            folder.mkdir(parents=True)
+        link.symlink_to(real)
+    torch.distributed.barrier()
+
+    for value in (1.0, 2.0):  # the second save replaces the first, through the link
+        checkpoint.save(link, _sharded(rank + value), extra={"v": value})
+    out["link"] = {**_saved(link), "is_link": link.is_symlink(), "points_to": os.readlink(link),
+                   "disk": sorted(os.listdir(real.parent))}
+
+    real_replace, real_rename, real_ismount = os.replace, os.rename, writes.is_mount_point
+    busy = {str(vol)}  # renaming these fails as renaming a mount point does
+
+    def no_rename(real_call):
+        def call(src, dst, *args, **kwargs):
+            if str(src) in busy or str(dst) in busy:
+                raise OSError(errno.EBUSY, "Device or resource busy", str(src))
+            return real_call(src, dst, *args, **kwargs)
+        return call
+
+    os.replace, os.rename = no_rename(real_replace), no_rename(real_rename)
+    writes.is_mount_point = lambda path: str(path) == str(vol) or real_ismount(path)
+    try:
+        checkpoint.save(vol, _sharded(rank + 1.0), extra={"v": 1})  # an empty mount point
+        if rank == 0:
+            (vol / "notes.txt").write_text("mine")
+        torch.distributed.barrier()
+        checkpoint.save(vol, _sharded(rank + 2.0), extra={"v": 2})  # replaces the first inside the folder
+        out["mount"] = {**_saved(vol), "notes": (vol / "notes.txt").read_text()}
+
+        real_save = dist_checkpointing.save
+
+        def fails_on_rank_1(state, directory, *args, **kwargs):
+            real_save(state, directory, *args, **kwargs)
+            if rank == 1:
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+        dist_checkpointing.save = fails_on_rank_1
+        try:
+            out["write_failed"] = _failure(lambda: checkpoint.save(vol, _sharded(rank + 3.0), extra={"v": 3}))
+        finally:
+            dist_checkpointing.save = real_save
+        out["after_write_failed"] = _saved(vol)
+
+        real_mkdir = Path.mkdir
+
+        def read_only(self, *args, **kwargs):
+            if self.parent == vol:
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return real_mkdir(self, *args, **kwargs)
+
+        Path.mkdir = read_only
+        try:
+            out["unwritable"] = _failure(lambda: checkpoint.save(vol, _sharded(rank + 4.0)))
+        finally:
+            Path.mkdir = real_mkdir
+        out["after_unwritable"] = _saved(vol)
+
+        # a folder nothing says is fixed, whose rename fails anyway (a bind mount ismount misses): rank 0
+        # fails at the swap; every rank must hear of it (before: rank 1 waited in a barrier)
+        checkpoint.save(plain, _sharded(rank + 1.0), extra={"v": 1})
+        busy.add(str(plain))
+        out["rename_failed"] = _failure(lambda: checkpoint.save(plain, _sharded(rank + 5.0), extra={"v": 5}))
+    finally:
+        os.replace, os.rename, writes.is_mount_point = real_replace, real_rename, real_ismount
+    out["after_rename_failed"] = _saved(plain)
+    return out
+
+
 def rank_scenarios(root: str, killed: str) -> dict:
     """Every scenario that needs no process of its own, in turn, each on its own folder under ``root``;
     a scenario that raises leaves its traceback (``{"error": ...}``) and the next one still runs.
@@ -420,6 +530,7 @@ def rank_scenarios(root: str, killed: str) -> dict:
         "after_killed_save": guarded(rank_load_good, killed),
         "mismatch": guarded(rank_mismatch, str(base / "mismatch" / "m")),
         "damaged": guarded(rank_load_damaged, str(base / "damaged" / "ckpt" / "good")),
+        "links_and_mounts": guarded(rank_links_and_mount_points, str(base / "links")),
     }
 
 
@@ -602,3 +713,199 @@ def test_save_refuses_a_model_of_nothing_and_paths_follow_the_home_folder(tmp_pa
     (tmp_path / "ckpt" / "metadata.json").write_text("{}")  # Megatron's: with mnb.json, a complete checkpoint
     assert checkpoint.find_checkpoint("~/ckpt") == tmp_path / "ckpt"
     assert checkpoint.read_meta("~/ckpt") == {"format": 1}
+
+
+# -- links, mount points, unwritable targets ------------------------------------------------
+
+_OWN = [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json", "mnb.json"]
+
+
+@pytest.fixture(scope="module")
+def links_and_mounts(scenarios) -> list[dict]:
+    return [ok(r["links_and_mounts"]) for r in scenarios]
+
+
+def test_a_save_through_a_link_writes_into_its_folder_and_keeps_the_link(links_and_mounts):
+    """ck_link -> /data/target: the link was renamed to ck_link.old-ID and a real folder written in its place."""
+    for rank, r in enumerate(links_and_mounts):
+        link = r["link"]
+        assert link["is_link"] and link["points_to"].endswith("disk/target"), link
+        assert link["beside"] == ["disk", "link", "mnt", "plain"], link  # no link.old-/link.tmp- leftovers
+        assert link["disk"] == ["target"], link  # nor beside the folder it points to
+        assert link["entries"] == _OWN and link["value"] == rank + 2.0 and link["extra"] == {"v": 2.0}, link
+
+
+def test_a_folder_that_cannot_be_renamed_is_written_inside(links_and_mounts):
+    """A mount point (renaming it fails with EBUSY): the save, then a second one replacing it, inside it;
+    nothing beside it, nothing left inside but the checkpoint and the user's notes."""
+    for rank, r in enumerate(links_and_mounts):
+        mount = r["mount"]
+        assert mount["beside"] == ["vol"], mount
+        assert mount["entries"] == sorted(_OWN + ["notes.txt"]) and mount["notes"] == "mine", mount
+        assert mount["value"] == rank + 2.0 and mount["extra"] == {"v": 2}, mount
+
+
+def test_a_failed_write_inside_raises_the_same_on_every_rank_and_keeps_the_last_checkpoint(links_and_mounts):
+    failed = [r["write_failed"] for r in links_and_mounts]
+    assert failed[0] is not None and failed == [failed[0]] * len(failed), failed
+    assert failed[0].startswith("OSError: mnb.save(") and "failed on rank 1, the last checkpoint is unchanged" \
+        in failed[0] and "No space left on device (simulated)" in failed[0], failed[0]
+    for rank, r in enumerate(links_and_mounts):  # the temporary folder is gone; the save before it loads
+        assert r["after_write_failed"] == {k: v for k, v in r["mount"].items() if k != "notes"}, r["after_write_failed"]
+
+
+def test_an_unwritable_target_is_refused_on_every_rank_saying_what_to_change(links_and_mounts):
+    refused = [r["unwritable"] for r in links_and_mounts]
+    assert refused[0] is not None and refused == [refused[0]] * len(refused), refused
+    assert refused[0].startswith("OSError: mnb.save: cannot write into ") and "(it is a mount point, so mnb " \
+        "writes inside it): Read-only file system; nothing was written. Remount it read-write, or choose a folder " \
+        in refused[0], refused[0]
+    for r in links_and_mounts:
+        assert r["after_unwritable"] == {k: v for k, v in r["mount"].items() if k != "notes"}, r["after_unwritable"]
+
+
+def test_a_rename_that_fails_at_the_swap_fails_on_every_rank_and_cleans_up(links_and_mounts):
+    """Rank 0 alone failed at the rename (EBUSY) while rank 1 waited in a barrier: the pool restarted."""
+    failed = [r["rename_failed"] for r in links_and_mounts]
+    assert failed[0] is not None and failed == [failed[0]] * len(failed), failed
+    assert "failed on rank 0, the last checkpoint is unchanged: OSError: [Errno 16] Device or resource busy" \
+        in failed[0], failed[0]
+    for rank, r in enumerate(links_and_mounts):
+        after = r["after_rename_failed"]
+        assert after["beside"] == ["ck"] and after["value"] == rank + 1.0 and after["extra"] == {"v": 1}, after
+
+
+def _fake_checkpoint(folder: Path, step: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metadata.json").write_text("{}")
+    (folder / f"__{step}_0.distcp").write_text(str(step))  # each save has its own shard file
+    (folder / "mnb.json").write_text(json.dumps({"step": step, "time": step}))
+    return folder
+
+
+def _state(folder: Path) -> tuple:
+    from mnb import writes
+
+    found = writes.find(folder, writes.MNB_CHECKPOINT)
+    meta = json.loads((found / "mnb.json").read_text()) if found else None
+    shards = sorted(n for n in os.listdir(found) if n.endswith(".distcp")) if found else None
+    return (meta or {}).get("step"), shards
+
+
+def test_filling_a_folder_in_place_keeps_one_complete_checkpoint_at_every_rename(tmp_path, monkeypatch):
+    """writes.fill, stopped after each of its renames in turn (a crash): a load reads the old or the new
+    checkpoint, whole (its own shard only), never a mix; the next save's recover finishes it; notes stay."""
+    from mnb import writes
+
+    calls = {"n": 0, "stop": None}
+    real_replace = os.replace
+
+    def counted(src, dst):
+        if calls["stop"] is not None and calls["n"] == calls["stop"]:
+            raise KeyboardInterrupt("killed")
+        calls["n"] += 1
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", counted)
+    for stop in range(20):
+        vol = tmp_path / str(stop) / "vol"
+        _fake_checkpoint(vol, 1)
+        (vol / "notes.txt").write_text("mine")
+        _fake_checkpoint(vol / ".mnb-tmp-new", 2)
+        calls.update(n=0, stop=stop)
+        try:
+            writes.fill(vol / ".mnb-tmp-new", vol, writes.MNB_CHECKPOINT)
+        except KeyboardInterrupt:
+            pass
+        else:
+            break
+        calls["stop"] = None
+        assert _state(vol) in ((1, ["__1_0.distcp"]), (2, ["__2_0.distcp"])), (stop, sorted(os.listdir(vol)))
+        writes.recover(vol, writes.MNB_CHECKPOINT)
+        after = _state(vol)
+        assert after in ((1, ["__1_0.distcp"]), (2, ["__2_0.distcp"])), stop
+        assert writes.find(vol, writes.MNB_CHECKPOINT) == vol and (vol / "notes.txt").read_text() == "mine"
+        assert not [n for n in os.listdir(vol) if n.startswith(".mnb-") or n.endswith(".part")], os.listdir(vol)
+    assert stop > 5, "fill finished without being stopped: nothing was tested"
+    assert _state(vol) == (2, ["__2_0.distcp"]) and sorted(os.listdir(vol)) == [
+        "__2_0.distcp", "metadata.json", "mnb.json", "notes.txt"]
+
+
+def test_a_fill_that_fails_at_any_rename_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
+    """writes.finish inside a folder whose n-th rename fails (EBUSY, once): the save's error, the old
+    checkpoint in place as it was, the user's notes kept, nothing of the new one left."""
+    import errno
+
+    from mnb import writes
+
+    calls = {"n": 0, "stop": None}
+    real_replace = os.replace
+
+    def failing(src, dst):
+        if calls["n"] == calls["stop"]:
+            calls["stop"] = None
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        calls["n"] += 1
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    for stop in range(20):
+        vol = tmp_path / str(stop) / "vol"
+        _fake_checkpoint(vol, 1)
+        (vol / "notes.txt").write_text("mine")
+        plan = writes.Plan(vol, _fake_checkpoint(vol / ".mnb-tmp-new", 2), inside="it is a mount point")
+        calls.update(n=0, stop=stop)
+        try:
+            writes.finish(plan, writes.MNB_CHECKPOINT)
+        except OSError:
+            pass
+        else:
+            break
+        assert _state(vol) == (1, ["__1_0.distcp"]) and writes.find(vol, writes.MNB_CHECKPOINT) == vol, stop
+        assert sorted(os.listdir(vol)) == ["__1_0.distcp", "metadata.json", "mnb.json", "notes.txt"], stop
+    assert stop > 5 and _state(vol) == (2, ["__2_0.distcp"])
+
+
+def test_prepare_decides_where_to_write(tmp_path, monkeypatch):
+    """A link is followed; a mount point, or a folder whose parent is read-only, is written inside."""
+    from mnb import writes
+
+    kind = writes.MNB_CHECKPOINT
+    real = tmp_path / "disk" / "target"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    plan = writes.agree(writes.prepare(tmp_path / "link", kind, overwrite=False, writer="mnb.save"))
+    assert plan.path == real and plan.tmp.parent == real.parent and plan.tmp.name.startswith("target.tmp-")
+    assert not plan.inside and (tmp_path / "link").is_symlink()
+
+    monkeypatch.setattr(writes, "is_mount_point", lambda path: path == real)
+    plan = writes.agree(writes.prepare(tmp_path / "link", kind, overwrite=False, writer="mnb.save"))
+    assert plan.inside == "it is a mount point" and plan.tmp.parent == real and plan.tmp.name.startswith(".mnb-tmp-")
+    writes.discard(plan)
+    (real / "lost+found").mkdir()  # an ext4 volume's own: the mount point still counts as empty
+    writes.check_folder(real, kind, overwrite=False, writer="mnb.save")
+
+
+def test_a_folder_whose_parent_is_read_only_is_written_inside_and_an_unwritable_one_refused(tmp_path):
+    from mnb import writes
+
+    kind = writes.MNB_CHECKPOINT
+    pinned = tmp_path / "ro" / "ck"
+    pinned.mkdir(parents=True)
+    pinned.parent.chmod(0o555)
+    try:
+        if os.access(pinned.parent, os.W_OK):  # root (CAP_DAC_OVERRIDE): no permission stops a rename
+            pytest.skip("permissions do not apply to this user (root): the mount-point case is tested with ranks")
+        assert writes.unrenamable(pinned) == f"its parent {pinned.parent} is not writable"
+        plan = writes.agree(writes.prepare(pinned, kind, overwrite=False, writer="mnb.save"))
+        assert plan.tmp.parent == pinned
+        with pytest.raises(OSError) as rename:  # what the swap would have met
+            os.rename(pinned, pinned.with_name("ck.old-x"))
+        assert rename.value.errno == 13
+        pinned.chmod(0o555)  # not writable at all: refused, saying what to change
+        with pytest.raises(OSError, match=r"cannot write into .*ck \(its parent .* is not writable, so mnb writes "
+                           r"inside it\): Permission denied; nothing was written. Choose a folder"):
+            writes.agree(writes.prepare(pinned, kind, overwrite=False, writer="mnb.save"))
+    finally:
+        pinned.chmod(0o755)
+        pinned.parent.chmod(0o755)

@@ -24,8 +24,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -115,10 +113,10 @@ def save_adapter(path: str | os.PathLike, model, *, overwrite: bool = False) -> 
                          "mnb.load_adapter(model, folder) first")
     path = Path(path).expanduser().absolute()
     rank = dist.get_rank()
-    tmp = path.with_name(f"{path.name}.tmp-{_broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)}")
-    problem = writes.prepare(path, tmp, writes.PEFT_ADAPTER, overwrite=overwrite, writer="mnb.save_adapter") \
+    prepared = writes.prepare(path, writes.PEFT_ADAPTER, overwrite=overwrite, writer="mnb.save_adapter") \
         if rank == 0 else None
-    writes.raise_problem(_broadcast(problem))
+    plan = writes.agree(_broadcast(prepared))  # the same on every rank, before anything is written
+    tmp = plan.tmp
     tensors = _full_tensors(model)
     writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 \
         and ps.get_context_parallel_rank() == 0
@@ -136,9 +134,9 @@ def save_adapter(path: str | os.PathLike, model, *, overwrite: bool = False) -> 
             save_file(dict(sorted(everything.items())), str(tmp / WEIGHTS), metadata={"format": "pt"})
             (tmp / f"{CONFIG}.part").write_text(json.dumps(adapter_config(model, targets), indent=2, sort_keys=True))
             os.replace(tmp / f"{CONFIG}.part", tmp / CONFIG)  # last: the folder is complete
-            writes.swap(tmp, path, writes.PEFT_ADAPTER)
+            writes.finish(plan, writes.PEFT_ADAPTER)
         except Exception as exc:  # noqa: BLE001 - every rank hears of it
-            shutil.rmtree(tmp, ignore_errors=True)
+            writes.discard(plan)
             error = f"{type(exc).__name__}: {exc}"
     error = _broadcast(error)
     if error:

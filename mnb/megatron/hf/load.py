@@ -112,9 +112,9 @@ def heads_of(cfg) -> Heads:
 def _interrupted_save(path: Path) -> Path:
     """``path``, or when ``mnb.save_hf`` stopped between the two renames of its swap, the complete copy it
     left beside it (:func:`mnb.writes.find`; reads only: the next ``save_hf`` to ``path`` renames it)."""
-    if path.exists() or path.suffix == ".json":
+    if path.suffix == ".json" or writes.HF_CHECKPOINT.complete(path):
         return path
-    found = writes.find(path.absolute(), writes.HF_CHECKPOINT)
+    found = writes.find(path.absolute(), writes.HF_CHECKPOINT)  # beside it, or inside a mount point
     if found is None:
         return path
     logger.warning("%s was being replaced when mnb.save_hf stopped; reading %s", path, found)

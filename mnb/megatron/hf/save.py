@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -198,10 +197,10 @@ def save_hf(path: str | os.PathLike, model, *, dtype=None, max_shard_bytes: int 
     path = Path(path).expanduser().absolute()
     rank = dist.get_rank()
     t0 = time.perf_counter()
-    tmp = path.with_name(f"{path.name}.tmp-{_broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)}")
-    problem = writes.prepare(path, tmp, writes.HF_CHECKPOINT, overwrite=overwrite, writer="mnb.save_hf") \
+    prepared = writes.prepare(path, writes.HF_CHECKPOINT, overwrite=overwrite, writer="mnb.save_hf") \
         if rank == 0 else None
-    writes.raise_problem(_broadcast(problem))  # the same on every rank, before anything is written
+    plan = writes.agree(_broadcast(prepared))  # the same on every rank, before anything is written
+    tmp = plan.tmp
     shards = _Shards(tmp, rank, max_shard_bytes)
     error = None
     try:
@@ -213,20 +212,21 @@ def save_hf(path: str | os.PathLike, model, *, dtype=None, max_shard_bytes: int 
     errors = [e for e, _ in reports if e]
     if not errors and rank == 0:
         try:
-            _finish(tmp, path, [f for _, files in reports for f in files], config, model)
+            _finish(plan, [f for _, files in reports for f in files], config, model)
         except Exception as exc:  # noqa: BLE001
             errors = [f"rank 0: {type(exc).__name__}: {exc}"]
     errors = _broadcast(errors)
     if errors:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            writes.discard(plan)
         raise RuntimeError(f"mnb.save_hf({str(path)!r}) failed, nothing was written: {errors[0]}")
     logger.info("save_hf %s in %.2f s", path, time.perf_counter() - t0)
     return path
 
 
-def _finish(tmp: Path, path: Path, files: list[tuple[str, dict[str, int]]], config: dict, model) -> None:
-    """Rank 0, after every rank wrote: name the shards, the index, config.json, tokenizer files; rename into place."""
+def _finish(plan: writes.Plan, files: list[tuple[str, dict[str, int]]], config: dict, model) -> None:
+    """Rank 0, after every rank wrote: name the shards, the index, config.json, tokenizer files; put in place."""
+    tmp = plan.tmp
     count = len(files)
     weight_map, total = {}, 0
     for i, (name, sizes) in enumerate(files):
@@ -246,4 +246,4 @@ def _finish(tmp: Path, path: Path, files: list[tuple[str, dict[str, int]]], conf
                 shutil.copy2(Path(source.folder) / name, tmp / name)
     (tmp / "config.json.part").write_text(json.dumps(config, indent=2, sort_keys=True))
     os.replace(tmp / "config.json.part", tmp / "config.json")  # last: the folder is complete
-    writes.swap(tmp, path, writes.HF_CHECKPOINT)
+    writes.finish(plan, writes.HF_CHECKPOINT)
