@@ -135,6 +135,8 @@ def _chunks(model) -> list[torch.nn.Module]:
     """
     from megatron.core.utils import unwrap_model
 
+    if getattr(model, "released", None):  # what mnb.train and the others say, not "expected a model"
+        model.check_layout()
     if hasattr(model, "chunks"):
         chunks = list(model.chunks)
     elif isinstance(model, (list, tuple)):

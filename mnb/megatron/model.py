@@ -130,7 +130,10 @@ class MegatronModel:
         return sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
 
     def release(self, reason: str) -> None:
-        """Drop parameters, DDP buffers, optimizer state and decode graphs; the model cannot be used after."""
+        """Drop parameters, DDP buffers, optimizer state and decode graphs; the model cannot be used after.
+        The first reason stays (a later layout change found it released already: its message named that one)."""
+        if self.released:
+            return
         self.decoder = None
         self.wrapped = None
         self.optimizer = None

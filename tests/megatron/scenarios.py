@@ -604,6 +604,13 @@ def layout_walk() -> list:
     except RuntimeError as err:
         walk.append({"stale_model": str(err)})
     step()
+    try:  # a save says the same, naming the change that released it, not the latest (user trial 12-05)
+        from mnb.megatron.checkpoint import save
+
+        save("/nonexistent/never-written", model)
+        walk[-1]["stale_save"] = None
+    except RuntimeError as err:
+        walk[-1]["stale_save"] = str(err)
     step(ep=2)
     for bad in (dict(tp=3), dict(cp=4)):  # cp itself runs without TE (test_context_parallel.py)
         try:

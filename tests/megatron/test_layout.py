@@ -51,6 +51,7 @@ def test_layout_walk(world2):
         assert sp["rebuilt"] is False and sp["layout"]["sequence_parallel"] is True
         assert pp2["rebuilt"] is True and pp2["coords"] == {**COORDS0, "pp": rank}
         assert "build it again" in stale["stale_model"]
+        assert dp2["stale_save"] == stale["stale_model"] and "to 'tp1 pp2 dp1'" in dp2["stale_save"], dp2
         assert dp2["rebuilt"] is True and dp2["layout"]["dp"] == 2
         assert dp2["coords"] == {**COORDS0, "dp": rank}
         assert ep2["rebuilt"] is True and ep2["coords"] == {**COORDS0, "dp": rank, "ep": rank}
