@@ -263,6 +263,16 @@ class ProtocolError(Exception):
     """A message that is malformed, of an unknown type, or wrongly signed."""
 
 
+_TOO_LARGE_ADVICE = {
+    "push": "nothing was sent and the ranks are as they were; push less at once (a slice, or a file's path "
+            "for the ranks to read)",
+    "execute": "nothing was sent and the ranks are as they were; the cell's code or the script's arguments are "
+               "too long (read large data from a file on the ranks instead)",
+    "reply": "send less at once (e.g. pull a slice or a summary of the value)",
+}
+"""What to do about a message over the limit, by its type (the kernel's requests; the ranks' replies)."""
+
+
 class MessageTooLarge(ProtocolError):
     """A message that would exceed the protocol's limit (``mnb.protocol.MAX_MESSAGE_BYTES``); it was never sent."""
 
@@ -271,8 +281,9 @@ class MessageTooLarge(ProtocolError):
         self.size_bytes = size_bytes
         self.limit_bytes = limit_bytes
         super().__init__(
-            f"a {kind} message would be {format_mib(size_bytes)}, over the {format_mib(limit_bytes)} "
-            "limit of one message; send less at once (e.g. pull a slice or a summary of the value)"
+            f"{'an' if kind[:1] in tuple('aeiou') else 'a'} {kind} message would be {format_mib(size_bytes)}, over "
+            f"the {format_mib(limit_bytes)} "
+            f"limit of one message; {_TOO_LARGE_ADVICE.get(kind, _TOO_LARGE_ADVICE['reply'])}"
         )
 
     def __reduce__(self):  # rebuilt from its fields, not from its message (pickle, copy.deepcopy)

@@ -118,3 +118,22 @@ def check_ranks(ranks: Iterable[int], world_size: int) -> list[int]:
         raise ValueError(f"rank(s) {bad or '(none)'} not in this pool of world size {world_size} "
                          f"(valid: 0-{world_size - 1})")
     return chosen
+
+
+def seconds_rule(*, zero_ok: bool = False) -> str:
+    """The words of :func:`check_seconds`'s rule (the magics' flags say the same)."""
+    return "a number, zero or positive" if zero_ok else "a positive number"
+
+
+def check_seconds(value: Any, name: str, *, zero_ok: bool = False) -> float:
+    """``value`` as seconds: a positive number (``zero_ok``: zero too); TypeError (not a number) or
+    ValueError (out of range, NaN) naming ``name``, the rule and the value.
+
+    The one rule for every timeout and grace: the magics' ``--timeout``/``--cell-timeout``/``--grace``
+    (``mnb.notebook.parsers``), ``pool.run``/``run_script``'s ``timeout``/``grace``, ``Pool.start``'s."""
+    rule = seconds_rule(zero_ok=zero_ok)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {rule} of seconds, got {value!r} ({type(value).__name__})")
+    if not (value >= 0 if zero_ok else value > 0):  # NaN fails both
+        raise ValueError(f"{name} must be {rule} of seconds, got {value!r}")
+    return float(value)

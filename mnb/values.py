@@ -21,7 +21,8 @@ In the kernel (``Pool.pull``)::
 
 Towards the ranks, :func:`encode_push` pickles each pushed name in the kernel
 and refuses, before anything is sent, what the ranks could not rebuild
-(lambdas, functions and classes of the notebook, open files, locks).
+(lambdas, functions and classes of the notebook, open files, locks) and mnb's
+own names (:data:`MNB_NAMES`: ``rank``, ``dist``, ...).
 
 Standard library only at module level: importable on both sides.
 """
@@ -36,12 +37,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from mnb.errors import PushRefused, ValueDecodeError
+from mnb.units import format_mib
 
 PROTOCOL = 5
 MAX_DEPTH = 8
 """Containers deeper than this are checked as one value (and become Unportable if they hold tensors)."""
 REPR_LIMIT = 4000
 """Characters of a value's repr kept in its Unportable note."""
+MNB_NAMES = ("rank", "world_size", "local_rank", "device", "torch", "dist", "ps", "mnb", "display")
+"""The names mnb binds in every rank's namespace (``mnb.worker.boot``): a push never rebinds them
+(:func:`encode_push`), and ``%mnb run`` puts them back after a script (``mnb.worker.sandbox``)."""
 
 # Packages whose objects never travel to the kernel: it does not import them
 # (torch, Megatron, their kernels), or cannot (``__mnb__`` is the rank's cell namespace).
@@ -134,6 +139,15 @@ class Unportable:
         return f"<not portable: {self.reason}: {self.repr}>"
 
     __str__ = __repr__
+
+
+def too_large(value: Any, size_bytes: int, limit_bytes: int, rank: int) -> Unportable:
+    """The note that stands in for a cell's value whose reply would pass the protocol's limit of one
+    message (``mnb.protocol.MAX_MESSAGE_BYTES``): the value stays on ``rank``, the note says how to get at it."""
+    return Unportable(_short_repr(value), (
+        f"a value of {format_mib(size_bytes)}, over the {format_mib(limit_bytes)} limit of one message; it stays "
+        f"on rank {rank}: bind it to a name in the cell and pull a part or a summary of it (pool.pull), or "
+        "save it to a file"))
 
 
 # -- rank side: make a value kernel-safe -----------------------------------------------------
@@ -344,6 +358,11 @@ def encode_push(namespace: dict[str, Any]) -> dict[str, bytes]:
     bad_names = [name for name in namespace if not (isinstance(name, str) and name.isidentifier())]
     if bad_names:
         raise ValueError(f"push binds Python names; these are not identifiers: {bad_names!r}")
+    own = [name for name in namespace if name in MNB_NAMES]
+    if own:
+        raise ValueError(f"push would rebind mnb's own name(s) {own!r} on the ranks (nothing was sent): every "
+                         f"cell relies on {', '.join(MNB_NAMES)}; push the value under another name, e.g. "
+                         f"{{'{own[0]}_value': ...}}")
     encoded: dict[str, bytes] = {}
     problems: dict[str, str] = {}
     for name, value in namespace.items():

@@ -79,8 +79,7 @@ def shell(module_pool):
 @pytest.fixture
 def cpu_pool(module_pool):
     """The module's pool, reset before each test so one test's failure cannot cascade into the next."""
-    reset_pool(module_pool)
-    return module_pool
+    return reset_pool(module_pool)  # the module's pool, or the shared pool that replaced it after a test stopped it
 
 
 # ------------------------------------------------------------ processes left behind

@@ -22,6 +22,10 @@ def shared_pool(nproc: int, timeout: float):
     from mnb.controller import Pool
 
     pool = _SHARED.get(nproc)
+    if pool is not None and pool._repair.stopped:  # a test stopped it, and a stopped pool is never relaunched
+        _SEEN_PIDS.update(pool.seen_pids)
+        del _SHARED[nproc]
+        pool = None
     if pool is None:
         pool = Pool.start(nproc, device="cpu", timeout=timeout)
         pool.seen_pids = set(pool.pids())  # every process it had, also those a restart replaced
@@ -40,8 +44,8 @@ def for_module(size: int, request, timeout: float):
     if _LAST_USER.get(size) == request.node.nodeid.split("::", 1)[0]:
         _stop_shared(size)
         return
-    try:
-        pool.run(CLEAR_NAMES + "import gc\ngc.collect()", quiet=True, timeout=300)
+    try:  # the shared pool now: another one when a test of the module stopped the one it began with
+        _SHARED[size].run(CLEAR_NAMES + "import gc\ngc.collect()", quiet=True, timeout=300)
     except Exception:  # noqa: BLE001 - a pool the last test left broken: the next module's reset restarts it
         pass
 
@@ -60,10 +64,14 @@ CLEAR_NAMES = (
 """A cell that leaves the ranks' namespace as a new pool has it (mnb's names only)."""
 
 
-def reset_pool(pool, *, names: bool = False) -> None:
-    """Running ranks (restarted if the last test broke, stopped, interrupted or left them busy), the
-    default layout, no event handlers a test added; with ``names``, none of the names cells defined."""
+def reset_pool(pool, *, names: bool = False):
+    """Running ranks (restarted if the last test broke, interrupted or left them busy), the default layout,
+    no event handlers a test added; with ``names``, none of the names cells defined.  Returns the pool to
+    use: a new shared pool in place of one a test stopped (a stopped pool is never relaunched)."""
     from mnb.config import ParallelConfig
+
+    if pool._repair.stopped:
+        return shared_pool(pool.world_size, timeout=180)
 
     pool.event_handlers.clear()
     try:
@@ -72,3 +80,4 @@ def reset_pool(pool, *, names: bool = False) -> None:
         pool.seen_pids |= set(pool.pids())
         pool.restart(layout=ParallelConfig())  # a restart keeps the layout: ask for the default
     pool.seen_pids |= set(pool.pids())
+    return pool

@@ -239,6 +239,15 @@ def test_push_of_names_that_are_not_identifiers_is_refused():
         encode_push({"my-lr": 0.1})
 
 
+def test_push_of_mnbs_own_names_is_refused_naming_them():
+    from mnb.values import MNB_NAMES
+    from mnb.worker.sandbox import MNB_NAMES as restored  # the names %mnb run puts back: the same list
+
+    assert restored is MNB_NAMES
+    with pytest.raises(ValueError, match=r"rebind mnb's own name\(s\) \['rank', 'dist'\] on the ranks \(nothing was sent\)"):
+        encode_push({"lr": 0.1, "rank": 0, "dist": None})
+
+
 def test_pushed_values_are_pickled_one_per_name():
     encoded = encode_push({"lr": 0.5, "a": np.arange(3)})
     assert (pickle.loads(encoded["lr"]), pickle.loads(encoded["a"]).tolist()) == (0.5, [0, 1, 2])

@@ -79,14 +79,17 @@ class Generation:
     def exchange(self, message: Message, targets: list[int], layout: dict[str, Any], latch: InterruptLatch, *,
                  timeout_s: float | None, grace_s: float, stream: bool,
                  event_handlers: list[Callable[[int, str, dict], None]],
-                 on_stray: Callable[[Message], None]) -> Outcome:
+                 on_stray: Callable[[Message], None], frames: list[bytes] | None = None) -> Outcome:
         """Send ``message`` to ``targets`` and wait for its outcome (:class:`Collector`; no error raised
         here): the one way a request reaches this generation's ranks.  ``layout`` labels the ranks.
 
         The targets are busy with it until they reply; the ranks that replied are idle again whatever
         ended the wait; the others stay busy (still running it: the next request replaces them rather
-        than queue behind).
+        than queue behind).  ``frames``: the message already sealed (:meth:`Transport.seal`); else it is
+        sealed here, before any rank is marked busy: a message over the protocol's limit raises
+        :class:`~mnb.errors.MessageTooLarge` with every rank as it was.
         """
+        frames = self.transport.seal(message) if frames is None else frames
         collector = Collector(
             self.transport, message.id, targets, {r: self.ranks[r].label(layout) for r in targets},
             timeout_s=timeout_s, grace_s=grace_s, stream=stream, any_dead=self.any_dead,
@@ -94,7 +97,7 @@ class Generation:
         )
         for rank in targets:
             self.ranks[rank].state, self.ranks[rank].request_id = "busy", message.id
-            self.transport.send(rank, message)
+            self.transport.send_sealed(rank, frames)
         try:
             return collector.wait(latch)
         finally:

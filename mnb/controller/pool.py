@@ -57,9 +57,11 @@ from mnb.controller.generation import RankInfo
 from mnb.controller.launcher import LaunchSpec, Launcher
 from mnb.controller.machine import resolve_device
 from mnb.controller import standby as standbys
-from mnb.controller.repair import Repair
+from mnb.controller.repair import STOPPED, STOPPED_NEXT, Repair
 from mnb.controller.requests import Requests
 from mnb.controller.transport import Transport
+from mnb.fields import check_seconds
+from mnb.errors import PoolError
 from mnb.protocol import Message
 from mnb.units import Text
 from mnb.timeouts import (ASK_TIMEOUT_S, DEFAULT_GRACE_S, EXIT_TEARDOWN_GRACE_S, SHUTDOWN_WAIT_S, START_TIMEOUT_S,
@@ -215,8 +217,10 @@ class Pool:
             owns = workdir is None
         if nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
-        if grace < 0:
-            raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+        check_seconds(timeout, "timeout")
+        if cell_timeout is not None:
+            check_seconds(cell_timeout, "cell_timeout")
+        check_seconds(grace, "grace", zero_ok=True)
         standby_on, standby_choice = standbys.choose(standby, device, nproc,
                                                      several_hosts=nnodes > 1 or slurm is not None)
         if nnodes > 1 and not rdzv_endpoint and slurm is None:
@@ -265,8 +269,11 @@ class Pool:
         layout, as an automatic restart keeps it (``layout``: another one, e.g. ``ParallelConfig()``
         for the default); names defined in earlier cells are gone.
 
-        As :meth:`stop`, a request another thread runs is cancelled and waited for first.
+        As :meth:`stop`, a request another thread runs is cancelled and waited for first.  A stopped
+        pool is never relaunched: its restart raises :class:`PoolError` saying to start a new one.
         """
+        if self._repair.stopped:
+            raise PoolError(f"{STOPPED}; {STOPPED_NEXT}")
         target = (self.layout if layout is None else layout).resolve(self.world_size)  # ValueError: not this size
         self._repair.stop()
         with self._gate.taken_over("restart", "the pool was restarted (%mnb restart) while this request ran",

@@ -44,6 +44,9 @@ from mnb.timeouts import ASK_TIMEOUT_S, DEATH_REPORT_WAIT_S, DEFAULT_GRACE_S
 log = logging.getLogger(__name__)
 
 STOPPED = "the pool was stopped"
+STOPPED_NEXT = ("a stopped pool is never relaunched: start a new one with %mnb start "
+                "(or mnb.controller.Pool.start())")
+"""What to do with a stopped pool: every refusal of one says it (``wait``, ``Pool.restart``)."""
 
 
 def layout_kept(layout: ParallelConfig) -> str:
@@ -254,6 +257,8 @@ class Repair:
         if self.restart_line:
             line, self.restart_line = self.restart_line, ""
             print(f"mnb: {line}", flush=True)
+        if self.stopped:  # not "broken": %mnb restart cannot bring it back (the magics forgot it at the stop)
+            raise PoolError(f"{STOPPED}; {STOPPED_NEXT}")
         if self.generation is None and self.broken is None:
             raise PoolError("the pool is not running; start it with %mnb start (or %mnb restart)")
         if self.broken:

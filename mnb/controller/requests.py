@@ -10,7 +10,6 @@ the outcome into an error after the repair part acted on it (``Repair.after``).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -23,19 +22,45 @@ from mnb.config import ParallelConfig
 from mnb.controller import reports
 from mnb.controller.collector import Outcome
 from mnb.controller.gate import RequestGate, exclusive
-from mnb.controller.generation import RankInfo
+from mnb.controller.generation import Generation, RankInfo
 from mnb.controller.launcher import LaunchSpec
 from mnb.controller.registry import record_training
 from mnb.controller.repair import Repair
 from mnb.errors import (CellTimeoutError, CompositeRankError, PoolError, RankDiedError, RankError, RequestRefused,
                         interrupted)
-from mnb.fields import check_ranks
+from mnb.fields import check_ranks, check_seconds
 from mnb.protocol import Message
 from mnb.timeouts import DEATH_REPORT_WAIT_S, REMOTE_RANK_SILENCE_S, VALUES_TIMEOUT_S
 from mnb.units import cwd_note
 from mnb.values import ValueDecodeError, decode_values, encode_push
 
 log = logging.getLogger(__name__)
+
+
+def check_code(code: Any) -> None:
+    """A cell's code is Python text: TypeError for anything else, before anything is sent."""
+    if isinstance(code, str):
+        return
+    hint = "; decode it first: code.decode()" if isinstance(code, (bytes, bytearray)) else ""
+    raise TypeError(f"code must be a str of Python source, got {type(code).__name__} ({code!r:.60}){hint}")
+
+
+def check_timing(timeout: Any, grace: Any) -> None:
+    """A request's ``timeout`` (None: the pool's) and ``grace`` (None: the pool's), by the rule the magics'
+    ``--timeout``/``--grace`` use (:func:`mnb.fields.check_seconds`)."""
+    if timeout is not None:
+        check_seconds(timeout, "timeout", zero_ok=False)
+    if grace is not None:
+        check_seconds(grace, "grace", zero_ok=True)
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A request's message, numbered (a cell) and signed once for the generation it goes to (:meth:`Requests._seal`)."""
+
+    message: Message
+    frames: list[bytes]
+    generation: Generation
 
 
 @dataclass(frozen=True)
@@ -76,8 +101,8 @@ class Requests:
         self.last_failure: KeptFailure | None = None
         """The root cause of the last failed cell, for ``%mnb debug``."""
         self._stray_lines = 0
-        self._cell_numbers = itertools.count(1)
-        """``execute`` requests' numbers (the ranks' ``<cell-N>``), counted here for every rank alike."""
+        self._cells_sent = 0
+        """``execute`` requests sent: the next one's number (the ranks' ``<cell-N>``) follows, the same on every rank."""
 
     @property
     def world_size(self) -> int:
@@ -98,6 +123,7 @@ class Requests:
         layout: ParallelConfig | None = None,
         display_ranks: Iterable[int] = (0,),
         show_result: bool = False,
+        want_value: bool = True,
         quiet: bool = False,
         grace: float | None = None,
         kernel: dict[str, Any] | None = None,
@@ -112,18 +138,27 @@ class Requests:
         stopped and reported with where they waited.  Past ``timeout`` seconds a
         :class:`CellTimeoutError` carries each stuck rank's stack.  Figures and
         ``display()`` calls of ``display_ranks`` appear inline; with
-        ``show_result`` (as ``%%megatron`` does) so does the last expression.  ``kernel``: the
+        ``show_result`` (as ``%%megatron`` does) so does the last expression.  ``want_value=False`` (what
+        ``%%megatron`` asks, which shows the result and returns nothing): no rank sends its value, each is
+        None here.  A value over the protocol's limit of one message stays on its rank and arrives as an
+        ``Unportable`` note saying so.  ``kernel``: the
         notebook's environment changes for the ranks (``mnb.controller.kernel_context``).
         ``profile``: ``{"dir", "steps", "ranks"}`` to profile the cell (``mnb.megatron.profile``).
         A rank's ``input()`` and pdb prompt are answered with the notebook's stdin
         (``mnb.controller.stdin``); ``debug_ranks``: only these ranks stop at ``breakpoint()``
         and ``pdb.set_trace()`` (default: every rank).  A failed rank keeps its frames for
         :meth:`debug` until its next cell.
+
+        Refused before anything is sent (TypeError/ValueError naming the argument): ``code`` that is not
+        a str, ``timeout`` that is not a positive number of seconds, ``grace`` that is negative.
         """
+        check_code(code)
+        check_timing(timeout, grace)
         self.last_cell_profile = None  # until this cell's replies say which folder its ranks wrote
         targets = self._prepare_request(ranks)
         header: dict[str, Any] = {
-            "code": code, "display_ranks": list(display_ranks), "want_value": True, "show_result": show_result,
+            "code": code, "display_ranks": list(display_ranks), "want_value": bool(want_value),
+            "show_result": show_result,
         }
         if kernel:
             header["kernel"] = kernel
@@ -131,6 +166,7 @@ class Requests:
             header["profile"] = profile
         if debug_ranks is not None:
             header["debug_ranks"] = sorted(set(debug_ranks))
+        changed: ParallelConfig | None = None
         if layout is not None:
             try:
                 resolved = layout.resolve(self.world_size)
@@ -144,10 +180,13 @@ class Requests:
                         "drop --ranks or change the layout in a cell of its own"
                     )
                 header["layout"] = resolved.as_dict()
-                for rank in targets:  # label this cell's output with the coordinates it will have
-                    self.ranks[rank].coords = resolved.coordinates(rank)
-                self.layout = resolved
-        outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
+                changed = resolved
+        sealed = self._seal("execute", header)  # a cell too large to send is refused here, the pool as it was
+        if changed is not None:
+            for rank in targets:  # label this cell's output with the coordinates it will have
+                self.ranks[rank].coords = changed.coordinates(rank)
+            self.layout = changed
+        outcome = self._exchange(sealed, targets, timeout=timeout, stream=not quiet, grace=grace)
         errors, values = self._absorb(outcome)
         unlaid = self._confirm_layout(outcome)
         self._keep_failure(targets, errors, died=outcome.died)
@@ -207,8 +246,8 @@ class Requests:
             raise RequestRefused(
                 f"the frames of rank {kept.rank}'s {kept.what} are gone: its process was replaced since "
                 f"({self._repair.replaced_why or 'the pool restarted'}); run the failing cell again, then %mnb debug")
-        outcome = self._exchange("execute", targets, {"code": "", "post_mortem": True, "want_value": False},
-                                 timeout=None)
+        outcome = self._exchange(self._seal("execute", {"code": "", "post_mortem": True, "want_value": False}),
+                                 targets, timeout=None)
         reply = outcome.replies.get(rank)
         errors = [self._rank_error(rank, reply)] if reply is not None and not reply.get("ok") else []
         self._raise_for(outcome, targets, errors)
@@ -238,8 +277,13 @@ class Requests:
         (``mnb.worker.script``, ``mnb.megatron.adopt``); its globals stay for later cells and the
         pool's layout is restored after it.  Output, errors, timeouts and interrupts are a cell's.
         ``kernel``: the notebook's cwd and environment changes, for the run
-        (``mnb.controller.kernel_context``, ``mnb.worker.sandbox``).
+        (``mnb.controller.kernel_context``, ``mnb.worker.sandbox``).  ``args``: a list of strings (a
+        command line's words: ``shlex.split(text)``); ``timeout`` and ``grace`` are checked as :meth:`run`'s.
         """
+        if isinstance(args, (str, bytes)):
+            raise TypeError(f"args is a list of the script's arguments, e.g. ['--lr', '3e-4'], not one "
+                            f"{type(args).__name__} ({args!r}); shlex.split(text) splits a command line")
+        check_timing(timeout, grace)
         script = Path(path).expanduser()
         if not script.is_file():
             raise FileNotFoundError(f"no script {str(script)!r}{cwd_note(script)}")
@@ -250,7 +294,8 @@ class Requests:
         }
         if kernel:
             header["kernel"] = kernel
-        outcome = self._exchange("execute", targets, header, timeout=timeout, stream=not quiet, grace=grace)
+        outcome = self._exchange(self._seal("execute", header), targets, timeout=timeout, stream=not quiet,
+                                 grace=grace)
         for rank, reply in outcome.replies.items():  # label by the pool's coordinates, not the script's
             reply.header["coords"] = self.ranks[rank].coords
         errors, _ = self._absorb(outcome)
@@ -259,8 +304,8 @@ class Requests:
         if not (outcome.died or outcome.unreleased or outcome.cancelled):
             # Every rank is idle (an interrupted script's waiting ranks were released): rebuild the pool's
             # layout (collectives) in a request of its own, so the next cell finds it.
-            after = self._exchange("execute", targets, {"code": "None", "after_script": True, "want_value": False},
-                                   timeout=self._repair.start_timeout_s, stream=False)
+            after = self._exchange(self._seal("execute", {"code": "None", "after_script": True, "want_value": False}),
+                                   targets, timeout=self._repair.start_timeout_s, stream=False)
             errors += self._absorb(after)[0]
             self.last_cell_records = records
             if after.died or after.unreleased or after.waiting or after.timed_out:
@@ -398,27 +443,40 @@ class Requests:
         elif message.type == "stream":
             self._stray_lines += message["text"].count("\n") or 1
 
-    def _exchange(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
-                  timeout: float | None = None, stream: bool = True, grace: float | None = None) -> Outcome:
-        """Send one request to ``targets`` and wait for its outcome (no error raised here).
+    def _seal(self, kind: str, header: dict[str, Any], payload: Any = None) -> Sealed:
+        """The request's message, signed once for the generation :meth:`_prepare_request` made ready and, for
+        a cell, numbered (the same ``<cell-N>`` on every rank).  A message over the protocol's limit raises
+        :class:`~mnb.errors.MessageTooLarge` here, before the request changes any state or touches a rank
+        (its number is not spent)."""
+        number = self._cells_sent + 1
+        if kind == "execute":
+            header = {**header, "number": number}
+        message = Message(kind, header=header, payload=payload)
+        generation = self._repair.generation
+        frames = generation.transport.seal(message)
+        if kind == "execute":
+            self._cells_sent = number
+        return Sealed(message, frames, generation)
+
+    def _exchange(self, sealed: Sealed, targets: list[int], *, timeout: float | None = None, stream: bool = True,
+                  grace: float | None = None) -> Outcome:
+        """Send one sealed request to ``targets`` and wait for its outcome (no error raised here).
 
         The ranks that replied are idle again whatever ended the wait; the others stay
         busy (still running it: the next request replaces them rather than queue behind).
         """
-        if kind == "execute":  # one number per cell, the same on every rank (their tracebacks' <cell-N>)
-            header = {**header, "number": next(self._cell_numbers)}
-        message = Message(kind, header=header, payload=payload)
-        return self._repair.generation.exchange(
-            message, targets, self.layout.as_dict(), self._gate.latch(),
+        return sealed.generation.exchange(
+            sealed.message, targets, self.layout.as_dict(), self._gate.latch(),
             timeout_s=timeout if timeout is not None else self.cell_timeout_s,
             grace_s=self.grace_s if grace is None else grace, stream=stream,
-            event_handlers=self.event_handlers, on_stray=self._handle_stray,
+            event_handlers=self.event_handlers, on_stray=self._handle_stray, frames=sealed.frames,
         )
 
     def _request(self, kind: str, targets: list[int], header: dict[str, Any], *, payload: Any = None,
                  timeout: float | None = None, stream: bool = True) -> dict[int, Message]:
-        """A request whose error replies the caller handles; deaths, hangs and interrupts raise here."""
-        outcome = self._exchange(kind, targets, header, payload=payload, timeout=timeout, stream=stream)
+        """A request whose error replies the caller handles; deaths, hangs and interrupts raise here
+        (:class:`~mnb.errors.MessageTooLarge` before anything is sent)."""
+        outcome = self._exchange(self._seal(kind, header, payload), targets, timeout=timeout, stream=stream)
         self._raise_for(outcome, targets, [])
         return dict(sorted(outcome.replies.items()))
 

@@ -123,9 +123,18 @@ class Transport:
         """The ZeroMQ identity each rank proved (a copy)."""
         return dict(self._routes)
 
+    def seal(self, message: Message) -> list[bytes]:
+        """``message``'s signed frames, the same for every rank (routing adds the identity): built once for a
+        request to many ranks.  :class:`~mnb.errors.MessageTooLarge` past the protocol's limit, nothing queued."""
+        return self._signer.encode(message)
+
     def send(self, rank: int, message: Message) -> None:
         """Queue ``message`` for ``rank``; safe from any thread.  Held until the rank's route is known."""
-        self._outbox.append((rank, self._signer.encode(message)))
+        self.send_sealed(rank, self.seal(message))
+
+    def send_sealed(self, rank: int, frames: list[bytes]) -> None:
+        """Queue frames :meth:`seal` built for ``rank``, as :meth:`send` does."""
+        self._outbox.append((rank, frames))
         try:
             os.write(self._wake_write, b"\0")
         except BlockingIOError:  # the pipe is full of wake-ups: the I/O thread is about to empty the outbox

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
 from mnb.config import FSDP_STRATEGIES, ParallelConfig
-from mnb.fields import check_ranks
+from mnb.fields import check_ranks, check_seconds, seconds_rule
 from mnb.timeouts import DEFAULT_GRACE_S, START_TIMEOUT_S
 
 
@@ -67,12 +67,26 @@ def _number(kind: type, text: str, rule: str, ok: Callable[[float], bool]) -> fl
     return value
 
 
+def _seconds(text: str, *, zero_ok: bool) -> float:
+    """``text`` as seconds under :func:`mnb.fields.check_seconds`' rule, the one ``pool.run(timeout=, grace=)``
+    is checked by (ArgumentTypeError with the rule and the text)."""
+    rule = seconds_rule(zero_ok=zero_ok)
+    try:
+        return check_seconds(float(text), "seconds", zero_ok=zero_ok)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}") from None
+
+
+def _timeout_seconds(text: str) -> float:
+    return _seconds(text, zero_ok=False)
+
+
+def _grace_seconds(text: str) -> float:
+    return _seconds(text, zero_ok=True)
+
+
 def _positive_float(text: str) -> float:
     return _number(float, text, "a positive number", lambda v: v > 0)
-
-
-def _non_negative_float(text: str) -> float:
-    return _number(float, text, "a number, zero or positive", lambda v: v >= 0)
 
 
 def _positive_int(text: str) -> int:
@@ -165,11 +179,11 @@ def start_parser() -> MagicArgumentParser:
                    help="auto: cuda when a GPU is visible, else cpu with gloo")
     p.add_argument("--gpus", default=None, metavar="0,1,..",
                    help="GPU ids, sets CUDA_VISIBLE_DEVICES (default: every visible GPU)")
-    p.add_argument("--timeout", type=_positive_float, default=START_TIMEOUT_S, metavar="SECONDS",
+    p.add_argument("--timeout", type=_timeout_seconds, default=START_TIMEOUT_S, metavar="SECONDS",
                    help="seconds to wait for the ranks to be ready")
-    p.add_argument("--cell-timeout", type=_positive_float, default=None, metavar="SECONDS",
+    p.add_argument("--cell-timeout", type=_timeout_seconds, default=None, metavar="SECONDS",
                    help="default timeout of every cell (default: none)")
-    p.add_argument("--grace", type=_non_negative_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+    p.add_argument("--grace", type=_grace_seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="seconds the other ranks may take to finish a cell after one rank failed")
     p.add_argument("--nnodes", type=_positive_int, default=1, metavar="K",
                    help="torchrun nodes; the others join with the printed command")
@@ -297,9 +311,9 @@ def megatron_parser() -> MagicArgumentParser:
     )
     run = p.add_argument_group("running")
     run.add_argument("--ranks", default=None, metavar="0,2-3", help="run on these ranks only (default: every rank)")
-    run.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+    run.add_argument("--timeout", type=_timeout_seconds, default=None, metavar="SECONDS",
                      help="seconds before the cell is stopped (default: the pool's --cell-timeout, else none)")
-    run.add_argument("--grace", type=_non_negative_float, default=None, metavar="SECONDS",
+    run.add_argument("--grace", type=_grace_seconds, default=None, metavar="SECONDS",
                      help="seconds the other ranks may take to finish after one rank failed "
                           f"(default: the pool's --grace, {DEFAULT_GRACE_S:g} s unless %%mnb start set it)")
     run.add_argument("--debug-ranks", default=None, metavar="0,2-3",
@@ -383,9 +397,9 @@ def run_parser() -> MagicArgumentParser:
     p.add_argument("--ranks", default=None, metavar="0,2-3",
                    help="run on these ranks only; a script that joins the process group needs them all "
                         "(default: every rank)")
-    p.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+    p.add_argument("--timeout", type=_timeout_seconds, default=None, metavar="SECONDS",
                    help="seconds before the script is stopped (default: the pool's --cell-timeout, else none)")
-    p.add_argument("--grace", type=_non_negative_float, default=None, metavar="SECONDS",
+    p.add_argument("--grace", type=_grace_seconds, default=None, metavar="SECONDS",
                    help="seconds the other ranks may take to finish after one rank failed (default: the pool's)")
     p.add_argument("--isolated", action="store_true",
                    help="run in fresh rank processes, for scripts whose state cannot be reset: the pool restarts "

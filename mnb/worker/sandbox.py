@@ -41,12 +41,11 @@ import threading
 import warnings
 from typing import Any
 
+from mnb.values import MNB_NAMES  # defined beside the push that refuses them; this import path kept
 from mnb.worker.channel import NUDGE_SIGNAL
 
 ORIGINAL_SYS_PATH = tuple(os.path.realpath(p or os.curdir) for p in sys.path)
 """The rank's ``sys.path`` when the worker started (imported by mnb.worker.main at start-up)."""
-
-MNB_NAMES = ("rank", "world_size", "local_rank", "device", "torch", "dist", "ps", "mnb", "display")
 
 PROTECTED_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",

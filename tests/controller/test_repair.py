@@ -500,8 +500,13 @@ def test_a_stopped_pool_is_not_relaunched_by_a_late_failure(cpu_pool, monkeypatc
     assert "the pool was stopped, so nothing was restarted" in str(info.value)
     assert cpu_pool.restarts == restarts and not cpu_pool.restarting
     assert _agents() == [] and alive_pids(pids) == []
-    with pytest.raises(PoolError, match="the pool was stopped; run %mnb restart"):
+    # what a stopped pool's requests say is what works: a new pool, never %mnb restart (the magics forgot it)
+    with pytest.raises(PoolError, match="the pool was stopped; a stopped pool is never relaunched: start a new one "
+                                        "with %mnb start"):
         cpu_pool.run("rank")
+    with pytest.raises(PoolError, match="a stopped pool is never relaunched"):
+        cpu_pool.restart()
+    assert _agents() == [] and cpu_pool.state == "the pool was stopped"
 
 
 def test_stop_during_a_background_training_cancels_it_and_leaves_no_process(cpu_pool):

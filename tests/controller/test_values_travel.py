@@ -120,6 +120,28 @@ def test_reply_that_cannot_be_encoded_is_an_error_not_a_death(pool):
     assert_usable(pool)
 
 
+def test_a_value_over_the_message_limit_stays_on_its_rank_and_the_cell_succeeds(pool, shell, capsys):
+    """The last expression's value would pass the limit of one message: the cell still succeeds, a note
+    saying where the value stays travels instead, and a caller that wants no value (%%megatron) gets none."""
+    pool.run("import mnb.protocol as _protocol\n_limit = _protocol.MAX_MESSAGE_BYTES\n"
+             "_protocol.MAX_MESSAGE_BYTES = 2**20")  # the ranks' limit of one message: 1 MiB
+    try:
+        noted = pool.run("big = torch.zeros(2**19)\nbig")  # 2 MiB of float32
+        unsent = pool.run("big", want_value=False)
+        capsys.readouterr()
+        shown = shell.run_cell("%%megatron\nbig")
+    finally:
+        pool.run("_protocol.MAX_MESSAGE_BYTES = _limit")
+    for rank, note in noted.items():
+        assert isinstance(note, Unportable) and note.repr.startswith("tensor([0., 0., 0.,"), note
+        assert f"over the 1.0 MiB limit of one message; it stays on rank {rank}" in note.reason, note.reason
+        assert "pool.pull" in note.reason
+    assert unsent == {0: None, 1: None}
+    assert shown.success, shown.error_in_exec
+    assert "tensor([0., 0., 0.," in capsys.readouterr().out
+    assert_usable(pool)
+
+
 def test_failing_pull_handler_is_an_error_not_a_death(pool):
     pool.run("import mnb.values as _values\n_encode = _values.encode_values\n"
              "def _broken(values):\n    raise RuntimeError('encoder broke')\n_values.encode_values = _broken")
