@@ -169,6 +169,8 @@ def test_rank_lists():
     ("line", "plan --model tiny --gpus 0", "argument --gpus: must be a positive integer, got '0'"),
     ("line", "export --model tiny --lr 0", "argument --lr: must be a positive number, got '0'"),
     ("line", "start 2 --device cpu", "%mnb start takes the number of ranks as a flag: %mnb start -n 2 --device cpu"),
+    ("line", "start -n 2 --ip 10.255.255.1", "--ip 10.255.255.1: the controller cannot listen there (Cannot assign "
+     "requested address); use 127.0.0.1 (ranks on this host), 0.0.0.0 (every interface) or an address of this host"),
 ])
 def test_a_bad_number_names_the_flag_the_rule_and_the_value(magic, line, message):
     """Refused while parsing, before any pool is looked up or started (no function name of mnb's in it)."""

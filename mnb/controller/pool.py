@@ -135,6 +135,19 @@ def _requests_state(name: str) -> property:
     return property(get, put, doc=f"The pool's requests' ``{name}`` (:class:`~mnb.controller.requests.Requests`).")
 
 
+
+def _check_bind_ip(ip: str) -> None:
+    """The controller's address (``--ip``) is one this host can listen on: checked before any folder or rank
+    exists (a user trial got ZeroMQ's error through 15 frames of mnb, and an empty pool folder left behind)."""
+    try:
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+    except (OSError, OverflowError, UnicodeError) as exc:
+        raise ValueError(f"--ip {ip}: the controller cannot listen there ({getattr(exc, 'strerror', None) or exc}); "
+                         "use 127.0.0.1 (ranks on this host), 0.0.0.0 (every interface) or an address of this "
+                         "host") from None
+
 class Pool:
     """A running set of ranks.  Create with :meth:`Pool.start`; the requests (``run``, ``push``, ``pull``,
     ``run_script``, ``debug``) are :class:`~mnb.controller.requests.Requests`', which the pool composes."""
@@ -218,6 +231,7 @@ class Pool:
         if nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
         check_seconds(timeout, "timeout")
+        _check_bind_ip(bind_ip)
         if cell_timeout is not None:
             check_seconds(cell_timeout, "cell_timeout")
         check_seconds(grace, "grace", zero_ok=True)
