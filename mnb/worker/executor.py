@@ -103,6 +103,15 @@ def release_frames(exc: BaseException) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
+def _text_of(exc: BaseException) -> str:
+    """``str(exc)``, or what the traceback module shows when the exception's own ``__str__`` raises (a user
+    trial's did: the cell failed with mnb's frames instead of its own error)."""
+    try:
+        return str(exc)
+    except Exception as err:  # noqa: BLE001 - any failure of the user's __str__
+        return f"<exception str() failed: {type(err).__name__}: {err}>"
+
+
 def describe_exception(exc: BaseException) -> Outcome:
     """Plain-data description of an exception, mnb's own frames removed.
 
@@ -122,7 +131,7 @@ def describe_exception(exc: BaseException) -> Outcome:
                 ) + "".join(traceback.format_exception_only(type(exc), exc))
     else:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return Outcome(ok=False, ename=type(exc).__name__, evalue=str(exc), traceback=text)
+    return Outcome(ok=False, ename=type(exc).__name__, evalue=_text_of(exc), traceback=text)
 
 
 def _refused_by_mnb(exc: BaseException, tb) -> bool:

@@ -25,12 +25,14 @@ import os
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 from mnb.worker.startup import StartClock  # first: its import time is when the rank's own code began
 from mnb.worker import sandbox  # noqa: F401  (second: it records the rank's original sys.path)
 from mnb.errors import MessageTooLarge
+from mnb.paths import in_mnb
 from mnb.protocol import ConnectionInfo, Message, ProtocolError, version_mismatch
 from mnb.worker import boot, debugging, stdin
 from mnb.worker.capture import FdCapture, RankStream, close_figures, mime_bundle, open_figures, plain_streams_after_fork
@@ -239,16 +241,25 @@ class Rank:
             for figure in open_figures():
                 self.display(figure)
             if outcome.ok and outcome.value is not None and message.get("show_result"):
-                self.channel.send(
-                    Message(
-                        "display",
-                        header={"rank": self.rank, "cell": message.id, "result": True},
-                        payload=mime_bundle(outcome.value),
-                    )
-                )
+                self.show_result(message, outcome.value)
         close_figures()
         value = portable(outcome.value) if message.get("want_value") and outcome.ok else None
         self.reply_cell(message, outcome, value=value, records=events.take_records(), profile_dir=profile_dir)
+
+    def show_result(self, message: Message, value: Any) -> None:
+        """The cell's last expression, displayed.  A ``__repr__`` that raises is shown as IPython shows it (its
+        traceback, the cell's own frames, on stderr) and the cell still succeeds; it failed on the display rank
+        alone, with mnb's frames (a user trial)."""
+        try:
+            bundle = mime_bundle(value)
+        except Exception as exc:  # noqa: BLE001 - the user's repr
+            tb = exc.__traceback__
+            while tb is not None and in_mnb(tb.tb_frame.f_code.co_filename):  # from the user's first frame on
+                tb = tb.tb_next
+            print("".join(traceback.format_exception(type(exc), exc, tb)).rstrip(), file=sys.stderr, flush=True)
+            return
+        self.channel.send(Message("display", header={"rank": self.rank, "cell": message.id, "result": True},
+                                  payload=bundle))
 
     def end_cell(self) -> None:
         """Every execute's end, its reply aside: the cell's file-descriptor output is sent and the rank is idle."""

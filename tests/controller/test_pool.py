@@ -42,6 +42,23 @@ def test_what_a_forked_child_prints_reaches_the_cell(cpu_pool, capsys):
     assert re.search(r"\[r0 [^\]]*\] forked child of 0", out) and re.search(r"\[r1 [^\]]*\] forked child of 1", out), out
 
 
+def test_a_failing_str_or_repr_of_the_users_is_shown_as_theirs(cpu_pool, capsys):
+    """User trial 12-05: an exception whose ``__str__`` raises, or a last expression whose ``__repr__`` raises,
+    failed the cell with mnb's frames (the repr on the display rank alone).  Now the exception is the cell's
+    own (as the traceback module shows it) and the repr's failure is shown as IPython shows it, from the
+    user's frame, the cell still succeeding."""
+    with pytest.raises(CompositeRankError) as info:
+        cpu_pool.run("class E(Exception):\n    def __str__(self):\n        raise RuntimeError('str fails')\nraise E()",
+                     quiet=True)
+    text = str(info.value)
+    assert "2 of 2 ranks raised" in text and "E: <exception str() failed" in text and "mnb/worker" not in text, text
+    capsys.readouterr()
+    cpu_pool.run("class R:\n    def __repr__(self):\n        raise RuntimeError('repr fails')\nR()", show_result=True)
+    err = capsys.readouterr()
+    shown = err.out + err.err
+    assert "RuntimeError: repr fails" in shown and 'File "<cell-' in shown and "mnb/worker" not in shown, shown
+
+
 def test_push_pull_and_tensors_arrive_as_numpy(cpu_pool):
     cpu_pool.push({"lr": 0.5, "name": "a"}, ranks=[1])
     assert cpu_pool.pull("lr", ranks=[1]) == {1: 0.5}
