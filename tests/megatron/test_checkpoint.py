@@ -399,9 +399,13 @@ def _saved(path: Path) -> dict:
 
     fresh = _sharded(-1.0)
     info = checkpoint.load(path, fresh)
-    return {"entries": sorted(os.listdir(path)), "beside": sorted(os.listdir(path.parent)),
+    seen = {"entries": sorted(os.listdir(path)), "beside": sorted(os.listdir(path.parent)),
             "value": fresh.w[0, 0].item(), "extra": info["extra"], "same": bool(torch.equal(fresh.w, fresh.w[0, 0]
                                                                                         .expand_as(fresh.w)))}
+    # every rank has looked before any goes on: rank 0's next save creates its temporary folder before its first
+    # collective (CI leg 1 on aeccd54: rank 1, loaded, listed the next save's .mnb-tmp- folder)
+    torch.distributed.barrier()
+    return seen
 
 
 def _failure(run) -> str | None:
@@ -717,7 +721,12 @@ def test_save_refuses_a_model_of_nothing_and_paths_follow_the_home_folder(tmp_pa
 
 # -- links, mount points, unwritable targets ------------------------------------------------
 
-_OWN = [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json", "mnb.json"]
+_OWN = [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "mnb.json"]
+"""What a save of the small sharded module leaves, but ``common.pt`` (megatron-core 0.16 writes it, 0.19 not)."""
+
+
+def _own(entries: list[str]) -> list[str]:
+    return [e for e in entries if e != "common.pt"]
 
 
 @pytest.fixture(scope="module")
@@ -732,7 +741,7 @@ def test_a_save_through_a_link_writes_into_its_folder_and_keeps_the_link(links_a
         assert link["is_link"] and link["points_to"].endswith("disk/target"), link
         assert link["beside"] == ["disk", "link", "mnt", "plain"], link  # no link.old-/link.tmp- leftovers
         assert link["disk"] == ["target"], link  # nor beside the folder it points to
-        assert link["entries"] == _OWN and link["value"] == rank + 2.0 and link["extra"] == {"v": 2.0}, link
+        assert _own(link["entries"]) == _OWN and link["value"] == rank + 2.0 and link["extra"] == {"v": 2.0}, link
 
 
 def test_a_folder_that_cannot_be_renamed_is_written_inside(links_and_mounts):
@@ -741,7 +750,7 @@ def test_a_folder_that_cannot_be_renamed_is_written_inside(links_and_mounts):
     for rank, r in enumerate(links_and_mounts):
         mount = r["mount"]
         assert mount["beside"] == ["vol"], mount
-        assert mount["entries"] == sorted(_OWN + ["notes.txt"]) and mount["notes"] == "mine", mount
+        assert _own(mount["entries"]) == sorted(_OWN + ["notes.txt"]) and mount["notes"] == "mine", mount
         assert mount["value"] == rank + 2.0 and mount["extra"] == {"v": 2}, mount
 
 
